@@ -1,0 +1,75 @@
+"""The one metrics recorder. Metrics have path names (``rollout/tokens_per_s``,
+``buffer/staleness_max``, ``train/tis_clip_frac``, ``spec/accept_len``).
+
+Every component returns plain ``dict[str, float]``; only the driver owns a recorder and
+writes one JSONL line per train step (plus TensorBoard when it is installed and asked for).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, IO
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN/Inf; None marks "not finite" unambiguously
+    if hasattr(value, "item"):
+        return _clean(value.item())
+    return value
+
+
+class MetricsRecorder:
+    """Appends one JSON object per ``log`` call to ``metrics.jsonl`` in the output dir."""
+
+    def __init__(self, output_dir: str | Path | None, *, tensorboard: bool = False) -> None:
+        self.output_dir = Path(output_dir) if output_dir else None
+        self._file: IO[str] | None = None
+        self._tb: Any = None
+        self._start = time.monotonic()
+        if self.output_dir is not None:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")
+            if tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                except ImportError:  # tensorboard is optional
+                    self._tb = None
+                else:
+                    self._tb = SummaryWriter(str(self.output_dir / "tb"))
+        self.history: list[dict[str, Any]] = []
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        row = {"step": step, "wall_time": round(time.monotonic() - self._start, 4)}
+        row.update({k: _clean(v) for k, v in metrics.items()})
+        self.history.append(row)
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tb.add_scalar(key, value, step)
+        return row
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Read a metrics.jsonl back (for plots, tests and resume checks)."""
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows

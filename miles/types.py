@@ -1,0 +1,291 @@
+"""The data that crosses actors: trajectories, generation requests and outputs.
+
+Every struct here is a msgspec Struct, so it encodes to msgpack (compact, fast, no pickle)
+for Ray calls and checkpoints, and to JSON for dumps. Tensors never live in these structs:
+per-token arrays are plain lists, which msgpack encodes natively and which the trainer turns
+into tensors once per batch.
+
+Invariants the rest of the system relies on (see ../shared/DESIGN.md):
+
+- ``response_tokens``, ``logprobs``, ``versions`` and ``loss_mask`` always have the same
+  length: one entry per response token. ``logprobs[i]`` is the behaviour log-prob the rollout
+  engine sampled token i with (0.0 for tokens the environment wrote); ``versions[i]`` is the
+  policy version whose weights produced token i (for environment tokens: the worker's
+  version when it appended them); ``loss_mask[i]`` is 1 for tokens that carry loss.
+- ``segments`` tile ``[0, len(response_tokens))`` in order; each is model-generated
+  (loss-carrying) or environment-written (masked).
+- Staleness of token i for a trainer at version v is ``v - versions[i]``; it is only ever
+  checked on loss-carrying tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+import msgspec
+
+
+class TrajectoryError(ValueError):
+    """A trajectory (or an operation on one) is invalid; ``field`` names what is wrong."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class Status(enum.StrEnum):
+    """Life cycle: PENDING → RUNNING → (PARTIAL ↔ RUNNING)* → a terminal status."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    PARTIAL = "partial"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({Status.COMPLETED, Status.TRUNCATED, Status.ABORTED, Status.FAILED})
+
+SegmentKind = Literal["model", "env"]
+
+
+class Segment(msgspec.Struct, frozen=True, array_like=True):
+    """A contiguous span ``[start, end)`` of the response, written by the model or the env."""
+
+    start: int
+    end: int
+    kind: SegmentKind = "model"
+
+
+Reward = float | dict[str, float]
+
+
+class Trajectory(msgspec.Struct, kw_only=True):
+    """One sample: a prompt and the response generated (possibly over many turns) for it.
+
+    The reward function receives this object as its ``sample``: it exposes ``.prompt``,
+    ``.response`` (decoded text), ``.label`` and ``.metadata`` as slime's Sample does.
+    """
+
+    id: str
+    prompt_id: str
+    group_id: str
+    index_in_group: int = 0
+    prompt_tokens: list[int] = []
+    response_tokens: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    loss_mask: list[int] = []
+    segments: list[Segment] = []
+    # Optional MoE routing decisions per response token: [token][layer][top_k expert ids].
+    routed_experts: list[list[list[int]]] | None = None
+    status: Status = Status.PENDING
+    finish_reason: str | None = None
+    # Generation segments: 1 for an uninterrupted generation, +1 per resume after PARTIAL.
+    num_segments: int = 0
+    reward: Reward | None = None
+    prompt: str = ""
+    response: str = ""
+    label: Any = None
+    metadata: dict[str, Any] = {}
+
+    # ---- derived views -------------------------------------------------------------
+    @property
+    def num_response_tokens(self) -> int:
+        return len(self.response_tokens)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def loss_versions(self) -> list[int]:
+        """Versions of the loss-carrying tokens (the ones staleness applies to)."""
+        return [v for v, m in zip(self.versions, self.loss_mask) if m]
+
+    @property
+    def oldest_version(self) -> int | None:
+        vs = self.loss_versions()
+        return min(vs) if vs else None
+
+    @property
+    def newest_version(self) -> int | None:
+        vs = self.loss_versions()
+        return max(vs) if vs else None
+
+    def max_staleness(self, trainer_version: int) -> int:
+        """Largest ``trainer_version - token_version`` over loss-carrying tokens (0 if none)."""
+        oldest = self.oldest_version
+        return 0 if oldest is None else trainer_version - oldest
+
+    def scalar_reward(self, key: str | None = None) -> float:
+        """The reward as one float: the float itself, ``reward[key]``, or the dict's sum."""
+        if self.reward is None:
+            raise TrajectoryError("reward", f"trajectory {self.id} has no reward yet")
+        if isinstance(self.reward, dict):
+            return float(self.reward[key]) if key else float(sum(self.reward.values()))
+        return float(self.reward)
+
+    # ---- mutation helpers used by workers --------------------------------------------
+    def append(
+        self,
+        tokens: list[int],
+        logprobs: list[float],
+        versions: list[int] | int,
+        *,
+        kind: SegmentKind = "model",
+    ) -> None:
+        """Append a model- or environment-written span; env spans carry no loss."""
+        n = len(tokens)
+        if isinstance(versions, int):
+            versions = [versions] * n
+        if len(logprobs) != n or len(versions) != n:
+            raise TrajectoryError(
+                "append", f"{n} tokens but {len(logprobs)} logprobs and {len(versions)} versions"
+            )
+        if n == 0:
+            return
+        start = len(self.response_tokens)
+        self.response_tokens.extend(tokens)
+        self.logprobs.extend(logprobs)
+        self.versions.extend(versions)
+        self.loss_mask.extend([1 if kind == "model" else 0] * n)
+        if self.segments and self.segments[-1].kind == kind and self.segments[-1].end == start:
+            self.segments[-1] = Segment(self.segments[-1].start, start + n, kind)
+        else:
+            self.segments.append(Segment(start, start + n, kind))
+
+    def validate(self, *, current_version: int | None = None) -> None:
+        """Raise TrajectoryError naming the first inconsistent field.
+
+        ``current_version`` (the newest published policy version) lets callers reject tokens
+        that claim to come from a future policy.
+        """
+        n = len(self.response_tokens)
+        for name in ("logprobs", "versions", "loss_mask"):
+            got = len(getattr(self, name))
+            if got != n:
+                raise TrajectoryError(name, f"has {got} entries for {n} response tokens")
+        if self.routed_experts is not None and len(self.routed_experts) != n:
+            raise TrajectoryError(
+                "routed_experts", f"has {len(self.routed_experts)} rows for {n} response tokens"
+            )
+        if self.index_in_group < 0:
+            raise TrajectoryError("index_in_group", f"must be >= 0, got {self.index_in_group}")
+        if n:
+            lo, hi = min(self.versions), max(self.versions)
+            if lo < 0:
+                raise TrajectoryError("versions", f"negative policy version {lo}")
+            if current_version is not None and hi > current_version:
+                raise TrajectoryError(
+                    "versions", f"version {hi} is newer than the current policy {current_version}"
+                )
+            if not set(self.loss_mask) <= {0, 1}:
+                raise TrajectoryError("loss_mask", "entries must be 0 or 1")
+        if self.segments:
+            pos = 0
+            for seg in self.segments:
+                if seg.start != pos or seg.end <= seg.start:
+                    raise TrajectoryError("segments", f"segment {seg} does not continue at {pos}")
+                pos = seg.end
+            if pos != n:
+                raise TrajectoryError("segments", f"cover {pos} of {n} response tokens")
+
+
+class PromptSample(msgspec.Struct, kw_only=True):
+    """One row of prompt data, before it becomes a group of trajectories."""
+
+    prompt_id: str
+    prompt: str = ""
+    prompt_tokens: list[int] = []
+    label: Any = None
+    metadata: dict[str, Any] = {}
+
+
+# ---- generation ----------------------------------------------------------------------
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    """Sampling controls, named as SGLang's ``sampling_params`` (temperature<=1e-6 is greedy)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = []
+    stop: list[str] = []
+    ignore_eos: bool = False
+    # With a seed, the random draw for the token at response position i depends only on
+    # (seed, i), so an aborted and resumed generation reproduces an uninterrupted one.
+    seed: int | None = None
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    """Generate a continuation of ``input_ids`` (prompt + any resumed prefix)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    # Response tokens already generated before this call (a resume): position offset for
+    # seeded sampling and for max-length accounting.
+    num_prefix_tokens: int = 0
+    return_routed_experts: bool = False
+    return_hidden_states: bool = False
+
+
+class GenerateOutput(msgspec.Struct, kw_only=True):
+    """What one generate call produced. On abort it holds the tokens made so far."""
+
+    rid: str
+    output_ids: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    finish_reason: FinishReason = "stop"
+    matched_stop: int | str | None = None
+    error: str | None = None
+    routed_experts: list[list[list[int]]] | None = None
+    # Speculative decoding stats for this request (0 when off).
+    spec_verify_count: int = 0
+    spec_accepted_tokens: int = 0
+
+
+def finish_to_status(reason: FinishReason) -> Status:
+    """Map an engine finish reason to a trajectory status (as slime reads SGLang's)."""
+    return {
+        "stop": Status.COMPLETED,
+        "length": Status.TRUNCATED,
+        "abort": Status.ABORTED,
+        "error": Status.FAILED,
+    }[reason]
+
+
+# ---- codecs --------------------------------------------------------------------------
+
+_msgpack_encoder = msgspec.msgpack.Encoder()
+_msgpack_decoder = msgspec.msgpack.Decoder(Trajectory)
+_json_encoder = msgspec.json.Encoder()
+_json_decoder = msgspec.json.Decoder(Trajectory)
+
+
+def encode(traj: Trajectory) -> bytes:
+    return _msgpack_encoder.encode(traj)
+
+
+def decode(data: bytes) -> Trajectory:
+    return _msgpack_decoder.decode(data)
+
+
+def to_json(traj: Trajectory) -> bytes:
+    return _json_encoder.encode(traj)
+
+
+def from_json(data: bytes | str) -> Trajectory:
+    return _json_decoder.decode(data)

@@ -1,0 +1,62 @@
+"""Trajectory model: append/segments, validation naming the field, codecs."""
+
+import pytest
+
+from miles import types as T
+
+
+def _traj(**kw) -> T.Trajectory:
+    return T.Trajectory(id="t0", prompt_id="p0", group_id="g0", prompt_tokens=[1, 2], **kw)
+
+
+def test_append_builds_segments_and_masks() -> None:
+    t = _traj()
+    t.append([3, 4], [-0.1, -0.2], 0)
+    t.append([5], [-0.3], 1)  # same kind: the model segment grows
+    t.append([6, 7], [0.0, 0.0], 1, kind="env")
+    assert t.segments == [T.Segment(0, 3, "model"), T.Segment(3, 5, "env")]
+    assert t.loss_mask == [1, 1, 1, 0, 0]
+    assert t.versions == [0, 0, 1, 1, 1]
+    assert t.oldest_version == 0 and t.newest_version == 1
+    assert t.max_staleness(3) == 3
+    t.validate(current_version=1)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda t: t.logprobs.pop(), "logprobs"),
+        (lambda t: t.versions.append(0), "versions"),
+        (lambda t: t.loss_mask.__setitem__(0, 2), "loss_mask"),
+        (lambda t: t.versions.__setitem__(0, -1), "versions"),
+        (lambda t: setattr(t, "segments", [T.Segment(0, 1)]), "segments"),
+        (lambda t: setattr(t, "routed_experts", [[[0]]]), "routed_experts"),
+    ],
+)
+def test_validate_names_the_field(mutate, field) -> None:
+    t = _traj()
+    t.append([3, 4], [-0.1, -0.2], 0)
+    mutate(t)
+    with pytest.raises(T.TrajectoryError) as err:
+        t.validate()
+    assert err.value.field == field
+
+
+def test_future_version_rejected() -> None:
+    t = _traj()
+    t.append([3], [-0.1], 5)
+    with pytest.raises(T.TrajectoryError, match="newer"):
+        t.validate(current_version=4)
+
+
+def test_codecs_round_trip() -> None:
+    t = _traj(reward={"acc": 1.0, "fmt": 0.5}, label="42", metadata={"k": [1, 2]})
+    t.append([3, 4], [-0.1, -0.2], 0)
+    assert T.decode(T.encode(t)) == t
+    assert T.from_json(T.to_json(t)) == t
+    assert t.scalar_reward() == 1.5 and t.scalar_reward("acc") == 1.0
+
+
+def test_finish_to_status() -> None:
+    assert T.finish_to_status("length") is T.Status.TRUNCATED
+    assert T.Status.ABORTED.finished and not T.Status.PARTIAL.finished
