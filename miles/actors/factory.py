@@ -1,0 +1,143 @@
+"""Builds each component from the run's config, inside the process that will run it.
+
+This is where flags become objects: the checkpoint is loaded where the engine or trainer
+lives, ``"pkg.mod:fn"`` strings become callables (only here and in ``miles.utils.loading``),
+and the values one component derives from another's flags are set once — the buffer's
+η comes from the scheduler's mode, seeds from ``--seed``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from miles.config import MilesConfig
+from miles.data import PromptDataset
+from miles.rewards import RewardRunner
+from miles.rollout import GenerateContext, load_generate_fn
+from miles.types import SamplingParams
+from miles.utils.loading import load_function
+
+
+def configure_process(cfg: MilesConfig, threads: int) -> None:
+    """Threads, seeds and determinism for an actor process."""
+    torch.set_num_threads(max(1, threads))
+    random.seed(cfg.run.seed)
+    np.random.seed(cfg.run.seed % (2**32))
+    torch.manual_seed(cfg.run.seed)
+    if cfg.run.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def load_tokenizer(cfg: MilesConfig) -> Any:
+    from miles.models import load_tokenizer as _load
+
+    return _load(cfg.rollout.hf_checkpoint)
+
+
+def load_datasets(cfg: MilesConfig) -> tuple[PromptDataset, PromptDataset | None]:
+    tokenizer = load_tokenizer(cfg)
+    d = cfg.data
+    common = dict(tokenizer=tokenizer, input_key=d.input_key, label_key=d.label_key,
+                  metadata_key=d.metadata_key, apply_chat_template=d.apply_chat_template,
+                  max_prompt_len=_max_prompt_len(cfg), on_bad_data=d.on_bad_data)
+    train = PromptDataset(d.prompt_data, shuffle=d.rollout_shuffle, seed=cfg.run.seed, **common)
+    evaluation = PromptDataset(d.eval_prompt_data, **common) if d.eval_prompt_data else None
+    return train, evaluation
+
+
+def _max_prompt_len(cfg: MilesConfig) -> int:
+    """A prompt must leave room for at least one response token in the engine's context."""
+    limit = cfg.engine.max_seq_len - 1
+    return min(limit, cfg.data.max_prompt_len) if cfg.data.max_prompt_len else limit
+
+
+def buffer_args(cfg: MilesConfig) -> dict[str, Any]:
+    from miles.buffers import BufferConfig, drop_uniform_rewards  # noqa: F401 - named in docs
+
+    config = msgspec.structs.replace(
+        cfg.buffer,
+        max_staleness=cfg.scheduler.staleness,
+        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+    )
+    filters = []
+    if cfg.rollout.dynamic_sampling_filter_path:
+        filters.append(load_function(cfg.rollout.dynamic_sampling_filter_path))
+    return {"config": config, "group_filters": filters}
+
+
+def build_engine(cfg: MilesConfig, *, seed_offset: int = 0) -> Any:
+    from miles.engines import EmbeddedEngine
+    from miles.models import load_pretrained
+
+    tokenizer = load_tokenizer(cfg)
+    engine_cfg = msgspec.structs.replace(cfg.engine, seed=cfg.run.seed + seed_offset)
+    model = load_pretrained(cfg.rollout.hf_checkpoint, device=engine_cfg.device)
+    engine = EmbeddedEngine(model, config=engine_cfg, tokenizer=tokenizer)
+    engine.start()
+    return engine
+
+
+def sampling_params(cfg: MilesConfig, tokenizer: Any) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(
+        max_new_tokens=r.rollout_max_response_len,
+        temperature=r.rollout_temperature,
+        top_p=r.rollout_top_p,
+        top_k=r.rollout_top_k,
+        stop=list(r.rollout_stop),
+        stop_token_ids=list(r.rollout_stop_token_ids),
+    )
+
+
+def build_reward_runner(cfg: MilesConfig) -> tuple[Any, dict[str, Any]]:
+    return cfg.rollout.custom_rm_path, {"timeout_s": cfg.rollout.reward_timeout_s, "args": cfg}
+
+
+def build_rollout_worker(cfg: MilesConfig, worker_id: str, *, buffer: Any, rewards: list[Any]) -> dict[str, Any]:
+    """Keyword arguments for ``RolloutWorker`` (everything but the id)."""
+    index = abs(hash(worker_id)) % 10_000
+    engine = build_engine(cfg, seed_offset=index)
+    tokenizer = engine.tokenizer
+    ctx = GenerateContext(
+        engine=engine,
+        tokenizer=tokenizer,
+        sampling=sampling_params(cfg, tokenizer),
+        max_response_len=cfg.rollout.rollout_max_response_len,
+        seed=cfg.run.seed,
+        config=cfg,
+    )
+    local_reward = None
+    if not rewards and cfg.rollout.custom_rm_path:
+        fn, kwargs = build_reward_runner(cfg)
+        local_reward = RewardRunner(fn, **kwargs)
+    return {
+        "engine": engine,
+        "context": ctx,
+        "generate_fn": load_generate_fn(cfg.rollout.custom_generate_function_path),
+        "buffer": buffer,
+        "rewards": rewards,
+        "local_reward": local_reward,
+        "max_inflight": cfg.rollout.max_inflight_per_worker,
+        "partial_rollout": cfg.rollout.partial_rollout,
+        "keep_kv_cache": cfg.engine.keep_kv_cache_on_update,
+        "lease_timeout_s": cfg.buffer.lease_timeout_s,
+    }
+
+
+def build_policy_trainer(cfg: MilesConfig) -> Any:
+    from miles.models import load_pretrained
+    from miles.trainers import EmbeddedTrainer
+
+    trainer_cfg = msgspec.structs.replace(cfg.trainer, seed=cfg.run.seed)
+    model = load_pretrained(cfg.rollout.hf_checkpoint, dtype=torch.float32, device=trainer_cfg.device)
+    ref_model = None
+    if cfg.algorithm.kl_coef > 0 or getattr(cfg.algorithm, "reward_kl_coef", 0) > 0:
+        ref_model = load_pretrained(cfg.rollout.hf_checkpoint, dtype=torch.float32, device=trainer_cfg.device)
+    return EmbeddedTrainer(model, config=trainer_cfg, algo=cfg.algorithm, ref_model=ref_model)

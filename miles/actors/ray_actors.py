@@ -1,0 +1,156 @@
+"""The one module that wraps miles' classes as Ray actors, and places them.
+
+Everything else is plain Python: ``ReplayBuffer``, ``RolloutWorker``, ``PolicyTrainer``,
+``WeightBroadcaster`` and ``RewardRunner`` can be built and tested in-process. Here each
+gets a thin actor class that builds its parts from the run's config inside its own process
+(models are loaded where they run, never shipped), and ``launch`` starts them all.
+
+Placement: on the CPU every actor takes a fraction of a core and torch gets a fair share of
+threads. With GPUs a placement group reserves ``actor_num_gpus_per_node`` GPUs for the
+trainer and ``rollout_num_gpus`` for the engines (disaggregated), or one set of GPUs both
+share (``--colocate``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from miles.actors.factory import (
+    buffer_args,
+    build_policy_trainer,
+    build_reward_runner,
+    build_rollout_worker,
+    configure_process,
+)
+from miles.actors.policy_trainer import PolicyTrainer
+from miles.actors.rollout_worker import RolloutWorker
+from miles.actors.weight_broadcaster import WeightBroadcaster
+from miles.buffers import ReplayBuffer
+from miles.config import MilesConfig, resolve
+from miles.rewards import RewardRunner
+
+
+class _BufferActor(ReplayBuffer):
+    def __init__(self, flat: dict[str, Any]) -> None:
+        super().__init__(**buffer_args(resolve(flat)))
+
+
+class _RolloutWorkerActor(RolloutWorker):
+    def __init__(self, worker_id: str, flat: dict[str, Any], threads: int, buffer: Any, rewards: list[Any]) -> None:
+        cfg = resolve(flat)
+        configure_process(cfg, threads)
+        super().__init__(worker_id, **build_rollout_worker(cfg, worker_id, buffer=buffer, rewards=rewards))
+
+
+class _PolicyTrainerActor(PolicyTrainer):
+    def __init__(self, flat: dict[str, Any], threads: int) -> None:
+        cfg = resolve(flat)
+        configure_process(cfg, threads)
+        backend = build_policy_trainer(cfg)
+        super().__init__(backend, bucket_bytes=cfg.run.update_weight_buffer_size, use_object_store=True)
+
+
+class _RewardActor(RewardRunner):
+    def __init__(self, flat: dict[str, Any]) -> None:
+        cfg = resolve(flat)
+        fn, kwargs = build_reward_runner(cfg)
+        super().__init__(fn, **kwargs)
+
+    def ping(self) -> bool:
+        return True
+
+
+@dataclass
+class Actors:
+    """Handles to everything the driver talks to."""
+
+    buffer: Any
+    trainer: Any
+    broadcaster: Any
+    workers: dict[str, Any] = field(default_factory=dict)
+    rewards: list[Any] = field(default_factory=list)
+    placement: Any = None
+    worker_options: dict[str, Any] = field(default_factory=dict)
+    threads: int = 1
+
+
+def init_ray(cfg: MilesConfig) -> None:
+    """Start (or join) Ray: dashboard off, no usage stats, loopback only."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    if cfg.run.ray_address:
+        kwargs["address"] = cfg.run.ray_address
+    else:
+        kwargs["num_cpus"] = cfg.run.ray_num_cpus or max(os.cpu_count() or 1, 2)
+        kwargs["_node_ip_address"] = "127.0.0.1"
+    ray.init(**kwargs)
+
+
+def _gpu_options(cfg: MilesConfig) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """Ray options for the trainer and for each rollout worker, and the placement group."""
+    trainer_gpus = cfg.run.actor_num_gpus_per_node * cfg.run.actor_num_nodes
+    if trainer_gpus == 0 and cfg.run.rollout_num_gpus == 0:
+        return {"num_cpus": 0.5}, {"num_cpus": 0.5}, None
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    total = trainer_gpus if cfg.run.colocate else trainer_gpus + cfg.run.rollout_num_gpus
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * total, strategy="PACK")
+    ray.get(pg.ready(), timeout=120)
+
+    def at(bundle: int, gpus: float) -> dict[str, Any]:
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
+        return {"num_gpus": gpus, "num_cpus": 0.1, "scheduling_strategy": strategy}
+
+    share = 0.4 if cfg.run.colocate else 1.0
+    trainer_opts = at(0, share if trainer_gpus == 1 else 1.0)
+    first_rollout = 0 if cfg.run.colocate else trainer_gpus
+    worker_opts = at(first_rollout, share)
+    return trainer_opts, worker_opts, pg
+
+
+def launch(cfg: MilesConfig) -> Actors:
+    """Create the buffer, trainer, broadcaster, reward workers and rollout workers."""
+    init_ray(cfg)
+    flat = cfg.to_flat()
+    trainer_opts, worker_opts, pg = _gpu_options(cfg)
+    procs = 1 + cfg.run.num_rollout_workers + cfg.run.num_reward_workers
+    threads = max(1, (os.cpu_count() or 1) // max(procs, 1))
+    buffer = ray.remote(_BufferActor).options(num_cpus=0, max_concurrency=1000).remote(flat)
+    broadcaster = ray.remote(WeightBroadcaster).options(num_cpus=0, max_concurrency=1000).remote()
+    trainer = ray.remote(_PolicyTrainerActor).options(max_concurrency=16, **trainer_opts).remote(flat, threads)
+    rewards = [
+        ray.remote(_RewardActor).options(num_cpus=0, max_concurrency=256, max_restarts=-1, max_task_retries=2).remote(flat)
+        for _ in range(cfg.run.num_reward_workers)
+    ]
+    actors = Actors(buffer=buffer, trainer=trainer, broadcaster=broadcaster, rewards=rewards,
+                    placement=pg, worker_options=worker_opts, threads=threads)
+    for i in range(cfg.run.num_rollout_workers):
+        start_worker(cfg, actors, f"worker{i}")
+    return actors
+
+
+def start_worker(cfg: MilesConfig, actors: Actors, name: str) -> tuple[str, Any]:
+    """Start one rollout worker under a fresh id (a restarted worker never reuses leases)."""
+    worker_id = f"{name}-{os.urandom(3).hex()}"
+    handle = (
+        ray.remote(_RolloutWorkerActor)
+        .options(max_concurrency=1000, **actors.worker_options)
+        .remote(worker_id, cfg.to_flat(), actors.threads, actors.buffer, actors.rewards)
+    )
+    actors.workers[worker_id] = handle
+    return worker_id, handle
+
+
+def kill(handle: Any) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # already dead
+        pass

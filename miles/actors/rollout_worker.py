@@ -1,0 +1,232 @@
+"""RolloutWorker: owns an engine, pulls work from the buffer, streams trajectories back.
+
+The worker's ``run`` coroutine leases trajectories (the buffer hands out PARTIAL ones first,
+then new prompts), rolls each out with the generate function in its own task, scores it,
+and puts it back — many in flight at once, so the engine's continuous batch stays full and
+reward or environment calls overlap with decoding.
+
+Weights arrive through ``receive_weights`` while ``run`` goes on. With ``--partial-rollout``
+the engine swaps them between two decode steps and in-flight generations continue under the
+new version (each token records its version). Without it the worker drains: it stops
+starting generations, lets the in-flight ones finish on the old weights, swaps, and resumes —
+every trajectory then comes from one version, at the cost of idling on the long tail.
+
+``abort_inflight`` (end of a synchronous round, shutdown) aborts the engine's requests; their
+trajectories go back to the buffer as PARTIAL with their prefix, nothing lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from miles.actors.handles import Peer
+from miles.rewards import RewardRunner
+from miles.rollout import GenerateContext, GenerateFn, call_generate
+from miles.types import PromptSample, Status, Trajectory
+from miles.weights import WeightBucket, unpack
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        worker_id: str,
+        *,
+        engine: Any,
+        context: GenerateContext,
+        generate_fn: GenerateFn,
+        buffer: Any,
+        rewards: Sequence[Any] = (),
+        local_reward: RewardRunner | None = None,
+        max_inflight: int = 64,
+        partial_rollout: bool = False,
+        keep_kv_cache: bool = True,
+        lease_timeout_s: float = 60.0,
+        poll_interval_s: float = 0.01,
+    ) -> None:
+        self.worker_id = worker_id
+        self.engine = engine
+        self.ctx = context
+        self.generate_fn = generate_fn
+        self.buffer = Peer(buffer)
+        self.rewards = [Peer(r) for r in rewards]
+        self.local_reward = local_reward
+        self.max_inflight = max_inflight
+        self.partial_rollout = partial_rollout
+        self.keep_kv_cache = keep_kv_cache
+        self.renew_every_s = max(lease_timeout_s / 3, 0.05)
+        self.poll_interval_s = poll_interval_s
+        self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._outbox: list[Trajectory] = []
+        self._stopping = False
+        self._draining = False
+        self._weights_lock = asyncio.Lock()
+        self._reward_rr = 0
+        self._idle = asyncio.Event()
+        self.counters: dict[str, float] = {
+            "finished": 0, "partial": 0, "failed": 0, "tokens": 0, "weight_updates": 0,
+            "drain_s": 0.0, "swap_s": 0.0, "busy_s": 0.0,
+        }
+        self._started = time.monotonic()
+
+    # ---- the loop ---------------------------------------------------------------------
+    async def run(self) -> dict[str, float]:
+        """Lease, generate, return; until ``stop``. Returns the worker's counters."""
+        last_renew = time.monotonic()
+        while not self._stopping:
+            leased: list[Trajectory] = []
+            free = self.max_inflight - len(self._inflight)
+            if free > 0 and not self._draining:
+                leased = await self.buffer.call("lease", self.worker_id, free)
+                for traj in leased:
+                    self._inflight[traj.id] = asyncio.create_task(self._process(traj))
+            await self._flush()
+            if time.monotonic() - last_renew > self.renew_every_s and self._inflight:
+                await self.buffer.call("renew", self.worker_id)
+                last_renew = time.monotonic()
+            if not leased:
+                await self._wait_for_change()
+        return self.stats()
+
+    async def _wait_for_change(self) -> None:
+        tasks = list(self._inflight.values())
+        if tasks and not self._outbox:
+            await asyncio.wait(tasks, timeout=self.poll_interval_s * 5, return_when=asyncio.FIRST_COMPLETED)
+        else:
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def _process(self, traj: Trajectory) -> None:
+        start = time.monotonic()
+        before = len(traj.response_tokens)
+        try:
+            traj.status = Status.RUNNING
+            traj.num_segments += 1
+            traj = await call_generate(self.generate_fn, traj, self.ctx)
+            if traj.status.finished and traj.status is not Status.FAILED and traj.reward is None:
+                traj = await self._score(traj)
+        except Exception as exc:  # a generate function bug must not kill the worker
+            traj.status = Status.FAILED
+            traj.finish_reason = f"generate_error: {type(exc).__name__}: {exc}"[:500]
+        finally:
+            self.counters["busy_s"] += time.monotonic() - start
+        self.counters["tokens"] += len(traj.response_tokens) - before
+        if traj.status is Status.PARTIAL:
+            self.counters["partial"] += 1
+        elif traj.status is Status.FAILED:
+            self.counters["failed"] += 1
+        else:
+            self.counters["finished"] += 1
+        self._outbox.append(traj)
+        self._inflight.pop(traj.id, None)
+        if not self._inflight:
+            self._idle.set()
+
+    async def _score(self, traj: Trajectory) -> Trajectory:
+        if self.ctx.tokenizer is not None and not traj.response:
+            traj.response = self.ctx.tokenizer.decode(traj.response_tokens)
+        if self.local_reward is not None:
+            return await self.local_reward.score(traj)
+        if not self.rewards:
+            return traj  # the generate function (an environment) set the reward, or nobody does
+        last: Exception | None = None
+        for _ in range(len(self.rewards) * 2):
+            peer = self.rewards[self._reward_rr % len(self.rewards)]
+            self._reward_rr += 1
+            try:
+                return await peer.call("score", traj)
+            except Exception as exc:  # the reward actor died: try the next one
+                last = exc
+                await asyncio.sleep(0.2)
+        traj.status = Status.FAILED
+        traj.finish_reason = f"reward_worker_unavailable: {last}"[:500]
+        return traj
+
+    async def _flush(self) -> None:
+        if self._outbox:
+            batch, self._outbox = self._outbox, []
+            await self.buffer.call("put_many", batch, self.worker_id)
+
+    # ---- control ----------------------------------------------------------------------
+    async def receive_weights(self, version: int, buckets: list[Any]) -> int:
+        """Apply policy ``version`` (all buckets, then the version flips). Returns the
+        engine's version afterwards. Older or repeated versions are ignored."""
+        async with self._weights_lock:
+            if version <= self.engine.version:
+                return self.engine.version
+            if not self.partial_rollout and self._inflight:
+                t0 = time.monotonic()
+                self._draining = True
+                self._idle.clear()
+                await self._idle.wait()
+                self.counters["drain_s"] += time.monotonic() - t0
+            try:
+                t0 = time.monotonic()
+                for ref in buckets:
+                    bucket: WeightBucket = await ref if not isinstance(ref, WeightBucket) else ref
+                    if bucket.version != version:
+                        raise ValueError(f"bucket of version {bucket.version} in update {version}")
+                    self.engine.stage_weights(unpack(bucket))
+                await self.engine.commit_weights(version, keep_kv_cache=self.keep_kv_cache)
+                self.counters["swap_s"] += time.monotonic() - t0
+                self.counters["weight_updates"] += 1
+            finally:
+                self._draining = False
+            return self.engine.version
+
+    async def abort_inflight(self) -> int:
+        """Abort every in-flight generation; they come back to the buffer as PARTIAL."""
+        n = len(self._inflight)
+        if n:
+            await self.engine.abort(None)
+            await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+            await self._flush()
+        return n
+
+    async def stop(self) -> dict[str, float]:
+        """Stop leasing, park in-flight work in the buffer, return counters."""
+        self._stopping = True
+        await self.abort_inflight()
+        await self._flush()
+        return self.stats()
+
+    async def evaluate(self, prompts: list[PromptSample], n: int, *, id_prefix: str = "eval") -> list[Trajectory]:
+        """Roll out held-out prompts alongside training work (not through the buffer)."""
+        trajs = [
+            Trajectory(
+                id=f"{id_prefix}-{p.prompt_id}-{i}", prompt_id=p.prompt_id, group_id=f"{id_prefix}-{p.prompt_id}",
+                index_in_group=i, prompt_tokens=list(p.prompt_tokens), prompt=p.prompt, label=p.label,
+                metadata=dict(p.metadata),
+            )
+            for p in prompts
+            for i in range(n)
+        ]
+
+        async def one(t: Trajectory) -> Trajectory:
+            t.num_segments += 1
+            try:
+                t = await call_generate(self.generate_fn, t, self.ctx)
+                if t.status.finished and t.status is not Status.FAILED and t.reward is None:
+                    t = await self._score(t)
+            except Exception as exc:
+                t.status, t.finish_reason = Status.FAILED, f"generate_error: {exc}"[:500]
+            return t
+
+        return list(await asyncio.gather(*(one(t) for t in trajs)))
+
+    def ping(self) -> dict[str, float]:
+        return self.stats()
+
+    def stats(self) -> dict[str, float]:
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        out = {f"rollout/{k}": float(v) for k, v in self.counters.items()}
+        out["rollout/inflight"] = float(len(self._inflight))
+        out["rollout/version"] = float(self.engine.version)
+        out["rollout/uptime_s"] = elapsed
+        engine_stats = getattr(self.engine, "stats", None)
+        if callable(engine_stats):
+            out.update(engine_stats())
+        if self.local_reward is not None:
+            out.update(self.local_reward.stats())
+        return out

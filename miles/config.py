@@ -1,0 +1,227 @@
+"""The run's configuration: one typed struct per component, one flat flag namespace.
+
+Each component owns a msgspec struct (``BufferConfig`` in ``miles.buffers``, ``TrainerConfig``
+in ``miles.trainers``, ...). ``MilesConfig`` holds one of each, by section name. Flags are the
+field names with ``_`` → ``-`` (``--rollout-batch-size``), following slime's names where slime
+has one. A field that two components share (``max_staleness`` is read by the scheduler and
+the buffer) is one flag that sets both, so they can never disagree.
+
+Precedence: defaults < YAML file (``--config``; flat ``flag-name: value`` keys, or nested by
+section) < command-line flags. ``resolve()`` validates everything once (types, choices and
+cross-field rules), and the driver writes the result to ``OUTPUT_DIR/config.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+from miles.sections import SECTIONS
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the flag or file at fault."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _field_table() -> dict[str, list[tuple[str, msgspec.structs.FieldInfo]]]:
+    """field name → [(section, field info)], in section order."""
+    table: dict[str, list[tuple[str, msgspec.structs.FieldInfo]]] = {}
+    for section, cls in SECTIONS.items():
+        for info in msgspec.structs.fields(cls):
+            table.setdefault(info.name, []).append((section, info))
+    return table
+
+
+def _default(info: msgspec.structs.FieldInfo) -> Any:
+    if info.default is not msgspec.NODEFAULT:
+        return info.default
+    if info.default_factory is not msgspec.NODEFAULT:
+        return info.default_factory()
+    return None
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else tp), True
+    return tp, False
+
+
+def _add_argument(parser: argparse.ArgumentParser, name: str, info: msgspec.structs.FieldInfo, doc: str) -> None:
+    tp, _optional = _unwrap_optional(info.type)
+    kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": doc}
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif origin is Literal:
+        choices = typing.get_args(tp)
+        kwargs["choices"] = choices
+        kwargs["type"] = type(choices[0])
+    elif origin in (list, tuple):
+        item = typing.get_args(tp)[0] if typing.get_args(tp) else str
+        kwargs["nargs"] = "*"
+        kwargs["type"] = item if item in (int, float, str) else str
+    elif origin is dict:
+        kwargs["type"] = _parse_mapping
+        kwargs["metavar"] = "JSON|k=v,..."
+    elif tp in (int, float, str):
+        kwargs["type"] = tp
+    else:
+        kwargs["type"] = str
+    parser.add_argument(_flag(name), **kwargs)
+
+
+def _parse_mapping(text: str) -> dict[str, Any]:
+    """``--env-kwargs '{"a": 1}'`` or ``--env-kwargs a=1,b=x``."""
+    text = text.strip()
+    if text.startswith("{"):
+        value = yaml.safe_load(text)
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"expected a mapping, got {text!r}")
+        return value
+    out: dict[str, Any] = {}
+    for part in filter(None, text.split(",")):
+        if "=" not in part:
+            raise argparse.ArgumentTypeError(f"expected key=value in {part!r}")
+        key, raw = part.split("=", 1)
+        out[key.strip()] = yaml.safe_load(raw)
+    return out
+
+
+def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Run asynchronous RL (see README.md).")
+    parser.add_argument("--config", default=None, help="YAML file of flag values (flags override it)")
+    for name, owners in _field_table().items():
+        section, info = owners[0]
+        where = ", ".join(s for s, _ in owners)
+        _add_argument(parser, name, info, f"[{where}] default: {_default(info)!r}")
+    return parser
+
+
+def _flatten_yaml(data: Any, path: Path) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of flag names to values")
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name in SECTIONS and isinstance(value, dict):
+            for sub_key, sub_value in value.items():
+                flat[str(sub_key).lstrip("-").replace("-", "_")] = sub_value
+        else:
+            flat[name] = value
+    return flat
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: file not found")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: malformed YAML: {exc}") from exc
+    return _flatten_yaml(data, path)
+
+
+def resolve(values: dict[str, Any]) -> MilesConfig:
+    """Build and validate a MilesConfig from flat ``field_name → value`` overrides."""
+    table = _field_table()
+    unknown = sorted(k for k in values if k not in table)
+    if unknown:
+        raise ConfigError(f"unknown option(s): {', '.join(_flag(k) for k in unknown)}")
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for name, owners in table.items():
+        # A shared field has one value: the user's, or else the first owner's default.
+        if name in values:
+            value = values[name]
+        elif len(owners) > 1:
+            value = _default(owners[0][1])
+        else:
+            continue
+        for section, _info in owners:
+            sections[section][name] = value
+    built: dict[str, Any] = {}
+    for section, cls in SECTIONS.items():
+        try:
+            built[section] = msgspec.convert(sections[section], cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(_explain(exc, section)) from None
+        except (ValueError, TypeError) as exc:  # a struct's own __post_init__ check
+            raise ConfigError(str(exc)) from None
+    config = MilesConfig(**built)
+    from miles.validation import check_config
+
+    check_config(config)
+    return config
+
+
+def _explain(exc: msgspec.ValidationError, section: str) -> str:
+    text = str(exc)
+    # msgspec says "... - at `$.rollout_batch_size`"; name the flag instead.
+    if "$." in text:
+        field = text.rsplit("$.", 1)[1].rstrip("`").split(".")[0].split("[")[0]
+        return f"{_flag(field)}: {text.split(' - at ')[0]}"
+    return f"[{section}] {text}"
+
+
+def parse_args(argv: Sequence[str] | None = None, prog: str = "miles train") -> MilesConfig:
+    """CLI entry: ``--config FILE.yaml`` then flags; raise ConfigError on any problem."""
+    parser = build_parser(prog)
+    ns = parser.parse_args(argv)
+    values: dict[str, Any] = {}
+    if ns.config:
+        values.update(load_yaml(ns.config))
+    values.update({k: v for k, v in vars(ns).items() if k != "config"})
+    return resolve(values)
+
+
+class MilesConfig:
+    """One struct per section; attribute access by section name (``cfg.rollout.n_samples_per_prompt``)."""
+
+    def __init__(self, **sections: Any) -> None:
+        missing = set(SECTIONS) - set(sections)
+        if missing:
+            raise ConfigError(f"missing sections: {sorted(missing)}")
+        self.__dict__.update(sections)
+
+    def __getattr__(self, name: str) -> Any:  # only reached for unknown attributes
+        raise AttributeError(f"MilesConfig has no section {name!r}; sections: {list(SECTIONS)}")
+
+    def section(self, name: str) -> Any:
+        return self.__dict__[name]
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: msgspec.to_builtins(self.__dict__[name]) for name in SECTIONS}
+
+    def to_flat(self) -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        for values in self.to_dict().values():
+            flat.update(values)
+        return flat
+
+    def replace(self, **flat: Any) -> MilesConfig:
+        """A copy with some fields changed (validated again)."""
+        values = self.to_flat()
+        values.update(flat)
+        return resolve(values)
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False), encoding="utf-8")
+
+
+def default_config(**flat: Any) -> MilesConfig:
+    return resolve(flat)

@@ -1,0 +1,302 @@
+"""The driver: the whole asynchronous loop in one file.
+
+Four things run at once, all meeting in the replay buffer:
+
+1. ``admit``: feeds prompts into the buffer as fast as the staleness budget allows
+   (``miles.scheduler``: at most ``(η + v + 1)·B`` groups ever started by version v);
+2. rollout workers (``RolloutWorker.run``): lease work — partial trajectories first — and
+   stream finished and partial trajectories back;
+3. the train loop below: take a batch as soon as one satisfies the bound, train, publish
+   version v+1 through the broadcaster, log, evaluate, checkpoint;
+4. ``watch``: pings every actor; a dead rollout worker's leased work goes back to the queue
+   (exactly once) and a fresh worker replaces it; a dead trainer stops the run.
+
+Modes differ only in η and in one wait: ``sync`` (η = 0) waits until every worker runs the
+new weights before admitting the next batch, so no token is ever off-policy; ``one-step-off``
+(η = 1) and ``async`` (η = --max-staleness) never wait. Ctrl-C parks in-flight generations in
+the buffer as partial trajectories, saves a checkpoint when ``--save`` is set, and writes the
+ledger to summary.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from typing import Any
+
+import ray
+
+from miles.actors import ray_actors
+from miles.checkpoint import CheckpointManager
+from miles.config import MilesConfig
+from miles.data import PromptDataset
+from miles.outputs import RunOutputs, batch_metrics, load_debug_batches
+from miles.scheduler import Scheduler
+
+
+class RunFailed(RuntimeError):
+    """The run cannot continue (e.g. the trainer died); the message says why and what was kept."""
+
+
+class Driver:
+    def __init__(self, cfg: MilesConfig, dataset: PromptDataset, eval_data: PromptDataset | None) -> None:
+        self.cfg = cfg
+        self.dataset = dataset
+        self.eval_data = eval_data
+        self.out = RunOutputs(cfg)
+        self.actors = ray_actors.launch(cfg)
+        self.scheduler = Scheduler(cfg.scheduler)
+        self.ckpt = CheckpointManager(cfg.run.save, keep=cfg.run.keep_checkpoints) if cfg.run.save else None
+        self.stop = asyncio.Event()
+        self.failure: str | None = None
+        self.worker_runs: dict[str, Any] = {}
+        self.worker_stats: dict[str, dict[str, float]] = {}
+        self.restarts: dict[str, int] = {}
+        self.eval_tasks: list[asyncio.Task[None]] = []
+        self.step = 0
+        self.admit_s = 0.0
+
+    # ---- the loop ---------------------------------------------------------------------
+    async def run(self) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, self._interrupt)
+        status = "completed"
+        try:
+            await self._start()
+            background = [asyncio.create_task(self._admit()), asyncio.create_task(self._watch())]
+            while self.step < self.cfg.run.num_rollout and not self.stop.is_set():
+                await self._train_step()
+            if self.stop.is_set():
+                status = "failed" if self.failure else "interrupted"
+            for task in background:
+                task.cancel()
+        except Exception as exc:
+            status, self.failure = "failed", self.failure or f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+            summary = await self._shutdown(status)
+        if self.failure:
+            raise RunFailed(self.failure)
+        return summary
+
+    async def _train_step(self) -> None:
+        cfg, a = self.cfg, self.actors
+        version = self.scheduler.version
+        t0 = time.monotonic()
+        batch_ref = a.buffer.get_batch_async.remote(cfg.scheduler.rollout_batch_size, version)
+        groups = await self._until_stopped(batch_ref)
+        if groups is None:
+            return
+        wait_s = time.monotonic() - t0
+        if cfg.scheduler.mode == "sync" and cfg.rollout.partial_rollout:
+            # Over-sampled generations still running would be off-policy after this step:
+            # park them now; they resume on the new weights.
+            await asyncio.gather(*(w.abort_inflight.remote() for w in a.workers.values()))
+        self.out.dump_batch(self.step, version, groups)
+        t1 = time.monotonic()
+        metrics = await a.trainer.train.remote(batch_ref)
+        train_s = time.monotonic() - t1
+        new_version = await a.trainer.publish.remote(a.broadcaster)
+        await a.buffer.set_version.remote(new_version)
+        if cfg.scheduler.mode == "sync":
+            await a.broadcaster.wait_applied.remote(new_version)
+        self.scheduler.on_version(new_version)
+        self.step += 1
+        step_s = time.monotonic() - t0
+        metrics.update(batch_metrics(groups, version))
+        metrics.update(await self._rollout_and_buffer_stats())
+        n = metrics["perf/trained_samples"]
+        metrics.update({
+            "train/version": float(new_version), "perf/step_s": step_s, "perf/wait_for_data_s": wait_s,
+            "perf/train_s": train_s, "perf/trained_samples_per_s": n / step_s,
+            "perf/trained_tokens_per_s": metrics["perf/trained_tokens"] / step_s,
+            "perf/admission_s": self.admit_s,
+        })
+        self.admit_s = 0.0
+        self.out.log_step(self.step, metrics)
+        if self.eval_data is not None and cfg.run.eval_interval and self.step % cfg.run.eval_interval == 0:
+            self.eval_tasks.append(asyncio.create_task(self._evaluate(self.step)))
+        if self.ckpt is not None and cfg.run.save_interval and self.step % cfg.run.save_interval == 0:
+            await self._save()
+
+    async def _admit(self) -> None:
+        """Keep the buffer supplied with prompts, within the staleness budget."""
+        buffer, sched = self.actors.buffer, self.scheduler
+        while not self.stop.is_set():
+            t0 = time.monotonic()
+            ledger, room = await asyncio.gather(buffer.ledger.remote(), buffer.prompt_room.remote())
+            sched.observe(ledger)
+            n = sched.capacity(room)
+            if n > 0:
+                await buffer.add_prompts.remote(self.dataset.next(n))
+            self.admit_s += time.monotonic() - t0
+            await asyncio.sleep(0.005 if n > 0 else 0.02)
+
+    async def _watch(self) -> None:
+        """Notice dead actors within ``--health-check-interval-s`` and recover."""
+        timeout = max(5.0, 5 * self.cfg.run.health_check_interval_s)
+        while not self.stop.is_set():
+            await asyncio.sleep(self.cfg.run.health_check_interval_s)
+            for worker_id, handle in list(self.actors.workers.items()):
+                run_ref = self.worker_runs[worker_id]
+                done, _ = ray.wait([run_ref], timeout=0)
+                try:
+                    if done:
+                        await run_ref  # run() only returns on stop; finishing early is a death
+                        raise RuntimeError("run() returned")
+                    self.worker_stats[worker_id] = await asyncio.wait_for(handle.ping.remote(), timeout)
+                except Exception as exc:
+                    await self._replace_worker(worker_id, exc)
+            try:
+                await asyncio.wait_for(self.actors.trainer.ping.remote(), timeout * 6)
+            except Exception as exc:
+                where = f"; last checkpoint: {self.ckpt.latest()}" if self.ckpt else ""
+                self._fail(f"PolicyTrainer died or stopped answering ({type(exc).__name__}: {exc}){where}")
+
+    async def _replace_worker(self, worker_id: str, cause: Exception) -> None:
+        a, cfg = self.actors, self.cfg
+        name = worker_id.rsplit("-", 1)[0]
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        ray_actors.kill(a.workers.pop(worker_id))
+        self.worker_runs.pop(worker_id, None)
+        self.worker_stats.pop(worker_id, None)
+        await a.broadcaster.unregister.remote(worker_id)
+        returned = await a.buffer.release_worker.remote(worker_id)
+        print(f"[miles] rollout worker {worker_id} died ({type(cause).__name__}); "
+              f"{returned} leased trajectories returned to the queue", flush=True)
+        if self.restarts[name] > cfg.run.max_worker_restarts:
+            self._fail(f"rollout worker {name} died {self.restarts[name]} times: {cause}")
+            return
+        await self._start_worker(*ray_actors.start_worker(cfg, a, name))
+
+    async def _start_worker(self, worker_id: str, handle: Any) -> None:
+        await self.actors.broadcaster.register.remote(worker_id, handle)
+        self.worker_runs[worker_id] = handle.run.remote()
+
+    async def _start(self) -> None:
+        a = self.actors
+        if self.cfg.run.load:
+            await self._load(self.cfg.run.load)
+        version = await a.trainer.get_version.remote()
+        self.scheduler.on_version(version)
+        await a.buffer.set_version.remote(version)
+        if version > 0:  # resumed: workers loaded the base checkpoint, send them the weights
+            await a.trainer.publish.remote(a.broadcaster)
+        for worker_id, handle in list(a.workers.items()):
+            await self._start_worker(worker_id, handle)
+
+    async def _until_stopped(self, ref: Any) -> Any:
+        """Await ``ref`` unless the run is stopped first (then return None)."""
+        task = asyncio.ensure_future(ref)
+        stopper = asyncio.ensure_future(self.stop.wait())
+        done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        return None
+
+    async def _rollout_and_buffer_stats(self) -> dict[str, float]:
+        stats = await self.actors.buffer.stats.remote()
+        totals: dict[str, float] = {}
+        for ws in self.worker_stats.values():
+            for key in ("rollout/tokens", "rollout/busy_s", "rollout/partial", "rollout/drain_s", "rollout/swap_s"):
+                totals[key] = totals.get(key, 0.0) + ws.get(key, 0.0)
+        up = max((ws.get("rollout/uptime_s", 0.0) for ws in self.worker_stats.values()), default=0.0)
+        if up:
+            totals["rollout/tokens_per_s"] = totals.get("rollout/tokens", 0.0) / up
+        stats.update(totals)
+        stats.update(self.scheduler.stats())
+        return stats
+
+    async def _evaluate(self, step: int) -> None:
+        from miles.evaluation import run_evaluation
+
+        metrics = await run_evaluation(self.cfg, self.eval_data, list(self.actors.workers.values()), step)
+        self.out.log_eval(step, metrics)
+
+    # ---- checkpoints and shutdown ------------------------------------------------------
+    async def _save(self) -> None:
+        from miles.checkpoint import save_run_state
+
+        await save_run_state(self.ckpt, self.step, self.actors, self.dataset, self.scheduler)
+
+    async def _load(self, path: str) -> None:
+        from miles.checkpoint import load_run_state
+
+        self.step = await load_run_state(path, self.actors, self.dataset, self.scheduler)
+
+    def _interrupt(self) -> None:
+        print("\n[miles] interrupted: parking in-flight work and shutting down", flush=True)
+        self.stop.set()
+
+    def _fail(self, message: str) -> None:
+        self.failure = message
+        self.stop.set()
+
+    async def _shutdown(self, status: str) -> dict[str, Any]:
+        a = self.actors
+        self.stop.set()
+        for task in self.eval_tasks:
+            task.cancel()
+        stopped = await asyncio.gather(*(w.stop.remote() for w in a.workers.values()), return_exceptions=True)
+        await asyncio.gather(*self.worker_runs.values(), return_exceptions=True)
+        if self.ckpt is not None and status == "interrupted":
+            await self._save()
+        ledger = await a.buffer.ledger.remote()
+        summary = {
+            "status": status,
+            "failure": self.failure,
+            "steps": self.step,
+            "policy_version": self.scheduler.version,
+            "ledger": ledger.to_dict() if hasattr(ledger, "to_dict") else ledger,
+            "ledger_ok": _ledger_ok(ledger),
+            "data": self.dataset.stats(),
+            "worker_restarts": self.restarts,
+            "workers": [s for s in stopped if isinstance(s, dict)],
+            "checkpoint": self.ckpt.latest() if self.ckpt else None,
+        }
+        self.out.write_summary(summary)
+        self.out.close()
+        for handle in [*a.workers.values(), *a.rewards, a.trainer, a.broadcaster, a.buffer]:
+            ray_actors.kill(handle)
+        return summary
+
+
+def _ledger_ok(ledger: Any) -> bool:
+    try:
+        ledger.check()
+    except Exception:
+        return False
+    return True
+
+
+async def train(cfg: MilesConfig) -> dict[str, Any]:
+    """Run training to ``--num-rollout`` steps; returns the summary (also in summary.json)."""
+    from miles.actors.factory import load_datasets
+
+    if cfg.run.load_debug_rollout_data:
+        return await replay_debug_rollouts(cfg)
+    dataset, eval_data = load_datasets(cfg)  # bad data fails here, before any output exists
+    driver = Driver(cfg, dataset, eval_data)
+    return await driver.run()
+
+
+async def replay_debug_rollouts(cfg: MilesConfig) -> dict[str, Any]:
+    """Train on recorded batches only: no rollout workers, no buffer (slime's debug mode)."""
+    from miles.actors.factory import build_policy_trainer
+
+    batches = load_debug_batches(cfg.run.load_debug_rollout_data)
+    out = RunOutputs(cfg)
+    trainer = build_policy_trainer(cfg)
+    for step, groups in enumerate(batches[: cfg.run.num_rollout], start=1):
+        version = trainer.version
+        metrics = dict(trainer.train_step(groups))
+        metrics.update(batch_metrics(groups, version))
+        out.log_step(step, metrics)
+    summary = {"status": "completed", "steps": len(batches[: cfg.run.num_rollout]), "mode": "debug-replay"}
+    out.write_summary(summary)
+    out.close()
+    return summary

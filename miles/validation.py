@@ -1,0 +1,74 @@
+"""Cross-field checks on a resolved config, run once before anything starts.
+
+Each problem is reported with the flag(s) at fault, and all of them at once, so that a
+user fixes a bad command line in one go. Checks that need files look at the filesystem
+(checkpoint and data paths) but never create anything: a run that fails here leaves no
+outputs behind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+_ESTIMATORS_NEEDING_GROUPS = {"grpo", "dr_grpo", "rloo"}
+
+
+def check_config(cfg: Any) -> None:
+    from miles.config import ConfigError
+
+    problems = list(_problems(cfg))
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads best
+    run, data, rollout, sched, algo = cfg.run, cfg.data, cfg.rollout, cfg.scheduler, cfg.algorithm
+    replay = bool(run.load_debug_rollout_data)
+    if not rollout.hf_checkpoint:
+        yield "--hf-checkpoint is required (a local directory with config.json and *.safetensors)"
+    elif not (Path(rollout.hf_checkpoint) / "config.json").is_file():
+        yield f"--hf-checkpoint {rollout.hf_checkpoint}: no config.json there"
+    if not replay:
+        if not data.prompt_data:
+            yield "--prompt-data is required (a JSONL file)"
+        elif not Path(data.prompt_data).is_file():
+            yield f"--prompt-data {data.prompt_data}: file not found"
+        if not (rollout.custom_rm_path or rollout.custom_generate_function_path or getattr(rollout, "env_path", None)):
+            yield "no reward: set --custom-rm-path (or an --env-path / --custom-generate-function-path that sets rewards)"
+    elif not Path(run.load_debug_rollout_data).is_dir():
+        yield f"--load-debug-rollout-data {run.load_debug_rollout_data}: directory not found"
+    if data.eval_prompt_data and not Path(data.eval_prompt_data).is_file():
+        yield f"--eval-prompt-data {data.eval_prompt_data}: file not found"
+    if run.eval_interval and not data.eval_prompt_data:
+        yield "--eval-interval needs --eval-prompt-data"
+    if run.save_interval and not run.save:
+        yield "--save-interval needs --save DIR"
+    if run.load and not Path(run.load).exists():
+        yield f"--load {run.load}: not found"
+    for name in ("num_rollout", "num_rollout_workers", "keep_checkpoints", "update_weight_buffer_size"):
+        if getattr(run, name) < 1:
+            yield f"--{name.replace('_', '-')} must be >= 1"
+    if rollout.n_samples_per_prompt < 1:
+        yield "--n-samples-per-prompt must be >= 1"
+    elif rollout.n_samples_per_prompt < 2 and algo.advantage_estimator in _ESTIMATORS_NEEDING_GROUPS:
+        yield (f"--advantage-estimator {algo.advantage_estimator} compares samples of one prompt: "
+               "it needs --n-samples-per-prompt >= 2")
+    if rollout.rollout_max_response_len < 1:
+        yield "--rollout-max-response-len must be >= 1"
+    if rollout.rollout_temperature < 0:
+        yield "--rollout-temperature must be >= 0"
+    if not 0 < rollout.rollout_top_p <= 1:
+        yield "--rollout-top-p must be in (0, 1]"
+    if rollout.max_inflight_per_worker < 1:
+        yield "--max-inflight-per-worker must be >= 1"
+    if run.num_reward_workers < 0:
+        yield "--num-reward-workers must be >= 0"
+    gpus = run.actor_num_gpus_per_node + run.rollout_num_gpus
+    if run.colocate and run.rollout_num_gpus and run.rollout_num_gpus != run.actor_num_gpus_per_node * run.actor_num_nodes:
+        yield "--colocate shares the trainer's GPUs: leave --rollout-num-gpus unset or equal to the trainer's"
+    if gpus and run.deterministic:
+        yield "--deterministic is a CPU feature (bitwise resume); it is not supported with GPUs"
+    if sched.mode == "sync" and sched.over_sampling_batch_size and not rollout.partial_rollout:
+        # Over-sampled groups would finish on old weights and be dropped as stale.
+        yield "--mode sync with --over-sampling-batch-size needs --partial-rollout (or a non-sync mode)"

@@ -1,0 +1,116 @@
+"""Flattened weight buckets: the wire format of every weight transport.
+
+A bucket is one contiguous ``uint8`` buffer plus a list of ``TensorMeta`` (name, dtype,
+shape, byte offset): one object-store put per bucket, one NCCL broadcast per bucket, one
+CUDA IPC handle per bucket. Names are Hugging Face parameter names, so any engine (embedded
+or SGLang) can load them. Unpacking returns views into the buffer (no copy), which the
+engine then copies into its staging area.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+
+import msgspec
+import numpy as np
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the bucket
+    nbytes: int
+
+
+class WeightBucket(msgspec.Struct, kw_only=True):
+    """A packed bucket; ``data`` is a 1-D uint8 numpy array (zero-copy through Ray)."""
+
+    version: int
+    index: int
+    total: int  # number of buckets in this update; the engine commits after the last
+    metas: list[TensorMeta]
+    data: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.data is None else int(self.data.nbytes)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype for weight transport: {dtype}") from None
+
+
+def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group tensors into lists of at most ``bucket_bytes`` (a larger tensor goes alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes}")
+    current: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > bucket_bytes:
+            yield current
+            current, size = [], 0
+        current.append((name, tensor))
+        size += nbytes
+    if current:
+        yield current
+
+
+def pack(tensors: Sequence[tuple[str, torch.Tensor]], *, version: int, index: int, total: int) -> WeightBucket:
+    """Copy tensors (any device) into one host uint8 buffer, 16-byte aligned per tensor."""
+    metas: list[TensorMeta] = []
+    offset = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
+        offset += (nbytes + 15) // 16 * 16
+    data = np.empty(offset, dtype=np.uint8)
+    flat = torch.from_numpy(data)
+    for meta, (_, t) in zip(metas, tensors):
+        src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat[meta.offset : meta.offset + meta.nbytes].copy_(src, non_blocking=False)
+    return WeightBucket(version=version, index=index, total=total, metas=metas, data=data)
+
+
+def unpack(bucket: WeightBucket) -> list[tuple[str, torch.Tensor]]:
+    """Views into the bucket's buffer, one per tensor (read-only if the buffer is)."""
+    if bucket.data is None:
+        raise ValueError(f"bucket {bucket.index} of version {bucket.version} has no data")
+    buf = bucket.data
+    if not buf.flags.writeable:
+        # Ray's zero-copy arrays are read-only; torch warns about wrapping those, and the
+        # engine only ever reads them (it copies into its own parameters).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(buf, dtype=torch.uint8) if buf.nbytes else torch.empty(0, dtype=torch.uint8)
+    else:
+        flat = torch.from_numpy(buf)
+    out = []
+    for meta in bucket.metas:
+        raw = flat[meta.offset : meta.offset + meta.nbytes]
+        out.append((meta.name, raw.view(_DTYPES[meta.dtype]).reshape(meta.shape)))
+    return out
+
+
+def pack_all(named: Iterable[tuple[str, torch.Tensor]], *, version: int, bucket_bytes: int) -> list[WeightBucket]:
+    plans = list(plan_buckets(named, bucket_bytes))
+    return [pack(p, version=version, index=i, total=len(plans)) for i, p in enumerate(plans)]
