@@ -32,7 +32,7 @@ from torch import Tensor
 
 from miles.algorithms.config import AlgorithmConfig
 from miles.algorithms.corrections import LOG_RATIO_CLAMP, importance_weights, loglinear_prox_logp
-from miles.algorithms.masked import as_bool, masked_mean, masked_sum, zero_masked
+from miles.algorithms.masked import as_bool, masked_mean, zero_masked
 
 
 # ---- building blocks ------------------------------------------------------------------

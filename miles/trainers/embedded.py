@@ -89,6 +89,8 @@ class EmbeddedTrainer:
         self.model.train()
         self.is_moe = bool(getattr(model.config, "is_moe", False))
         self.sharded = maybe_fully_shard(self.model, config.fsdp, self.compute_dtype)
+        # The fused LM-head log-prob path (see ``logprobs``); benchmarks flip it to compare.
+        self.fused_logprobs = not self.sharded
         if config.gradient_checkpointing:
             _checkpoint_layers(self.model)
         if config.compile:
@@ -126,7 +128,8 @@ class EmbeddedTrainer:
         rewards = torch.tensor([t.scalar_reward(self.config.reward_key) for t in trajs], dtype=torch.float32)
         if not torch.isfinite(rewards).all():
             raise ValueError("a trajectory has a non-finite reward")
-        batch = self._build(trajs)
+        batch = self._build(trajs)  # validates everything before any state changes
+        trained_version = self._version
         rewards = rewards.to(self.device)
         acc = MetricAccumulator()
         logp_ref = self._no_grad_logprobs(self.ref_model, batch) if self.ref_model is not None else None
@@ -145,7 +148,7 @@ class EmbeddedTrainer:
 
         metrics = acc.result()
         mask = batch.loss_mask > 0
-        stale = (self._version - 1 - batch.versions).float()
+        stale = (trained_version - batch.versions).float()
         tokens = float(mask.sum())
         elapsed = time.perf_counter() - start
         metrics.update({
@@ -216,7 +219,7 @@ class EmbeddedTrainer:
         routing = full_routing(model, mb, self.compute_dtype) if mb.routing is not None else None
         return response_logprobs(model, mb, temperature=self.config.rollout_temperature,
                                  dtype=self.compute_dtype, entropy=entropy, routing=routing,
-                                 fused=not self.sharded)
+                                 fused=self.fused_logprobs)
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model: nn.Module, batch: TokenBatch) -> Tensor:
