@@ -3,6 +3,7 @@
     python benchmarks/trainer.py [--quick]                      # tiny model, CPU, float32
     python benchmarks/trainer.py --device cuda --preset 0.5b    # Qwen3-0.6B shape, bf16
     python benchmarks/trainer.py --device cuda --preset 0.5b --compile
+    (out of memory on a smaller GPU: --max-tokens 8192; fewer sequences per step: --seqs 32)
 
 Each variant runs full ``EmbeddedTrainer.train_step`` calls (GRPO loss, TIS on, AdamW,
 grad clipping) on random-token trajectories, side by side in one process:
@@ -156,10 +157,18 @@ def run_variants(names: list[str], args: argparse.Namespace, groups: list[list[T
     rows: dict[str, dict] = {}
     if gpu:
         for name in names:
-            v = Variant(name, args)
             torch.cuda.reset_peak_memory_stats()
-            for i in range(args.warmup + args.steps):
-                v.step(groups, timed=i >= args.warmup)
+            try:
+                v = Variant(name, args)
+                for i in range(args.warmup + args.steps):
+                    v.step(groups, timed=i >= args.warmup)
+            except torch.cuda.OutOfMemoryError:
+                print(f"{name}: out of GPU memory (try a smaller --max-tokens)", file=sys.stderr)
+                rows[name] = {"step_s": float("nan"), "tokens_per_s": float("nan"), "tflops": float("nan"),
+                              "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "loss": float("nan")}
+                v = None
+                torch.cuda.empty_cache()
+                continue
             rows[name] = v.result(groups, torch.cuda.max_memory_allocated() / 2**30)
             v.close()
         return rows
@@ -170,8 +179,18 @@ def run_variants(names: list[str], args: argparse.Namespace, groups: list[list[T
     return {v.name: v.result(groups, 0.0) for v in variants}
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine(device: str) -> str:
-    cpu = f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores".replace("  ", " ")
+    cpu = f"{cpu_name()} ({os.cpu_count()} cores visible)"
     desc = f"{platform.platform()}, {cpu}, Python {platform.python_version()}, torch {torch.__version__}"
     if device.startswith("cuda"):
         desc += f", GPU {torch.cuda.get_device_name()}"
@@ -235,7 +254,7 @@ def main() -> None:
                      f"{r['peak_mem_gb']:>9.1f}")
     table = "\n".join(lines)
     tokens = seq_len * sum(len(g) for g in groups)
-    best = max(r["tflops"] for r in rows.values()) * 1e12 / peak
+    best = max((r["tflops"] for r in rows.values() if r["tflops"] == r["tflops"]), default=0.0) * 1e12 / peak
     info = (f"preset {args.preset} ({dtype}), {sum(len(g) for g in groups)} sequences × {seq_len} tokens "
             f"(prompt {prompt_len}) = {tokens} tokens per train step, {args.steps} timed steps (median) after "
             f"{args.warmup} warm-up; peak {peak / 1e12:.3f} TFLOP/s ({peak_src}); "
@@ -255,7 +274,7 @@ def append(args: argparse.Namespace, info: str, table: str, goal: str) -> None:
     text = (
         f"\n## trainer — {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}\n\n"
         f"Command: `{cmd.strip()}`  \nMachine: {machine(args.device)}"
-        f"{' (shared with other jobs; variants run back to back in one process, compare ratios)' if not args.device.startswith('cuda') else ''}\n\n"
+        f"{' (shared with other jobs: variants interleaved step by step in one process, median step; compare the ratios)' if not args.device.startswith('cuda') else ''}\n\n"
         f"{info}\n\n```\n{table}\n```\n\n{goal}. FLOPs = 6·N_layers·tokens + 6·V·H·response tokens "
         f"+ causal attention 6·L·heads·head_dim·S²/2 per sequence (see the script's docstring).\n"
     )

@@ -196,6 +196,23 @@ def _proximal(batch: PolicyBatch, cfg: AlgorithmConfig, m: Tensor, trainer_versi
     return zero_masked(batch.logp_prox.detach(), m)
 
 
+def _behaviour_weights(
+    prox: Tensor, logp_rollout: Tensor, m: Tensor, config: AlgorithmConfig, stats: dict[str, Tensor]
+) -> tuple[Tensor, Tensor]:
+    """(w, effective mask): TIS/MIS weights with ``use_tis``, the raw π_prox/π_behav with
+    ``use_decoupled_loss``, else 1. The importance stats are computed (and reported) always."""
+    is_w, is_mask = importance_weights(
+        prox, logp_rollout, m, mode=config.importance_mode, level=config.tis_level,
+        low=config.tis_clip_low, high=config.tis_clip, veto=config.tis_veto, stats=stats,
+    )
+    if config.use_tis:
+        return is_w, as_bool(is_mask)
+    if config.use_decoupled_loss:
+        raw = torch.exp((prox - logp_rollout).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        return zero_masked(raw, m), m
+    return m.to(prox.dtype), m
+
+
 def compute_loss(
     batch: PolicyBatch,
     config: AlgorithmConfig,
@@ -213,17 +230,7 @@ def compute_loss(
     prox = _proximal(batch, config, m, trainer_version)
 
     is_stats: dict[str, Tensor] = {}
-    is_w, is_mask = importance_weights(
-        prox, logp_rollout, m, mode=config.importance_mode, level=config.tis_level,
-        low=config.tis_clip_low, high=config.tis_clip, veto=config.tis_veto, stats=is_stats,
-    )
-    if config.use_tis:
-        weights, eff_mask = is_w, as_bool(is_mask)
-    elif config.use_decoupled_loss:
-        raw = torch.exp((prox - logp_rollout).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        weights, eff_mask = zero_masked(raw, m), m
-    else:
-        weights, eff_mask = m.to(logp.dtype), m
+    weights, eff_mask = _behaviour_weights(prox, logp_rollout, m, config, is_stats)
 
     log_ratio = logp - prox
     if config.sequence_ratio:

@@ -90,11 +90,17 @@ def _plain(model: torch.nn.Module, h: Tensor, targets: Tensor, temperature: floa
            entropy: str) -> tuple[Tensor, Tensor | None]:
     logits = model.lm_head(h).float()
     logp = token_logprobs(logits, targets, temperature)
-    ent = None
-    if entropy != "none":
-        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy == "grad"):
-            lsm = torch.log_softmax(logits / temperature, dim=-1)
-            ent = -(lsm.exp() * lsm).sum(-1)
+    if entropy == "none":
+        return logp, None
+    if entropy == "grad" and torch.is_grad_enabled():
+        lsm = torch.log_softmax(logits / temperature, dim=-1)
+        return logp, -(lsm.exp() * lsm).sum(-1)
+    ent = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    step = _chunk_rows(logits.shape[-1])
+    with torch.no_grad():  # metric only: chunked so no extra full-size float32 tensors
+        for s in range(0, logits.shape[0], step):
+            lsm = torch.log_softmax(logits[s : s + step] / temperature, dim=-1)
+            ent[s : s + step] = -(lsm.exp() * lsm).sum(-1)
     return logp, ent
 
 
