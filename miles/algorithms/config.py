@@ -64,6 +64,8 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True):
     reward_kl_coef: float = 0.0
 
     # --- PPO clip -----------------------------------------------------------------------
+    # For GSPO the clip applies to the sequence's geometric-mean ratio, which moves far less
+    # than token ratios: its paper uses eps_clip=3e-4, eps_clip_high=4e-4.
     eps_clip: float = 0.2
     eps_clip_high: float | None = None  # None → eps_clip (symmetric); DAPO uses 0.28
     dual_clip_c: float | None = None  # dual-clip lower bound for A < 0 (must be > 1)
