@@ -1,1 +1,17 @@
-"""miles.engines"""
+"""miles.engines: rollout engines behind ``miles.protocols.RolloutEngine``.
+
+- ``embedded.py`` EmbeddedEngine — pure PyTorch, continuous batching, abort/resume, staged
+  weight updates with per-token versions (the default backend, CPU and GPU)
+- ``config.py``   EngineConfig
+- ``runner.py``   device side: KV cache, prefill/decode forwards, CUDA graphs
+- ``kv_cache.py`` slot KV cache and its prefill/decode attention backends
+- ``sampling.py`` batched sampling (temperature, top-k, top-p, seeded counter-based draws)
+- ``requests.py`` per-request state and stop rules
+- ``weights.py``  staged weight updates
+"""
+
+from miles.engines.config import EngineConfig
+from miles.engines.embedded import EmbeddedEngine
+from miles.engines.weights import WeightError
+
+__all__ = ["EmbeddedEngine", "EngineConfig", "WeightError"]

@@ -1,1 +1,17 @@
-"""miles.trainers"""
+"""Policy trainers (``miles.protocols.TrainerBackend``).
+
+- ``embedded``: ``EmbeddedTrainer`` — pure PyTorch on CPU or GPU (FSDP2 across GPUs).
+- ``config``: ``TrainerConfig`` (optimizer, LR schedule, batching, precision flags).
+- ``batching``: trajectories → padded token tensors; micro-batch planning.
+- ``logprobs``: response-token log-probs with a memory-lean fused LM head + log-softmax.
+- ``state``: weight export and checkpoint state (tensors + plain values, no pickle).
+- ``metrics``: folds micro-batch metrics into one dict per step.
+- ``fsdp``: the (untested) FSDP2 wrapping.
+
+A Megatron-core trainer for large MoE models lives beside it (``megatron*``) when present.
+"""
+
+from miles.trainers.config import TrainerConfig, TrainerConfigError, lr_at
+from miles.trainers.embedded import EmbeddedTrainer, NonFiniteError
+
+__all__ = ["EmbeddedTrainer", "NonFiniteError", "TrainerConfig", "TrainerConfigError", "lr_at"]

@@ -1,0 +1,162 @@
+"""``AlgorithmConfig``: the flags that choose the advantage estimator, the policy loss and
+the off-policy corrections.
+
+Field names are the CLI flag names with '-' → '_' (``--eps-clip-high`` ↔ ``eps_clip_high``).
+Defaults follow slime where slime has the flag (eps_clip 0.2, tis_clip 2.0, gamma/lam 1.0,
+kl type k1, entropy 0, GRPO estimator, per-sequence mean aggregation). The config layer
+builds it with ``msgspec.convert(mapping, AlgorithmConfig)``; constructing it directly runs
+the same validation (``__post_init__``), and every error names the offending field.
+
+How the knobs compose (see ``losses.compute_loss`` for the exact formula):
+
+- the PPO ratio is π_θ / π_prox, where π_prox (the policy before this update) is recomputed
+  with the pre-update weights (``prox_logp="recompute"``) or approximated from per-token
+  versions (``"loglinear"``, AReaL);
+- every loss token is weighted by a behaviour correction w ≈ π_prox / π_behav:
+  ``use_tis`` → truncated (``tis_mode="truncate"``) or masked (``"mask"``) weights from
+  ``importance_weights``; else ``use_decoupled_loss`` → the raw ratio (AReaL's decoupled
+  PPO); else w = 1 (no correction: rollout samples are treated as if drawn from π_prox);
+- ``advantage_estimator="gspo"`` uses GRPO advantages with GSPO's sequence-level,
+  length-normalized ratio in the clip.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import msgspec
+
+AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "ppo", "gspo"]
+TisLevel = Literal["token", "sequence", "geometric"]
+TisMode = Literal["truncate", "mask"]
+ProxLogp = Literal["recompute", "loglinear"]
+KlType = Literal["k1", "k2", "k3"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "advantage_estimator": ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "ppo", "gspo"),
+    "tis_level": ("token", "sequence", "geometric"),
+    "tis_mode": ("truncate", "mask"),
+    "prox_logp": ("recompute", "loglinear"),
+    "kl_type": ("k1", "k2", "k3"),
+    "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+}
+
+
+class AlgorithmConfigError(ValueError):
+    """An AlgorithmConfig field has a bad value; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"AlgorithmConfig.{field}: {message}")
+        self.field = field
+
+
+class AlgorithmConfig(msgspec.Struct, kw_only=True):
+    """Advantage estimator, policy loss and off-policy correction flags."""
+
+    # --- advantages ---------------------------------------------------------------------
+    advantage_estimator: AdvantageEstimator = "grpo"
+    gamma: float = 1.0  # discount (GAE, REINFORCE++ returns)
+    lam: float = 1.0  # GAE lambda (slime: --lambd)
+    # REINFORCE++ only: per-token KL(π_behav‖π_ref) penalty folded into the reward
+    # (slime calls this --kl-coef; here --kl-coef is the KL *loss* term, as the issue asks).
+    reward_kl_coef: float = 0.0
+
+    # --- PPO clip -----------------------------------------------------------------------
+    # For GSPO the clip applies to the sequence's geometric-mean ratio, which moves far less
+    # than token ratios: its paper uses eps_clip=3e-4, eps_clip_high=4e-4.
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None  # None → eps_clip (symmetric); DAPO uses 0.28
+    dual_clip_c: float | None = None  # dual-clip lower bound for A < 0 (must be > 1)
+
+    # --- rollout corrections (importance_weights) ---------------------------------------
+    use_tis: bool = False
+    tis_clip: float = 2.0  # importance_weights' ``high``
+    tis_clip_low: float | None = None  # ``low``; None → 0 (truncate) or 1/tis_clip (mask)
+    tis_level: TisLevel = "token"
+    tis_mode: TisMode = "truncate"
+    tis_veto: float | None = None  # mask a sequence if any token ratio < veto
+
+    # --- decoupled PPO ------------------------------------------------------------------
+    use_decoupled_loss: bool = False
+    prox_logp: ProxLogp = "recompute"
+
+    # --- regularizers -------------------------------------------------------------------
+    kl_coef: float = 0.0  # KL(π_θ‖π_ref) loss term; needs a reference model when > 0
+    kl_type: KlType = "k1"
+    entropy_coef: float = 0.0
+
+    # --- aggregation --------------------------------------------------------------------
+    loss_agg: LossAgg = "seq-mean-token-mean"
+    # Constant normalizer of "seq-mean-token-sum-norm" (Dr. GRPO uses the generation
+    # budget); None → the padded response length of the batch.
+    loss_agg_max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    # ---- derived ---------------------------------------------------------------------
+    @property
+    def clip_high(self) -> float:
+        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+    @property
+    def importance_mode(self) -> Literal["tis", "mask"]:
+        """``tis_mode`` in ``importance_weights``' vocabulary."""
+        return "tis" if self.tis_mode == "truncate" else "mask"
+
+    @property
+    def sequence_ratio(self) -> bool:
+        """GSPO: the clipped ratio is the sequence's length-normalized (geometric) ratio."""
+        return self.advantage_estimator == "gspo"
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise AlgorithmConfigError(field, message)
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def validate(cfg: AlgorithmConfig) -> None:
+    """Raise AlgorithmConfigError naming the first bad field."""
+    for field, choices in CHOICES.items():
+        value = getattr(cfg, field)
+        _check(value in choices, field, f"{value!r} is not one of {list(choices)}")
+    for field in ("gamma", "lam"):
+        value = getattr(cfg, field)
+        _check(_finite(value) and 0.0 <= value <= 1.0, field, f"must be in [0, 1], got {value!r}")
+    for field in ("reward_kl_coef", "kl_coef", "entropy_coef"):
+        value = getattr(cfg, field)
+        _check(_finite(value) and value >= 0.0, field, f"must be a finite number >= 0, got {value!r}")
+    _check(_finite(cfg.eps_clip) and cfg.eps_clip > 0, "eps_clip", f"must be > 0, got {cfg.eps_clip!r}")
+    if cfg.eps_clip_high is not None:
+        _check(
+            _finite(cfg.eps_clip_high) and cfg.eps_clip_high > 0,
+            "eps_clip_high",
+            f"must be > 0, got {cfg.eps_clip_high!r}",
+        )
+    if cfg.dual_clip_c is not None:
+        _check(
+            _finite(cfg.dual_clip_c) and cfg.dual_clip_c > 1.0,
+            "dual_clip_c",
+            f"must be > 1 (dual-clip lower bound), got {cfg.dual_clip_c!r}",
+        )
+    _check(_finite(cfg.tis_clip) and cfg.tis_clip > 0, "tis_clip", f"must be > 0, got {cfg.tis_clip!r}")
+    if cfg.tis_clip_low is not None:
+        _check(
+            _finite(cfg.tis_clip_low) and 0.0 <= cfg.tis_clip_low <= cfg.tis_clip,
+            "tis_clip_low",
+            f"must be in [0, tis_clip={cfg.tis_clip}], got {cfg.tis_clip_low!r}",
+        )
+    if cfg.tis_veto is not None:
+        _check(_finite(cfg.tis_veto) and cfg.tis_veto > 0, "tis_veto", f"must be > 0, got {cfg.tis_veto!r}")
+    if cfg.loss_agg_max_tokens is not None:
+        _check(
+            isinstance(cfg.loss_agg_max_tokens, int) and cfg.loss_agg_max_tokens > 0,
+            "loss_agg_max_tokens",
+            f"must be a positive int, got {cfg.loss_agg_max_tokens!r}",
+        )

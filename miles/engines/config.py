@@ -1,0 +1,55 @@
+"""EngineConfig: the embedded rollout engine's knobs (field names are the CLI flag names)."""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    # KV-cache slots = the most requests decoding at once; more requests wait in a queue.
+    max_batch_size: int = 64
+    # Context length of one slot (prompt + response); ≤ the model's max_position_embeddings.
+    max_seq_len: int = 2048
+    device: str = "cpu"
+    # "auto": float32 on the CPU, bfloat16 on CUDA; or "float32" / "bfloat16" / "float16".
+    dtype: str = "auto"
+    # Default for weight updates: keep in-flight requests' KV cache (PipelineRL) or
+    # recompute it with the new weights (AReaL).
+    keep_kv_cache_on_update: bool = True
+    # Most prompt tokens (padded) prefilled in one forward; a longer prompt goes alone.
+    max_prefill_tokens: int = 8192
+    # Decode reads the KV cache up to the longest context rounded up to this (0 = auto:
+    # 256 on CUDA so CUDA graphs see few shapes, 16 on the CPU).
+    kv_block: int = 0
+    # "matmul" (explicit, K/V read once) or "sdpa" for the decode attention.
+    decode_attention: str = "matmul"
+    # CUDA graphs for dense decode steps (ignored on the CPU and for MoE models).
+    cuda_graphs: bool = True
+    # Seed of the generator for requests that carry no seed of their own.
+    seed: int = 0
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if torch.device(self.device).type == "cpu" else torch.bfloat16
+        try:
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        except KeyError:
+            raise ValueError(f"dtype {self.dtype!r} not in auto/float32/bfloat16/float16") from None
+
+    def block(self) -> int:
+        if self.kv_block > 0:
+            return self.kv_block
+        return 16 if torch.device(self.device).type == "cpu" else 256
+
+    def validate(self, max_position_embeddings: int) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if not 1 < self.max_seq_len <= max_position_embeddings:
+            raise ValueError(f"max_seq_len {self.max_seq_len} not in (1, max_position_embeddings="
+                             f"{max_position_embeddings}]")
+        if self.decode_attention not in ("matmul", "sdpa"):
+            raise ValueError(f"decode_attention {self.decode_attention!r} not in matmul/sdpa")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
+        self.torch_dtype()

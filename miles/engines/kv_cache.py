@@ -1,0 +1,103 @@
+"""Slot-based KV cache and the attention backends that read and write it.
+
+Layout: one K and one V tensor of shape ``[layers, slots, kv_heads, max_seq_len, head_dim]``.
+A running request owns one slot. The engine keeps running requests in slots ``0..n-1``
+(it moves the last slot into the hole when a request leaves), so a decode step reads the
+contiguous prefix ``[:n]`` of the slot dimension and the prefix ``[:L]`` of the time
+dimension as *views* — no gather copy — where ``L`` is the longest context in the batch
+rounded up to ``kv_block`` (fewer distinct shapes for CUDA graphs, little extra reading).
+
+Backends (see ``miles.models.layers.AttentionBackend``):
+
+- ``PrefillAttention``: causal attention within the new tokens (right-padded batch; causal
+  masking alone keeps real tokens away from the pads) and a write of their K/V into the
+  given slots at positions ``0..T-1``. Prefill never reads the cache: a resumed or
+  recomputed request re-prefills its whole context.
+- ``DecodeAttention``: one new token per row at ``positions[b]``: writes its K/V there, then
+  attends over ``[0, positions[b]]`` of the row's slot. ``mode="matmul"`` (default) is
+  explicit ``q·Kᵀ → masked softmax (float32) → ·V`` with the GQA group folded into the query
+  axis, so K and V are each read once and never repeated; ``mode="sdpa"`` hands the same
+  views and mask to ``scaled_dot_product_attention``.
+
+A speculative verify step (later issue) is one more backend: k new tokens per row, causal
+among themselves, same cache reads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from miles.models.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, config: ModelConfig, num_slots: int, max_seq_len: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        shape = (config.num_hidden_layers, num_slots, config.num_key_value_heads, max_seq_len,
+                 config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def bytes_per_token(self) -> int:
+        """K+V bytes of one token over all layers (for the roofline)."""
+        L, _, kv, _, d = self.k.shape
+        return 2 * L * kv * d * self.k.element_size()
+
+    def clear_slot(self, slot: int) -> None:
+        self.k[:, slot].zero_()
+        self.v[:, slot].zero_()
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        if src != dst and length > 0:
+            self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+            self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+
+class PrefillAttention:
+    def __init__(self, cache: KVCache, slots: Tensor) -> None:
+        self.cache, self.slots = cache, slots
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        T = q.shape[2]
+        self.cache.k[layer_idx, self.slots, :, :T] = k
+        self.cache.v[layer_idx, self.slots, :, :T] = v
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+
+class DecodeAttention:
+    """One query token per row; rows ``0..n-1`` are slots ``0..n-1``."""
+
+    def __init__(self, cache: KVCache, positions: Tensor, length: int, mode: str = "matmul") -> None:
+        self.cache, self.positions, self.length, self.mode = cache, positions, length, mode
+        n = positions.shape[0]
+        self.rows = torch.arange(n, device=positions.device)
+        # [n, 1, 1, L]: key j is visible to row b iff j <= positions[b].
+        self.mask = (torch.arange(length, device=positions.device)[None, :]
+                     <= positions[:, None])[:, None, None, :]
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        n, H, _, D = q.shape
+        KV = k.shape[1]
+        kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        kc[self.rows, :, self.positions] = k[:, :, 0]
+        vc[self.rows, :, self.positions] = v[:, :, 0]
+        keys = kc[:n, :, : self.length]  # views: [n, KV, L, D]
+        values = vc[:n, :, : self.length]
+        qg = q.reshape(n, KV, H // KV, D)  # the GQA group becomes the query axis
+        if self.mode == "sdpa":
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask)
+        else:
+            scores = torch.matmul(qg, keys.transpose(-1, -2)) * (1.0 / math.sqrt(D))
+            scores = scores.float().masked_fill(~self.mask, float("-inf"))
+            out = torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
+        return out.reshape(n, H, 1, D)

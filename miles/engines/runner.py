@@ -1,0 +1,150 @@
+"""ModelRunner: the engine's device side — KV cache, prefill and decode forwards, CUDA graphs.
+
+Everything here runs on the engine's stepping thread under ``torch.no_grad``. Inputs arrive
+as host lists; outputs are device tensors that the sampler consumes. The step is split into
+``prefill`` and ``decode`` calls (plus sampling in the engine), so a speculative
+draft/verify step can be added beside ``decode`` without touching the rest.
+
+CUDA graphs (dense models on CUDA only): the decode forward for a batch padded up to a
+bucket size ``nb`` and a context bucket ``L`` is captured once, lazily, into a shared memory
+pool, reading tokens/positions from static buffers and writing logits and hidden states
+into static outputs. Padding rows use free slots (``n..nb-1``) at position 0, so they never
+touch a running request's cache. Weight updates copy into the parameters in place, so
+captured graphs stay valid. Any capture failure disables graphs and decode continues
+eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from miles.engines.config import EngineConfig
+from miles.engines.kv_cache import DecodeAttention, KVCache, PrefillAttention
+from miles.models.model import CausalLM
+
+log = logging.getLogger(__name__)
+
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+@dataclass
+class StepOut:
+    logits: Tensor | None  # [n, V] float32 (last position of each row)
+    hidden: Tensor | None  # prefill: [n, T, H]; decode: [n, H]
+    routing: Tensor | None  # prefill: [n, T, L_moe, k]; decode: [n, L_moe, k]
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype()
+        self.model = model
+        self.is_moe = model.config.is_moe
+        self.cache = KVCache(model.config, config.max_batch_size, config.max_seq_len,
+                             self.device, self.dtype)
+        model.rotary.reserve(config.max_seq_len, self.device)
+        self.block = config.block()
+        use_graphs = config.cuda_graphs and self.device.type == "cuda" and not self.is_moe
+        self.graphs = _DecodeGraphs(self) if use_graphs else None
+
+    def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> Tensor:
+        t = torch.tensor(data, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def context_bucket(self, longest: int) -> int:
+        """Rounded-up number of cache positions a decode step reads (≤ max_seq_len)."""
+        b = self.block
+        return min(-(-longest // b) * b, self.config.max_seq_len)
+
+    # ---- prefill -----------------------------------------------------------------------
+    def prefill(self, slots: list[int], seqs: list[list[int]], *, logits: bool,
+                hidden: bool = False, routing: bool = False) -> StepOut:
+        """Write the K/V of ``seqs`` (each from position 0) into ``slots``; logits at each
+        sequence's last token when ``logits``."""
+        n, T = len(seqs), max(len(s) for s in seqs)
+        ids = self._tensor([s + [0] * (T - len(s)) for s in seqs])
+        pos = torch.arange(T, device=self.device).expand(n, T)
+        last = self._tensor([len(s) - 1 for s in seqs])
+        out = self.model(
+            ids, pos, kv_cache=PrefillAttention(self.cache, self._tensor(slots)),
+            return_logits=logits, logits_index=last, return_hidden=hidden,
+            return_routing=routing and self.is_moe, check_inputs=False,
+        )
+        return StepOut(None if out.logits is None else out.logits[:, 0], out.hidden, out.routing)
+
+    # ---- decode ------------------------------------------------------------------------
+    def decode(self, tokens: list[int], positions: list[int]) -> StepOut:
+        """One token per running request; request i occupies slot i (i < n)."""
+        L = self.context_bucket(max(positions) + 1)
+        if self.graphs is not None:
+            out = self.graphs.run(tokens, positions, L)
+            if out is not None:
+                return out
+        return self.decode_eager(self._tensor(tokens), self._tensor(positions), L)
+
+    def decode_eager(self, tokens: Tensor, positions: Tensor, L: int) -> StepOut:
+        backend = DecodeAttention(self.cache, positions, L, self.config.decode_attention)
+        out = self.model(tokens[:, None], positions[:, None], kv_cache=backend, return_hidden=True,
+                         return_routing=self.is_moe, check_inputs=False)
+        routing = None if out.routing is None else out.routing[:, 0]
+        return StepOut(out.logits[:, 0], out.hidden[:, 0], routing)
+
+
+class _DecodeGraphs:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        cap = runner.config.max_batch_size
+        self.buckets = [b for b in _BATCH_BUCKETS if b < cap] + [cap]
+        dev = runner.device
+        self.tokens = torch.zeros(cap, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(cap, dtype=torch.long, device=dev)
+        cfg = runner.model.config
+        self.logits = torch.zeros(cap, cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.hidden = torch.zeros(cap, cfg.hidden_size, dtype=runner.dtype, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.failed = False
+
+    def _step(self, nb: int, L: int) -> None:
+        out = self.runner.decode_eager(self.tokens[:nb], self.positions[:nb], L)
+        self.logits[:nb].copy_(out.logits)
+        self.hidden[:nb].copy_(out.hidden)
+
+    def run(self, tokens: list[int], positions: list[int], L: int) -> StepOut | None:
+        if self.failed:
+            return None
+        n = len(tokens)
+        nb = next(b for b in self.buckets if b >= n)
+        pad = nb - n
+        self.tokens[:nb].copy_(self.runner._tensor(tokens + [0] * pad))
+        self.positions[:nb].copy_(self.runner._tensor(positions + [0] * pad))
+        graph = self.graphs.get((nb, L))
+        if graph is None:
+            try:
+                graph = self._capture(nb, L)
+            except Exception as exc:  # graphs are an optimisation: fall back, loudly
+                log.warning("CUDA graph capture failed (%s); decoding eagerly from now on", exc)
+                self.failed = True
+                return None
+        graph.replay()
+        return StepOut(self.logits[:n], self.hidden[:n], None)
+
+    def _capture(self, nb: int, L: int) -> torch.cuda.CUDAGraph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up (recomputes the same step: idempotent writes)
+                self._step(nb, L)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._step(nb, L)
+        self.graphs[(nb, L)] = graph
+        return graph

@@ -1,0 +1,151 @@
+"""Hugging Face checkpoint IO: ``config.json`` + ``*.safetensors`` (+ tokenizer files).
+
+The on-disk layout is what released HF checkpoints use — per-expert tensor names
+(``mlp.experts.{e}.gate_proj.weight``), which transformers 5 fuses into 3-D tensors on
+load by itself — and our ``state_dict()`` uses the same names, so load and save are the
+identity and the weight broadcaster ships HF-named tensors. No hub access: ``path`` is a
+local directory.
+
+Loading is strict: a tensor the config does not expect, one it expects but the files lack,
+or a shape that differs is an error that names the tensor (a config that does not match
+its checkpoint must never half-load).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from miles.models.config import ModelConfig
+from miles.models.model import CausalLM
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # derived buffers some old checkpoints carry
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing files or does not match its config."""
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """float32 on the CPU (exact parity, consistency tests); bfloat16 on accelerators."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{path}: no config.json")
+    return ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+
+
+def _safetensor_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{path}: index names {f.name}, which is missing")
+    return files
+
+
+def load_pretrained(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> CausalLM:
+    """Build a CausalLM from a local HF checkpoint directory.
+
+    ``dtype`` None → float32 on the CPU, bfloat16 elsewhere. Raises CheckpointError naming
+    the first tensor that is missing, unexpected, or of the wrong shape.
+    """
+    path = Path(path)
+    config = load_config(path)
+    dtype = dtype or default_dtype(device)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = config.tie_word_embeddings
+    if tied:
+        expected.pop("lm_head.weight")
+    state: dict[str, torch.Tensor] = {}
+    for file in _safetensor_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as fh:
+            for name in fh.keys():
+                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                if name not in expected:
+                    raise CheckpointError(
+                        f"{file.name}: tensor {name!r} is not part of a {config.model_type} model "
+                        f"with this config.json (layers={config.num_hidden_layers}, "
+                        f"experts={config.num_experts})"
+                    )
+                shape = tuple(fh.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise CheckpointError(
+                        f"{file.name}: tensor {name!r} has shape {shape}, config.json implies "
+                        f"{expected[name]}"
+                    )
+                state[name] = fh.get_tensor(name).to(device=device, dtype=dtype, copy=True)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"{path}: tensors missing from the checkpoint: {missing[:5]}{more}")
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    model.rotary.reserve(model.rotary.default_length, device)
+    return model.eval()
+
+
+def save_pretrained(
+    model: CausalLM,
+    path: str | Path,
+    *,
+    tokenizer: Any = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> None:
+    """Write ``config.json`` + ``model.safetensors`` (sharded with an index above
+    ``max_shard_bytes``) [+ tokenizer files]; transformers' ``from_pretrained`` loads it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {
+        k: v.detach().to("cpu").contiguous()
+        for k, v in model.state_dict().items()
+        if not (model.config.tie_word_embeddings and k == "lm_head.weight")
+    }
+    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(model.config.to_hf(dtype=dtype), indent=2))
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in state.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    for old in path.glob("model*.safetensors*"):
+        old.unlink()
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        total = sum(v.numel() * v.element_size() for v in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if tokenizer is not None:
+        tokenizer.save(path)

@@ -1,0 +1,263 @@
+"""Building blocks of the decoder: RMSNorm, RoPE, attention, SwiGLU MLP and the sparse MoE block.
+
+Parameter names follow Hugging Face (``q_proj``, ``q_norm``, ``gate_proj``, ``mlp.gate``,
+``mlp.experts.{e}.*``, ``shared_expert``, ``shared_expert_gate``) so that a state dict of
+this model *is* an HF checkpoint. The numerics follow transformers' Qwen3 code (RMSNorm
+in float32 then cast back, router softmax in float32, RoPE tables in float32) so that
+logits agree with it to float32 round-off.
+
+Attention does not own a KV cache. It calls an *attention backend*: a callable
+``backend(layer_idx, q, k, v) -> out`` with q ``[B, H, T, D]`` and k, v ``[B, KV, T, D]``
+(RoPE and q/k-norm already applied), returning ``[B, H, T, D]``. ``FullAttention`` below is
+the training / scoring backend; the engine supplies cache-writing prefill and cache-reading
+decode backends (``miles.engines.kv_cache``), and a speculative verify step can be one more.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from miles.models.config import ModelConfig
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """Inverse frequencies for default, linear and llama3 RoPE (as transformers computes them)."""
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_ctx / hi) * ~(wavelen > old_ctx / lo)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class Rotary:
+    """cos/sin tables (float32) gathered by position ids.
+
+    Not an nn.Module buffer on purpose: the tables are derived, never saved, and must not
+    be re-allocated while a CUDA graph holds their address (the engine calls ``reserve``
+    for its context length before capturing; the model grows the table only when it is
+    asked to check its inputs).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.inv_freq = rope_inv_freq(config)
+        self.default_length = min(config.max_position_embeddings, 8192)
+        self._cos: Tensor | None = None
+        self._sin: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self._cos is None else self._cos.shape[0]
+
+    def reserve(self, length: int, device: torch.device | str) -> None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self._cos is not None and self._cos.device == device and self.length >= length:
+            return
+        pos = torch.arange(max(length, self.length), device=device, dtype=torch.int64).float()
+        freqs = pos[:, None] * self.inv_freq.to(device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos, self._sin = emb.cos(), emb.sin()
+
+    def __call__(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin of shape [B, 1, T, D] in ``dtype`` for position_ids [B, T]."""
+        if self._cos is None or self._cos.device != position_ids.device:
+            self.reserve(self.default_length, position_ids.device)
+        assert self._cos is not None and self._sin is not None
+        cos = self._cos[position_ids].to(dtype).unsqueeze(1)
+        sin = self._sin[position_ids].to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class FullAttention:
+    """Attention over the tokens of this forward pass only (training, scoring, HF parity).
+
+    ``mask`` None → causal (right padding needs no mask: real tokens never see later pads);
+    otherwise a bool ``[B, 1, T, T]`` mask (True = may attend) from ``build_mask``.
+    """
+
+    def __init__(self, mask: Tensor | None) -> None:
+        self.mask = mask
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        gqa = q.shape[1] != k.shape[1]
+        if self.mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=gqa)
+
+
+def build_mask(attention_mask: Tensor | None, segment_ids: Tensor | None, T: int,
+               device: torch.device) -> Tensor | None:
+    """Causal mask AND key-is-real AND same-segment (packing); the diagonal always stays
+    open so that a padding query row has one key and its softmax stays finite."""
+    if attention_mask is None and segment_ids is None:
+        return None
+    mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask.bool()[:, None, None, :]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    return mask | torch.eye(T, dtype=torch.bool, device=device)[None, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d = config.head_dim
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bool(config.o_proj_bias))
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, k, cos, sin)
+        out = backend(self.layer_idx, q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k softmax router over ``num_experts`` SwiGLU experts (+ optional gated shared expert).
+
+    ``routing`` (expert ids ``[N, k]``) replaces the router's top-k choice — rollout routing
+    replay: the trainer reuses the experts the engine picked; the combine weights are still
+    the current router's probabilities of those experts (renormalised if ``norm_topk_prob``),
+    so the router keeps its gradient.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(h, self.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            MLP(h, config.moe_intermediate_size) for _ in range(self.num_experts)
+        )
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = MLP(h, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def forward(self, x: Tensor, routing: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+        if routing is None:
+            weights, idx = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            idx = routing.reshape(-1, self.top_k).to(device=flat.device, dtype=torch.long)
+            weights = probs.gather(1, idx)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self._experts(flat, idx, weights.to(flat.dtype))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(shape), idx.reshape(*shape[:-1], self.top_k)
+
+    def _experts(self, flat: Tensor, idx: Tensor, weights: Tensor) -> Tensor:
+        # Group (token, slot) pairs by expert; one dense matmul per expert that has tokens.
+        flat_idx = idx.reshape(-1)
+        order = torch.argsort(flat_idx, stable=True)
+        counts = torch.bincount(flat_idx, minlength=self.num_experts).tolist()
+        token_of = order // self.top_k
+        xs = flat[token_of]
+        ys = []
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                ys.append(self.experts[e](xs[start : start + n]))
+                start += n
+        y = torch.cat(ys) * weights.reshape(-1)[order, None]
+        return torch.zeros_like(flat).index_add_(0, token_of, y)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.mlp: nn.Module = (
+            SparseMoE(config) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend,
+                routing: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend)
+        x = self.post_attention_layernorm(h)
+        if self.is_moe:
+            y, idx = self.mlp(x, routing)
+            return h + y, idx
+        return h + self.mlp(x), None

@@ -1,0 +1,175 @@
+"""Trajectories → padded token tensors, and the micro-batch plan.
+
+Layout: each sequence is ``prompt_tokens + response_tokens``, right-padded with token 0.
+Right padding needs no attention mask — under causal attention real tokens never see the
+pads after them — so the model runs its plain causal (flash-capable) attention path.
+Response token j of row n sits at input position P_n + j and is predicted by the logits at
+position P_n + j − 1, so every sequence needs a non-empty prompt.
+
+Per-token tensors are response-aligned, [N, R] with R the longest response: response ids,
+loss mask, behaviour log-probs, versions (and, for routing replay, [N, R, L_moe, k] expert
+ids). ``TokenBatch.select`` cuts a micro-batch and trims both paddings to its own longest
+row.
+
+Routing-replay convention: ``Trajectory.routed_experts[j]`` is the routing of the forward
+position that produced token j (position P + j − 1), i.e. the routing behind the logits the
+token was sampled from — the positions whose log-probs carry loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from miles.types import Trajectory, TrajectoryError
+
+
+@dataclass
+class TokenBatch:
+    input_ids: Tensor  # [N, L] long, right-padded with 0
+    prompt_lens: Tensor  # [N] long
+    response_lens: Tensor  # [N] long
+    response_ids: Tensor  # [N, R] long
+    loss_mask: Tensor  # [N, R] float32, 0 on padding
+    logp_rollout: Tensor  # [N, R] float32, 0 on padding
+    versions: Tensor  # [N, R] long
+    routing: Tensor | None  # [N, R, L_moe, k] long, replayed expert ids
+    seq_lens: list[int]  # host copies for planning
+    resp_lens: list[int]
+
+    @property
+    def size(self) -> int:
+        return len(self.seq_lens)
+
+    def select(self, rows: Sequence[int]) -> TokenBatch:
+        """The sub-batch of ``rows``, trimmed to its own longest sequence and response."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.input_ids.device)
+        seq = [self.seq_lens[r] for r in rows]
+        resp = [self.resp_lens[r] for r in rows]
+        L, R = max(seq, default=0), max(resp, default=0)
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Tensor):
+                v = v.index_select(0, idx)
+                if f.name == "input_ids":
+                    v = v[:, :L]
+                elif v.ndim >= 2:
+                    v = v[:, :R]
+            out[f.name] = v
+        out.update(seq_lens=seq, resp_lens=resp)
+        return TokenBatch(**out)
+
+    def response_positions(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(rows, cols, positions) of every real response token: [n, R] index (rows, cols)
+        and the input position whose logits predict it (P + col − 1)."""
+        R = self.response_ids.shape[1]
+        valid = torch.arange(R, device=self.response_ids.device)[None, :] < self.response_lens[:, None]
+        rows, cols = valid.nonzero(as_tuple=True)
+        return rows, cols, self.prompt_lens[rows] + cols - 1
+
+
+def trajectories_of(groups: Sequence[Sequence[Trajectory]]) -> tuple[list[Trajectory], list[int]]:
+    """Flatten groups into (trajectories, group index per trajectory)."""
+    if not groups or any(len(g) == 0 for g in groups):
+        raise ValueError("train_step needs a non-empty sequence of non-empty groups")
+    trajs = [t for g in groups for t in g]
+    index = [i for i, g in enumerate(groups) for _ in g]
+    return trajs, index
+
+
+def build_batch(
+    trajs: Sequence[Trajectory],
+    *,
+    device: torch.device | str,
+    vocab_size: int,
+    routing_shape: tuple[int, int] | None = None,
+    current_version: int | None = None,
+) -> TokenBatch:
+    """Validate ``trajs`` and pad them into a TokenBatch (see the module docstring).
+
+    ``routing_shape`` = (moe layers, top-k) asks for replayed routing, which every
+    trajectory must then carry. Raises TrajectoryError / ValueError naming the trajectory.
+    """
+    if not trajs:
+        raise ValueError("no trajectories")
+    for t in trajs:
+        t.validate(current_version=current_version)
+        if not t.prompt_tokens:
+            raise TrajectoryError("prompt_tokens", f"trajectory {t.id} has an empty prompt")
+        ids = t.prompt_tokens + t.response_tokens
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise TrajectoryError("tokens", f"trajectory {t.id} has a token id outside [0, {vocab_size})")
+        if routing_shape is not None and t.routed_experts is None and t.response_tokens:
+            raise TrajectoryError("routed_experts", f"routing replay is on but trajectory {t.id} has none")
+    seq_lens = [len(t.prompt_tokens) + len(t.response_tokens) for t in trajs]
+    resp_lens = [len(t.response_tokens) for t in trajs]
+    N, L, R = len(trajs), max(seq_lens), max(resp_lens)
+
+    def pad(rows: list[list], width: int, fill: float | int) -> list[list]:
+        return [r + [fill] * (width - len(r)) for r in rows]
+
+    dev = torch.device(device)
+    lp = torch.tensor(pad([t.logprobs for t in trajs], R, 0.0), dtype=torch.float32).reshape(N, R)
+    mask = torch.tensor(pad([t.loss_mask for t in trajs], R, 0), dtype=torch.float32).reshape(N, R)
+    bad = (mask > 0) & ~torch.isfinite(lp)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise TrajectoryError("logprobs", f"trajectory {trajs[row].id} has non-finite behaviour log-probs")
+    routing = None
+    if routing_shape is not None:
+        layers, k = routing_shape
+        rows = [t.routed_experts or [] for t in trajs]
+        routing = torch.zeros(N, R, layers, k, dtype=torch.long)
+        for n, r in enumerate(rows):
+            if r:
+                got = torch.tensor(r, dtype=torch.long)
+                if got.shape != (len(r), layers, k):
+                    raise TrajectoryError(
+                        "routed_experts", f"trajectory {trajs[n].id}: shape {tuple(got.shape)}, "
+                        f"expected ({len(r)}, {layers}, {k})")
+                routing[n, : len(r)] = got
+        routing = routing.to(dev)
+    return TokenBatch(
+        input_ids=torch.tensor(pad([t.prompt_tokens + t.response_tokens for t in trajs], L, 0),
+                               dtype=torch.long).reshape(N, L).to(dev),
+        prompt_lens=torch.tensor([len(t.prompt_tokens) for t in trajs], dtype=torch.long, device=dev),
+        response_lens=torch.tensor(resp_lens, dtype=torch.long, device=dev),
+        response_ids=torch.tensor(pad([t.response_tokens for t in trajs], R, 0),
+                                  dtype=torch.long).reshape(N, R).to(dev),
+        loss_mask=mask.to(dev),
+        logp_rollout=lp.to(dev),
+        versions=torch.tensor(pad([t.versions for t in trajs], R, 0), dtype=torch.long).reshape(N, R).to(dev),
+        routing=routing,
+        seq_lens=seq_lens,
+        resp_lens=resp_lens,
+    )
+
+
+def plan_micro_batches(
+    rows: Sequence[int],
+    seq_lens: Sequence[int],
+    *,
+    micro_batch_size: int | None,
+    max_tokens: int | None,
+) -> list[list[int]]:
+    """Split ``rows`` into micro-batches of at most ``micro_batch_size`` rows and at most
+    ``max_tokens`` padded tokens (rows × longest row). Rows are sorted longest first so
+    rows of similar length share a micro-batch; a single row longer than ``max_tokens``
+    still gets a micro-batch of its own."""
+    order = sorted(rows, key=lambda r: -seq_lens[r])
+    plan: list[list[int]] = []
+    for r in order:
+        if plan:
+            cur = plan[-1]
+            longest = seq_lens[cur[0]]
+            fits_rows = micro_batch_size is None or len(cur) < micro_batch_size
+            fits_tokens = max_tokens is None or (len(cur) + 1) * longest <= max_tokens
+            if fits_rows and fits_tokens:
+                cur.append(r)
+                continue
+        plan.append([r])
+    return plan

@@ -1,0 +1,120 @@
+"""``TrainerConfig``: the embedded trainer's flags (optimizer, LR schedule, batching,
+precision, non-finite handling), and the LR schedule as a pure function of the step.
+
+Field names are the CLI flag names with '-' → '_'. The algorithm's flags live in
+``miles.algorithms.AlgorithmConfig``; the trainer takes both.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import msgspec
+
+DecayStyle = Literal["constant", "cosine", "linear"]
+Dtype = Literal["float32", "bfloat16"]
+
+
+class TrainerConfigError(ValueError):
+    """A TrainerConfig field has a bad value; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"TrainerConfig.{field}: {message}")
+        self.field = field
+
+
+class TrainerConfig(msgspec.Struct, kw_only=True):
+    """Optimizer, schedule, batching and precision of the embedded trainer."""
+
+    # --- optimizer (AdamW; no weight decay on 1-D params: norms and biases) ---------------
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: DecayStyle = "constant"
+    lr_decay_steps: int | None = None  # steps after warmup to decay over (cosine/linear)
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # max global grad norm; 0 disables clipping (norm still logged)
+
+    # --- batching ------------------------------------------------------------------------
+    micro_batch_size: int | None = None  # sequences per forward/backward
+    max_tokens_per_micro_batch: int | None = None  # padded tokens (rows × longest) per forward
+    num_steps_per_rollout: int = 1  # optimizer steps per train_step (PPO mini-batches)
+
+    # --- numerics and placement ----------------------------------------------------------
+    dtype: Dtype = "float32"  # compute dtype; parameters and AdamW state stay float32
+    device: str = "cpu"
+    seed: int = 0
+    rollout_temperature: float = 1.0  # logits are divided by it, as the engine samples
+    compile: bool = False  # torch.compile each decoder layer (GPU throughput)
+    gradient_checkpointing: bool = False  # recompute decoder layers in backward
+    fsdp: bool | None = None  # None → FSDP2 when torch.distributed has > 1 rank
+
+    # --- robustness ----------------------------------------------------------------------
+    skip_nonfinite_steps: bool = True
+    max_consecutive_nonfinite: int = 3  # raise after this many non-finite steps in a row
+
+    # --- MoE / rewards -------------------------------------------------------------------
+    use_rollout_routing_replay: bool = False
+    reward_key: str | None = None  # which entry of a dict reward to train on (None → sum)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise TrainerConfigError(field, message)
+
+
+def _num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def validate(cfg: TrainerConfig) -> None:
+    """Raise TrainerConfigError naming the first bad field."""
+    _check(cfg.lr_decay_style in ("constant", "cosine", "linear"), "lr_decay_style",
+           f"{cfg.lr_decay_style!r} is not one of ['constant', 'cosine', 'linear']")
+    _check(cfg.dtype in ("float32", "bfloat16"), "dtype", f"{cfg.dtype!r} is not one of ['float32', 'bfloat16']")
+    _check(_num(cfg.lr) and cfg.lr >= 0, "lr", f"must be >= 0, got {cfg.lr!r}")
+    _check(_num(cfg.min_lr) and 0 <= cfg.min_lr <= cfg.lr, "min_lr", f"must be in [0, lr], got {cfg.min_lr!r}")
+    for field in ("lr_warmup_steps",):
+        v = getattr(cfg, field)
+        _check(isinstance(v, int) and v >= 0, field, f"must be an int >= 0, got {v!r}")
+    if cfg.lr_decay_style != "constant":
+        _check(isinstance(cfg.lr_decay_steps, int) and cfg.lr_decay_steps > 0, "lr_decay_steps",
+               f"{cfg.lr_decay_style} decay needs lr_decay_steps > 0, got {cfg.lr_decay_steps!r}")
+    _check(_num(cfg.weight_decay) and cfg.weight_decay >= 0, "weight_decay", f"must be >= 0, got {cfg.weight_decay!r}")
+    for field in ("adam_beta1", "adam_beta2"):
+        v = getattr(cfg, field)
+        _check(_num(v) and 0 <= v < 1, field, f"must be in [0, 1), got {v!r}")
+    _check(_num(cfg.adam_eps) and cfg.adam_eps > 0, "adam_eps", f"must be > 0, got {cfg.adam_eps!r}")
+    _check(_num(cfg.clip_grad) and cfg.clip_grad >= 0, "clip_grad", f"must be >= 0, got {cfg.clip_grad!r}")
+    for field in ("micro_batch_size", "max_tokens_per_micro_batch"):
+        v = getattr(cfg, field)
+        _check(v is None or (isinstance(v, int) and v > 0), field, f"must be a positive int or None, got {v!r}")
+    for field in ("num_steps_per_rollout", "max_consecutive_nonfinite"):
+        v = getattr(cfg, field)
+        _check(isinstance(v, int) and v >= 1, field, f"must be an int >= 1, got {v!r}")
+    _check(_num(cfg.rollout_temperature) and cfg.rollout_temperature > 0, "rollout_temperature",
+           f"must be > 0, got {cfg.rollout_temperature!r}")
+    _check(cfg.device == "cpu" or cfg.device.startswith("cuda"), "device",
+           f"must be 'cpu' or 'cuda[:i]', got {cfg.device!r}")
+
+
+def lr_at(step: int, cfg: TrainerConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup to ``lr`` over
+    ``lr_warmup_steps`` (the first step already gets lr/warmup), then constant, or cosine /
+    linear decay to ``min_lr`` over ``lr_decay_steps``, then ``min_lr``."""
+    if step < cfg.lr_warmup_steps:
+        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
+    if cfg.lr_decay_style == "constant":
+        return cfg.lr
+    assert cfg.lr_decay_steps is not None
+    progress = min(1.0, (step - cfg.lr_warmup_steps) / cfg.lr_decay_steps)
+    if cfg.lr_decay_style == "cosine":
+        return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.lr - (cfg.lr - cfg.min_lr) * progress

@@ -1,0 +1,313 @@
+"""EmbeddedTrainer: the pure-PyTorch policy trainer (TrainerBackend), CPU or GPU.
+
+One ``train_step(groups)`` is one published policy version:
+
+1. validate the trajectories and pad them into a ``TokenBatch`` (``batching``);
+2. advantages per group from the rewards (``miles.algorithms.compute_advantages``);
+3. optional no-grad passes: reference log-probs (KL term / metric, REINFORCE++ reward KL),
+   and the proximal log-probs when ``prox_logp="recompute"`` and the batch is used for
+   more than one optimizer step (with one step, π_prox is exactly the current forward's
+   log-probs, detached — no extra pass);
+4. ``num_steps_per_rollout`` optimizer steps over shuffled mini-batches, each accumulated
+   over micro-batches: forward (``logprobs``), ``compute_loss``, backward; then global
+   grad-norm clipping, AdamW and the LR schedule. A step whose log-probs, loss or gradient
+   norm is not finite is skipped (gradients dropped) and counted; after
+   ``max_consecutive_nonfinite`` in a row the trainer raises ``NonFiniteError``;
+5. ``version += 1`` and metrics named ``train/...``.
+
+Parameters and AdamW state are float32; ``dtype="bfloat16"`` runs forward/backward under
+autocast. ``state_dict`` returns CPU copies of every tensor plus plain Python values, so a
+checkpoint writer can store it with safetensors + JSON without pickle.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from miles.algorithms import AlgorithmConfig, LossDenominators, PolicyBatch, compute_advantages, compute_loss
+from miles.algorithms.losses import kl_estimate
+from miles.algorithms.masked import masked_mean
+from miles.trainers import state as ckpt
+from miles.trainers.batching import TokenBatch, build_batch, plan_micro_batches, trajectories_of
+from miles.trainers.config import TrainerConfig, lr_at
+from miles.trainers.fsdp import maybe_fully_shard
+from miles.trainers.logprobs import full_routing, response_logprobs
+from miles.trainers.metrics import MetricAccumulator
+from miles.types import Trajectory
+
+
+class NonFiniteError(FloatingPointError):
+    """Too many consecutive optimizer steps had a non-finite loss or gradient."""
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _checkpoint_layers(model: nn.Module) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.model.layers:
+        fwd = layer.forward
+
+        def forward(*args: Any, _fwd: Any = fwd, **kw: Any) -> Any:
+            if torch.is_grad_enabled():
+                return checkpoint(_fwd, *args, use_reentrant=False, **kw)
+            return _fwd(*args, **kw)
+
+        layer.forward = forward
+
+
+class EmbeddedTrainer:
+    """Trains a ``miles.models.CausalLM`` with the algorithms of ``miles.algorithms``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        config: TrainerConfig,
+        algo: AlgorithmConfig,
+        ref_model: nn.Module | None = None,
+        version: int = 0,
+    ) -> None:
+        if algo.advantage_estimator == "ppo":
+            raise ValueError("advantage_estimator='ppo' needs critic values; the embedded trainer has no critic yet")
+        if (algo.kl_coef > 0 or algo.reward_kl_coef > 0) and ref_model is None:
+            raise ValueError("kl_coef / reward_kl_coef > 0 needs a reference model (ref_model=...)")
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"TrainerConfig.device={config.device!r} but CUDA is not available")
+        self.config, self.algo = config, algo
+        self.device = torch.device(config.device)
+        self.compute_dtype = _dtype(config.dtype)
+        torch.manual_seed(config.seed)
+        self.model = model.to(device=self.device, dtype=torch.float32)
+        self.model.train()
+        self.is_moe = bool(getattr(model.config, "is_moe", False))
+        self.sharded = maybe_fully_shard(self.model, config.fsdp, self.compute_dtype)
+        # The fused LM-head log-prob path (see ``logprobs``); benchmarks flip it to compare.
+        self.fused_logprobs = not self.sharded
+        if config.gradient_checkpointing:
+            _checkpoint_layers(self.model)
+        if config.compile:
+            for layer in self.model.model.layers:
+                layer.compile()
+        self.ref_model = ref_model
+        if ref_model is not None:
+            ref_model.to(self.device).eval().requires_grad_(False)
+        self.optimizer = self._build_optimizer()
+        self._version = version
+        self.optimizer_steps = 0
+        self.consecutive_nonfinite = 0
+        self.skipped_steps_total = 0
+        self._shuffle = torch.Generator().manual_seed(config.seed)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        decay, no_decay = [], []
+        for p in self.model.parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 else no_decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.config.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        c = self.config
+        return torch.optim.AdamW(groups, lr=lr_at(0, c), betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps,
+                                 fused=self.device.type == "cuda")
+
+    # ---- TrainerBackend ---------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def train_step(self, groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
+        start = time.perf_counter()
+        trajs, group_index = trajectories_of(groups)
+        rewards = torch.tensor([t.scalar_reward(self.config.reward_key) for t in trajs], dtype=torch.float32)
+        if not torch.isfinite(rewards).all():
+            raise ValueError("a trajectory has a non-finite reward")
+        batch = self._build(trajs)  # validates everything before any state changes
+        trained_version = self._version
+        rewards = rewards.to(self.device)
+        acc = MetricAccumulator()
+        logp_ref = self._no_grad_logprobs(self.ref_model, batch) if self.ref_model is not None else None
+        advantages = self._advantages(batch, rewards, group_index, logp_ref)
+        logp_prox = None
+        if self.algo.prox_logp == "recompute" and self.config.num_steps_per_rollout > 1:
+            logp_prox = self._no_grad_logprobs(self.model, batch)
+
+        order = torch.randperm(batch.size, generator=self._shuffle).tolist()
+        minis = [order[i :: self.config.num_steps_per_rollout] for i in range(self.config.num_steps_per_rollout)]
+        skipped = 0
+        for rows in minis:
+            if rows:
+                skipped += not self._optimizer_step(batch, rows, advantages, logp_prox, logp_ref, acc)
+        self._version += 1
+
+        metrics = acc.result()
+        mask = batch.loss_mask > 0
+        stale = (trained_version - batch.versions).float()
+        tokens = float(mask.sum())
+        elapsed = time.perf_counter() - start
+        metrics.update({
+            "train/reward_mean": float(rewards.mean()),
+            "train/tokens": tokens,
+            "train/sequences": float(batch.size),
+            "train/response_len_mean": float(sum(batch.resp_lens)) / batch.size,
+            "train/staleness_mean": float(masked_mean(stale, mask)),
+            "train/staleness_max": float(stale[mask].max()) if tokens else 0.0,
+            "train/skipped_steps": float(skipped),
+            "train/skipped_steps_total": float(self.skipped_steps_total),
+            "train/optimizer_steps": float(self.optimizer_steps),
+            "train/lr": float(self.optimizer.param_groups[0]["lr"]),
+            "train/version": float(self._version),
+            "train/step_time_s": elapsed,
+            "train/tokens_per_s": float(sum(batch.seq_lens)) / max(elapsed, 1e-9),
+        })
+        return metrics
+
+    def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        """Log-probs of every response token under the current weights (no gradient)."""
+        if not trajectories:
+            return []
+        batch = self._build(list(trajectories), check_versions=False)
+        logp = self._no_grad_logprobs(self.model, batch).cpu()
+        return [logp[i, : n].tolist() for i, n in enumerate(batch.resp_lens)]
+
+    def export_weights(self, bucket_bytes: int, *, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
+        """HF-named, detached, contiguous tensors in buckets of at most ``bucket_bytes``
+        (a tensor larger than that is a bucket of its own). A tied LM head is sent once,
+        as ``model.embed_tokens.weight``, as HF checkpoints store it."""
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        bucket: list[tuple[str, Tensor]] = []
+        size = 0
+        for name, tensor in ckpt.named_weights(self.model, dtype=dtype):
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def state_dict(self) -> dict[str, Any]:
+        return ckpt.trainer_state(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ckpt.load_trainer_state(self, state)
+
+    # ---- internals ----------------------------------------------------------------------
+    def _build(self, trajs: list[Trajectory], *, check_versions: bool = True) -> TokenBatch:
+        cfg = self.model.config
+        replay = self.config.use_rollout_routing_replay and self.is_moe
+        return build_batch(
+            trajs, device=self.device, vocab_size=cfg.vocab_size,
+            routing_shape=(len(cfg.moe_layers), cfg.num_experts_per_tok) if replay else None,
+            current_version=self._version if check_versions else None,
+        )
+
+    def _micro_batches(self, batch: TokenBatch, rows: Sequence[int]) -> list[TokenBatch]:
+        plan = plan_micro_batches(rows, batch.seq_lens, micro_batch_size=self.config.micro_batch_size,
+                                  max_tokens=self.config.max_tokens_per_micro_batch)
+        return [batch.select(p) for p in plan]
+
+    def _forward(self, model: nn.Module, mb: TokenBatch, entropy: str) -> tuple[Tensor, Tensor | None]:
+        routing = full_routing(model, mb, self.compute_dtype) if mb.routing is not None else None
+        return response_logprobs(model, mb, temperature=self.config.rollout_temperature,
+                                 dtype=self.compute_dtype, entropy=entropy, routing=routing,
+                                 fused=self.fused_logprobs)
+
+    @torch.no_grad()
+    def _no_grad_logprobs(self, model: nn.Module, batch: TokenBatch) -> Tensor:
+        out = torch.zeros_like(batch.logp_rollout)
+        for plan in plan_micro_batches(range(batch.size), batch.seq_lens,
+                                       micro_batch_size=self.config.micro_batch_size,
+                                       max_tokens=self.config.max_tokens_per_micro_batch):
+            mb = batch.select(plan)
+            logp, _ = self._forward(model, mb, "none")
+            idx = torch.as_tensor(plan, device=self.device)
+            out[idx, : logp.shape[1]] = logp
+        return out
+
+    def _advantages(self, batch: TokenBatch, rewards: Tensor, group_index: list[int],
+                    logp_ref: Tensor | None) -> Tensor:
+        """[N, R] advantages, 0 off the loss mask."""
+        kl = None
+        if self.algo.reward_kl_coef > 0 and logp_ref is not None:
+            kl = kl_estimate(batch.logp_rollout, logp_ref, self.algo.kl_type)
+        adv = compute_advantages(
+            self.algo.advantage_estimator, rewards, torch.tensor(group_index, device=self.device),
+            loss_mask=batch.loss_mask, kl=kl, kl_coef=self.algo.reward_kl_coef, gamma=self.algo.gamma,
+            lam=self.algo.lam,
+        )
+        if adv.ndim == 1:
+            adv = adv[:, None].expand_as(batch.loss_mask)
+        return adv * batch.loss_mask
+
+    def _optimizer_step(self, batch: TokenBatch, rows: list[int], advantages: Tensor,
+                        logp_prox: Tensor | None, logp_ref: Tensor | None, acc: MetricAccumulator) -> bool:
+        """Accumulate gradients over the micro-batches of ``rows`` and step. Returns False
+        if the step was skipped as non-finite."""
+        idx = torch.as_tensor(rows, device=self.device)
+        den = LossDenominators.of(batch.loss_mask.index_select(0, idx))
+        den = den._replace(max_tokens=batch.loss_mask.shape[1])
+        entropy_mode = "grad" if self.algo.entropy_coef > 0 else "metric"
+        finite = True
+        self.optimizer.zero_grad(set_to_none=True)
+        for mb_rows in plan_micro_batches(rows, batch.seq_lens, micro_batch_size=self.config.micro_batch_size,
+                                          max_tokens=self.config.max_tokens_per_micro_batch):
+            mb = batch.select(mb_rows)
+            if not bool((mb.loss_mask > 0).any()):
+                continue
+            logp, entropy = self._forward(self.model, mb, entropy_mode)
+            R = logp.shape[1]
+            sel = torch.as_tensor(mb_rows, device=self.device)
+            mask = mb.loss_mask
+            if not bool(torch.isfinite(logp[mask > 0]).all()):
+                finite = False
+                break
+            pb = PolicyBatch(
+                logp=logp, logp_rollout=mb.logp_rollout, advantages=advantages[sel, :R], loss_mask=mask,
+                logp_prox=(logp.detach() if logp_prox is None else logp_prox[sel, :R]),
+                versions=mb.versions, entropy=entropy,
+                logp_ref=None if logp_ref is None else logp_ref[sel, :R],
+            )
+            loss, metrics = compute_loss(pb, self.algo, trainer_version=self._version, denominators=den)
+            loss.backward()
+            acc.add(metrics, weight=float(mask.sum()), sums=("train/loss", "train/pg_loss"))
+        acc.end_group()
+        grad_norm = self._clip_grad_norm()
+        finite = finite and bool(torch.isfinite(grad_norm))
+        if not finite:
+            self.optimizer.zero_grad(set_to_none=True)
+            return self._nonfinite()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.optimizer_steps, self.config)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        self.consecutive_nonfinite = 0
+        acc.add({"train/grad_norm": grad_norm.detach()}, weight=1.0)
+        return True
+
+    def _clip_grad_norm(self) -> Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return torch.zeros((), device=self.device)
+        max_norm = self.config.clip_grad if self.config.clip_grad > 0 else float("inf")
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+    def _nonfinite(self) -> bool:
+        self.consecutive_nonfinite += 1
+        self.skipped_steps_total += 1
+        n, limit = self.consecutive_nonfinite, self.config.max_consecutive_nonfinite
+        if not self.config.skip_nonfinite_steps or n >= limit:
+            raise NonFiniteError(
+                f"non-finite loss or gradient in {n} consecutive optimizer step(s) "
+                f"(skip_nonfinite_steps={self.config.skip_nonfinite_steps}, max_consecutive_nonfinite={limit})"
+            )
+        return False

@@ -1,0 +1,53 @@
+"""Folds per-micro-batch metric tensors into one dict of floats per train step.
+
+Keys ending in ``_max`` take the max; keys listed as ``sums`` (the loss, whose micro-batch
+parts add up to the mini-batch loss) are summed within a group (one optimizer step) and
+averaged over groups; every other key is a weighted mean (weight = the micro-batch's loss
+tokens). Values stay on the device until ``result`` so the loop does not sync per metric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import Tensor
+
+
+class MetricAccumulator:
+    def __init__(self) -> None:
+        self._wsum: dict[str, Tensor | float] = {}
+        self._weight: dict[str, float] = {}
+        self._max: dict[str, Tensor | float] = {}
+        self._group: dict[str, Tensor | float] = {}
+        self._groups: dict[str, list[Tensor | float]] = {}
+
+    def add(self, metrics: Mapping[str, Tensor | float], *, weight: float, sums: Iterable[str] = ()) -> None:
+        sums = set(sums)
+        for key, value in metrics.items():
+            if isinstance(value, Tensor):
+                value = value.detach().float()
+            if key in sums:
+                self._group[key] = self._group.get(key, 0.0) + value
+            elif key.endswith("_max"):
+                prev = self._max.get(key)
+                self._max[key] = value if prev is None else torch.maximum(torch.as_tensor(prev), torch.as_tensor(value))
+            else:
+                self._wsum[key] = self._wsum.get(key, 0.0) + value * weight
+                self._weight[key] = self._weight.get(key, 0.0) + weight
+
+    def end_group(self) -> None:
+        for key, value in self._group.items():
+            self._groups.setdefault(key, []).append(value)
+        self._group = {}
+
+    def result(self) -> dict[str, float]:
+        self.end_group()
+        out: dict[str, float] = {}
+        for key, total in self._wsum.items():
+            out[key] = float(total) / self._weight[key] if self._weight[key] > 0 else 0.0
+        for key, value in self._max.items():
+            out[key] = float(value)
+        for key, values in self._groups.items():
+            out[key] = sum(float(v) for v in values) / len(values)
+        return out

@@ -1,0 +1,87 @@
+"""EmbeddedTrainer on CUDA: bf16 autocast training, fused vs plain LM-head log-probs,
+torch.compile, and the fused path's memory advantage. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles.algorithms import AlgorithmConfig
+from miles.models import CausalLM, tiny_config, token_logprobs
+from miles.trainers import EmbeddedTrainer, TrainerConfig
+from miles.trainers.logprobs import linear_logprobs
+from tests.unit.trainers.conftest import make_traj, random_groups, set_behaviour
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _trainer(dtype: str = "bfloat16", **kw) -> EmbeddedTrainer:
+    torch.manual_seed(0)
+    model = CausalLM(tiny_config(initializer_range=0.1, **kw.pop("model", {})))
+    return EmbeddedTrainer(model, config=TrainerConfig(lr=1e-2, device="cuda", dtype=dtype, **kw),
+                           algo=AlgorithmConfig(use_tis=True))
+
+
+def test_bf16_training_raises_logprob_of_rewarded_responses() -> None:
+    tr = _trainer()
+    groups = [[make_traj(f"{i}a", i, p, [40, 41, 42], 1.0), make_traj(f"{i}b", i, p, [50, 51], 0.0)]
+              for i, p in enumerate([[5, 6, 7], [8, 9]])]
+    good = [g[0] for g in groups]
+    before = [sum(x) for x in tr.compute_logprobs(good)]
+    for _ in range(5):
+        set_behaviour(tr, groups)
+        m = tr.train_step(groups)
+        assert m["train/skipped_steps"] == 0.0 and all(v == v for v in m.values())
+    after = [sum(x) for x in tr.compute_logprobs(good)]
+    assert all(a > b for a, b in zip(after, before))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_and_plain_logprobs_agree(dtype: str) -> None:
+    tr = _trainer(dtype)
+    groups = random_groups()
+    flat = [t for g in groups for t in g]
+    fused = tr.compute_logprobs(flat)
+    tr.fused_logprobs = False
+    plain = tr.compute_logprobs(flat)
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    for a, b in zip(fused, plain):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=tol)
+
+
+def test_float32_trainer_matches_model_forward() -> None:
+    tr = _trainer("float32")
+    t = make_traj("a", 0, [5, 6, 7], [30, 31, 32, 33])
+    (lp,) = tr.compute_logprobs([t])
+    with torch.no_grad():
+        logits = tr.model(torch.tensor([t.prompt_tokens + t.response_tokens], device="cuda")).logits[0, 2:-1]
+    ref = token_logprobs(logits, torch.tensor(t.response_tokens, device="cuda")).cpu()
+    assert torch.allclose(torch.tensor(lp), ref, atol=1e-4)
+
+
+def test_compiled_layers_train() -> None:
+    tr = _trainer(compile=True)
+    groups = random_groups()
+    set_behaviour(tr, groups)
+    m = tr.train_step(groups)
+    assert m["train/optimizer_steps"] == 1.0 and all(v == v for v in m.values())
+
+
+def test_fused_logprobs_use_less_memory_than_log_softmax() -> None:
+    M, H, V = 4096, 256, 32768
+    h = torch.randn(M, H, device="cuda", requires_grad=True)
+    w = torch.randn(V, H, device="cuda", requires_grad=True)
+    tgt = torch.randint(0, V, (M,), device="cuda")
+
+    def peak(fn) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn().sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    fused = peak(lambda: linear_logprobs(h, w, tgt, dtype=torch.bfloat16)[0])
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        plain = peak(lambda: token_logprobs(h @ w.T, tgt))
+    assert fused < plain

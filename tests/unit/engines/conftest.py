@@ -1,0 +1,10 @@
+from __future__ import annotations
+
+import pytest
+
+from miles.models import Tokenizer, build_tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    return build_tiny_tokenizer()

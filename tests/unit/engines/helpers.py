@@ -1,0 +1,40 @@
+"""Shared helpers for the embedded-engine tests: tiny float32 models on the CPU.
+
+Weights use std 0.1 (not HF's 0.02) so that next-token distributions are peaked enough for
+greedy decoding to be meaningful and far from ties.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from miles.engines import EmbeddedEngine, EngineConfig
+from miles.models import CausalLM, Tokenizer, build_tiny_tokenizer, tiny_config
+
+
+def make_model(seed: int = 0, **overrides: Any) -> CausalLM:
+    torch.manual_seed(seed)
+    return CausalLM(tiny_config(initializer_range=0.1, **overrides)).eval()
+
+
+def make_engine(model: CausalLM | None = None, tokenizer: Tokenizer | None = None,
+                **config: Any) -> EmbeddedEngine:
+    cfg = EngineConfig(**{"max_batch_size": 8, "max_seq_len": 256, **config})
+    return EmbeddedEngine(model if model is not None else make_model(), config=cfg, tokenizer=tokenizer)
+
+
+def run(coro_fn: Callable[[], Any]) -> Any:
+    return asyncio.run(coro_fn())
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 12) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(lo, hi, (1,), generator=g))
+        out.append(torch.randint(5, 260, (length,), generator=g).tolist())
+    return out

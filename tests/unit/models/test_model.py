@@ -1,0 +1,129 @@
+"""CausalLM behaviour the trainer and engine rely on: padding, packing, routing replay,
+hidden states, input checks, and ``token_logprobs``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles.models import CausalLM, ModelConfig, token_logprobs, tiny_config
+
+
+@pytest.fixture(scope="module")
+def dense() -> CausalLM:
+    torch.manual_seed(0)
+    return CausalLM(tiny_config(initializer_range=0.1)).eval()
+
+
+@pytest.fixture(scope="module")
+def moe() -> CausalLM:
+    torch.manual_seed(0)
+    return CausalLM(tiny_config(moe=True, initializer_range=0.1)).eval()
+
+
+@torch.no_grad()
+def test_right_and_left_padding_match_unpadded(dense: CausalLM) -> None:
+    a = torch.randint(5, 200, (9,))
+    b = torch.randint(5, 200, (5,))
+    ref_a, ref_b = dense(a[None]).logits[0], dense(b[None]).logits[0]
+    right = torch.zeros(2, 9, dtype=torch.long)
+    right[0], right[1, :5] = a, b
+    mask = (torch.arange(9) < torch.tensor([[9], [5]])).long()
+    out = dense(right, attention_mask=mask).logits
+    assert torch.allclose(out[0], ref_a, atol=1e-5) and torch.allclose(out[1, :5], ref_b, atol=1e-5)
+    left = torch.zeros(2, 9, dtype=torch.long)
+    left[0], left[1, 4:] = a, b
+    out = dense(left, attention_mask=mask.flip(-1)).logits
+    assert torch.allclose(out[1, 4:], ref_b, atol=1e-5)
+    assert torch.isfinite(out).all()  # fully masked pad rows stay finite
+
+
+@torch.no_grad()
+def test_packed_segments_match_separate_forwards(dense: CausalLM) -> None:
+    a, b = torch.randint(5, 200, (6,)), torch.randint(5, 200, (4,))
+    packed = torch.cat([a, b])[None]
+    seg = torch.tensor([[0] * 6 + [1] * 4])
+    pos = torch.tensor([list(range(6)) + list(range(4))])
+    out = dense(packed, position_ids=pos, segment_ids=seg).logits[0]
+    assert torch.allclose(out[:6], dense(a[None]).logits[0], atol=1e-5)
+    assert torch.allclose(out[6:], dense(b[None]).logits[0], atol=1e-5)
+
+
+@torch.no_grad()
+def test_routing_replay(moe: CausalLM) -> None:
+    ids = torch.randint(5, 200, (2, 10))
+    out = moe(ids, return_routing=True)
+    L, k = len(moe.moe_layers), moe.config.num_experts_per_tok
+    assert out.routing.shape == (2, 10, L, k)
+    replay = moe(ids, routing=out.routing, return_routing=True)
+    assert torch.equal(replay.logits, out.logits)
+    assert torch.equal(replay.routing, out.routing)
+    other = (out.routing + 1) % moe.config.num_experts
+    forced = moe(ids, routing=other, return_routing=True)
+    assert torch.equal(forced.routing, other)
+    assert not torch.allclose(forced.logits, out.logits)
+
+
+def test_routing_replay_gradient_reaches_router(moe: CausalLM) -> None:
+    ids = torch.randint(5, 200, (1, 6))
+    with torch.no_grad():
+        routing = moe(ids, return_routing=True).routing
+    moe.zero_grad()
+    moe(ids, routing=routing).logits.sum().backward()
+    assert moe.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+    moe.zero_grad()
+
+
+@torch.no_grad()
+def test_hidden_and_logits_index(dense: CausalLM) -> None:
+    ids = torch.randint(5, 200, (2, 7))
+    full = dense(ids, return_hidden=True)
+    assert full.hidden.shape == (2, 7, dense.config.hidden_size)
+    assert torch.allclose(dense.lm_head(full.hidden).float(), full.logits)
+    last = dense(ids, logits_index=torch.tensor([6, 3])).logits
+    assert last.shape == (2, 1, dense.config.vocab_size)
+    # allclose, not equal: the LM-head matmul over 2 rows vs 14 may take another kernel.
+    assert torch.allclose(last[0, 0], full.logits[0, 6], atol=1e-5)
+    assert torch.allclose(last[1, 0], full.logits[1, 3], atol=1e-5)
+
+
+def test_bad_inputs_are_named(dense: CausalLM, moe: CausalLM) -> None:
+    V = dense.config.vocab_size
+    with pytest.raises(ValueError, match=f"token id {V} outside the vocabulary"):
+        dense(torch.tensor([[1, V]]))
+    with pytest.raises(ValueError, match="token id -1"):
+        dense(torch.tensor([[-1, 3]]))
+    with pytest.raises(ValueError, match="routing has shape"):
+        moe(torch.tensor([[1, 2]]), routing=torch.zeros(1, 2, 1, 1, dtype=torch.long))
+    bad = torch.full((1, 2, len(moe.moe_layers), moe.config.num_experts_per_tok), 99)
+    with pytest.raises(ValueError, match="expert ids outside"):
+        moe(torch.tensor([[1, 2]]), routing=bad)
+
+
+def test_token_logprobs_matches_log_softmax() -> None:
+    logits = torch.randn(3, 5, 11)
+    toks = torch.randint(0, 11, (3, 5))
+    ref = torch.log_softmax(logits / 0.7, -1).gather(-1, toks[..., None])[..., 0]
+    assert torch.allclose(token_logprobs(logits, toks, 0.7), ref)
+    temps = torch.tensor([[0.7] * 5] * 3)
+    assert torch.allclose(token_logprobs(logits, toks, temps), ref)
+
+
+def test_config_hf_roundtrip_and_errors() -> None:
+    for cfg in (tiny_config(), tiny_config(moe=True), tiny_config(model_type="llama"),
+                tiny_config(moe=True, model_type="qwen2_moe", shared_expert_intermediate_size=8,
+                            attention_bias=True)):
+        assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    hf = tiny_config().to_hf()
+    hf.pop("rope_theta")
+    hf["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000.0}  # transformers-5 form
+    assert ModelConfig.from_hf(hf).rope_theta == 5000.0
+    assert tiny_config(model_type="llama").qk_norm is False
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        ModelConfig.from_hf({**hf, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+        ModelConfig.from_hf({**hf, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="not a multiple"):
+        tiny_config(num_key_value_heads=3)
+    with pytest.raises(ValueError, match="no shared expert"):
+        tiny_config(moe=True, shared_expert_intermediate_size=8).to_hf()

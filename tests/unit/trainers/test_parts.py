@@ -1,0 +1,100 @@
+"""Trainer building blocks: config validation, LR schedule, micro-batch plan, the fused
+LM-head log-prob function, batching layout and metric folding."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+import torch
+
+from miles.trainers import TrainerConfig, TrainerConfigError, lr_at
+from miles.trainers.batching import build_batch, plan_micro_batches
+from miles.trainers.logprobs import linear_logprobs
+from miles.trainers.metrics import MetricAccumulator
+from tests.unit.trainers.conftest import make_traj
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("lr_decay_style", "step"), ("dtype", "float16"), ("lr", -1.0), ("min_lr", 1.0),
+     ("adam_beta2", 1.0), ("micro_batch_size", 0), ("num_steps_per_rollout", 0),
+     ("max_consecutive_nonfinite", 0), ("rollout_temperature", 0.0), ("device", "tpu"),
+     ("clip_grad", -1.0)],
+)
+def test_config_errors_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(TrainerConfigError, match=f"TrainerConfig.{field}"):
+        TrainerConfig(**{field: value})
+    with pytest.raises(msgspec.ValidationError, match=field):
+        msgspec.convert({field: value}, TrainerConfig)
+
+
+def test_decay_needs_steps() -> None:
+    with pytest.raises(TrainerConfigError, match="lr_decay_steps"):
+        TrainerConfig(lr_decay_style="cosine")
+
+
+def test_lr_schedule() -> None:
+    c = TrainerConfig(lr=1.0, min_lr=0.1, lr_warmup_steps=4, lr_decay_style="cosine", lr_decay_steps=10)
+    assert [lr_at(s, c) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, c) == 1.0
+    assert lr_at(9, c) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(14, c) == pytest.approx(0.1) and lr_at(100, c) == pytest.approx(0.1)
+    lin = TrainerConfig(lr=1.0, min_lr=0.0, lr_decay_style="linear", lr_decay_steps=4)
+    assert [lr_at(s, lin) for s in range(6)] == [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+    assert lr_at(50, TrainerConfig(lr=0.3)) == 0.3
+
+
+def test_micro_batch_plan() -> None:
+    lens = [5, 9, 2, 9, 4]
+    plan = plan_micro_batches(range(5), lens, micro_batch_size=2, max_tokens=None)
+    assert plan == [[1, 3], [0, 4], [2]]
+    plan = plan_micro_batches(range(5), lens, micro_batch_size=None, max_tokens=18)
+    assert plan == [[1, 3], [0, 4, 2]]  # 2 rows × 9, then 3 rows × 5 = 15 ≤ 18
+    assert plan_micro_batches([0, 1], [30, 2], micro_batch_size=None, max_tokens=10) == [[0], [1]]
+    rows = sorted(r for p in plan_micro_batches(range(5), lens, micro_batch_size=1, max_tokens=3) for r in p)
+    assert rows == [0, 1, 2, 3, 4]
+
+
+def test_batch_layout() -> None:
+    a = make_traj("a", 0, [5, 6, 7], [10, 11], env=(1,))
+    b = make_traj("b", 0, [8], [12, 13, 14, 15])
+    batch = build_batch([a, b], device="cpu", vocab_size=288)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 10, 11], [8, 12, 13, 14, 15]]
+    assert batch.response_ids.tolist() == [[10, 11, 0, 0], [12, 13, 14, 15]]
+    assert batch.loss_mask.tolist() == [[1, 0, 0, 0], [1, 1, 1, 1]]
+    rows, cols, pos = batch.response_positions()
+    assert pos.tolist() == [2, 3, 0, 1, 2, 3]  # logits at P + j - 1 predict token j
+    sub = batch.select([0])
+    assert sub.input_ids.shape == (1, 5) and sub.response_ids.shape == (1, 2)
+
+
+def test_linear_logprobs_matches_log_softmax_and_its_gradient() -> None:
+    torch.manual_seed(0)
+    h = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 5, dtype=torch.float64, requires_grad=True)
+    tgt = torch.randint(0, 11, (7,))
+    logp, ent = linear_logprobs(h, w, tgt, temperature=0.8, with_entropy=True)
+    ref_lsm = torch.log_softmax((h @ w.T) / 0.8, dim=-1)
+    torch.testing.assert_close(logp, ref_lsm.gather(1, tgt[:, None]).squeeze(1))
+    torch.testing.assert_close(ent, -(ref_lsm.exp() * ref_lsm).sum(-1))
+    assert torch.autograd.gradcheck(lambda hh, ww: linear_logprobs(hh, ww, tgt, temperature=0.8)[0], (h, w))
+    # float32 / bfloat16 compute: log-probs in float32, close to the float64 reference
+    lp32, _ = linear_logprobs(h.float(), w.float(), tgt, temperature=0.8)
+    assert lp32.dtype == torch.float32
+    torch.testing.assert_close(lp32.double(), logp.detach(), atol=1e-5, rtol=1e-5)
+    lp16, _ = linear_logprobs(h.float(), w.float(), tgt, temperature=0.8, dtype=torch.bfloat16)
+    assert lp16.dtype == torch.float32 and (lp16.double() - logp.detach()).abs().max() < 0.1
+
+
+def test_metric_accumulator() -> None:
+    acc = MetricAccumulator()
+    acc.add({"train/x": torch.tensor(1.0), "train/r_max": torch.tensor(2.0), "train/loss": 0.5},
+            weight=1.0, sums=("train/loss",))
+    acc.add({"train/x": torch.tensor(4.0), "train/r_max": torch.tensor(3.0), "train/loss": 0.25},
+            weight=3.0, sums=("train/loss",))
+    acc.end_group()
+    acc.add({"train/loss": 1.25}, weight=1.0, sums=("train/loss",))
+    out = acc.result()
+    assert out == {"train/x": pytest.approx(13 / 4), "train/r_max": 3.0, "train/loss": pytest.approx(1.0)}
