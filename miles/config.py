@@ -181,12 +181,47 @@ def _explain(exc: msgspec.ValidationError, section: str) -> str:
 def parse_args(argv: Sequence[str] | None = None, prog: str = "miles train") -> MilesConfig:
     """CLI entry: ``--config FILE.yaml`` then flags; raise ConfigError on any problem."""
     parser = build_parser(prog)
-    ns = parser.parse_args(argv)
+    ns, extra = parser.parse_known_args(argv)
+    passthrough, unknown = split_passthrough(extra)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     values: dict[str, Any] = {}
     if ns.config:
         values.update(load_yaml(ns.config))
     values.update({k: v for k, v in vars(ns).items() if k != "config"})
+    if passthrough:
+        merged = dict(values.get(PASSTHROUGH_FIELD) or {})
+        merged.update(passthrough)
+        values[PASSTHROUGH_FIELD] = merged
     return resolve(values)
+
+
+# ``--sglang-<server-flag> [value]`` options are SGLang's own launch flags: they are passed
+# through to the server verbatim (as slime does), collected into this field.
+PASSTHROUGH_PREFIX = "--sglang-"
+PASSTHROUGH_FIELD = "sglang_server_args"
+
+
+def split_passthrough(extra: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """Split leftover argv into SGLang passthrough flags and truly unknown arguments."""
+    passthrough: dict[str, Any] = {}
+    unknown: list[str] = []
+    i = 0
+    while i < len(extra):
+        arg = extra[i]
+        if arg.startswith(PASSTHROUGH_PREFIX) and PASSTHROUGH_FIELD in _field_table():
+            key, _, inline = arg[len(PASSTHROUGH_PREFIX):].partition("=")
+            if inline:
+                passthrough[key] = yaml.safe_load(inline)
+            elif i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+                passthrough[key] = yaml.safe_load(extra[i + 1])
+                i += 1
+            else:
+                passthrough[key] = True
+        else:
+            unknown.append(arg)
+        i += 1
+    return passthrough, unknown
 
 
 class MilesConfig:

@@ -16,6 +16,9 @@ class RunConfig(msgspec.Struct, kw_only=True):
     """Where outputs go, how long to run, placement, checkpoints, debugging."""
 
     output_dir: str = "outputs/run"
+    # backends: the embedded torch ones run anywhere; megatron / sglang are optional extras
+    train_backend: Literal["embedded", "megatron"] = "embedded"
+    rollout_backend: Literal["embedded", "sglang"] = "embedded"
     num_rollout: int = 10  # trainer steps (slime: --num-rollout)
     seed: int = 1234
     deterministic: bool = False
