@@ -310,6 +310,25 @@ class BufferCore:
         rec.oldest, rec.n_loss, rec.vsum = None, 0, 0
         self._ev["recomputed"] += 1
 
+    def _sweep(self) -> None:
+        """Under drop/recompute, handle every held trajectory that can no longer be
+        trained at the current version (O(held); runs once per version)."""
+        cfg = self.config
+        if cfg.stale_policy == "mask":
+            return
+        doomed = [
+            rec for rec in self._recs.values()
+            if rec.state in (PARTIAL, WAITING, READY)
+            and is_doomed(rec.oldest, self._version, cfg.max_staleness)
+        ]
+        for rec in doomed:
+            if rec.state is None or rec.group.dropped:
+                continue  # went with its group already
+            if cfg.stale_policy == "drop":
+                self._drop_group(rec.group, "stale")
+            else:
+                self._recompute(rec)
+
     def _make_ready(self, group: Group) -> None:
         for rec in group.members:
             self._move(rec, READY)

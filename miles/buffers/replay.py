@@ -50,7 +50,7 @@ from typing import Any
 
 from miles.buffers import batching, checkpoint
 from miles.buffers.core import STALE_POLICIES, BufferConfig, BufferCore, BufferFull, _Worker
-from miles.buffers.records import IN_FLIGHT, PARTIAL, QUEUED, READY, STATE_NAMES, WAITING, Group, Record
+from miles.buffers.records import IN_FLIGHT, PARTIAL, QUEUED, STATE_NAMES, Group, Record
 from miles.scheduler.staleness import is_doomed, loss_version_stats
 from miles.types import PromptSample, Status, Trajectory, TrajectoryError
 
@@ -285,21 +285,7 @@ class ReplayBuffer(BufferCore):
         if version == self._version:
             return
         self._version = version
-        cfg = self.config
-        if cfg.stale_policy == "mask":
-            return
-        doomed = [
-            rec for rec in self._recs.values()
-            if rec.state in (PARTIAL, WAITING, READY)
-            and is_doomed(rec.oldest, version, cfg.max_staleness)
-        ]
-        for rec in doomed:
-            if rec.state is None or rec.group.dropped:
-                continue
-            if cfg.stale_policy == "drop":
-                self._drop_group(rec.group, "stale")
-            else:
-                self._recompute(rec)
+        self._sweep()
         self._notify()
 
     def get_batch(self, num_groups: int, trainer_version: int) -> list[list[Trajectory]]:
@@ -382,4 +368,5 @@ class ReplayBuffer(BufferCore):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace this buffer's contents with ``state`` (config and policies stay)."""
         checkpoint.load(self, state)
+        self._sweep()  # this run's bound may be tighter than the saved run's
         self._notify()
