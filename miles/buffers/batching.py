@@ -7,10 +7,14 @@ internals and is not used on its own.
 
 from __future__ import annotations
 
-from miles.buffers.core import BufferCore
+from typing import TYPE_CHECKING
+
 from miles.buffers.records import READY, Group
 from miles.scheduler.staleness import loss_version_stats, mask_stale_tokens, within_bound
 from miles.types import Trajectory
+
+if TYPE_CHECKING:  # core imports this module
+    from miles.buffers.core import BufferCore
 
 
 def take_batch(buf: BufferCore, num_groups: int, trainer_version: int) -> list[list[Trajectory]]:
@@ -73,11 +77,20 @@ def _train(buf: BufferCore, groups: list[Group], trainer_version: int) -> list[l
     ev["trained"] += n_trajs
     ev["groups_trained"] += len(groups)
     ev["masked_tokens"] += masked
+    last = batch_stats(hist, n_tokens, stale_sum, worst_max, masked)
+    buf._last_batch = last
+    return batch
+
+
+def batch_stats(
+    hist: dict[int, int], n_tokens: int, stale_sum: int, worst_max: int, masked: int
+) -> dict[str, float]:
+    """The last batch's metrics: token-mean and worst staleness, a per-trajectory histogram
+    of worst staleness (``buffer/staleness_hist/<k>``), and tokens masked for it."""
     last = {
         "buffer/staleness_mean": stale_sum / n_tokens if n_tokens else 0.0,
         "buffer/staleness_max": float(worst_max),
         "buffer/batch_masked_tokens": float(masked),
     }
     last.update({f"buffer/staleness_hist/{k}": float(v) for k, v in sorted(hist.items())})
-    buf._last_batch = last
-    return batch
+    return last

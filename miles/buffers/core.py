@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from miles.buffers.batching import batch_stats
 from miles.buffers.ledger import GroupLedger, Ledger
 from miles.buffers.policies import EvictionPolicy, GroupFilter, SamplingPolicy, fifo, filter_name
 from miles.buffers.records import (
@@ -91,10 +92,9 @@ class BufferCore:
         self.group_filters = [(filter_name(f), f) for f in group_filters]
         self._clock = clock
         self._clear()
-        self._ready_event: asyncio.Event | None = None
-        self._ready_needs: list[int] = []
-        self._room_event: asyncio.Event | None = None
-        self._room_needs: list[int] = []
+        # (need, future) of coroutines waiting for ready groups / free room
+        self._ready_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._room_waiters: list[tuple[int, asyncio.Future[None]]] = []
 
     def _clear(self) -> None:
         self._version = 0
@@ -112,7 +112,8 @@ class BufferCore:
              "released", "groups_admitted", "groups_open", "groups_trained"), 0)
         self._dropped: dict[str, int] = {}
         self._gdropped: dict[str, int] = {}
-        self._last_batch: dict[str, float] = {}
+        eta = self.config.max_staleness
+        self._last_batch = batch_stats(dict.fromkeys(range(eta + 1), 0), 0, 0, 0, 0)
 
     def ledger(self) -> Ledger:
         c, ev = self._count, self._ev
@@ -363,8 +364,14 @@ class BufferCore:
             self._drop_rec(rec, reason)
 
     def _notify(self) -> None:
-        if self._ready_needs and len(self._ready) >= min(self._ready_needs):
-            self._ready_event.set()  # type: ignore[union-attr]
-        if self._room_needs and self.config.capacity - len(self._recs) >= min(self._room_needs):
-            self._room_event.set()  # type: ignore[union-attr]
+        """Wake the async waiters whose condition may hold now (they re-check)."""
+        if self._ready_waiters:
+            _wake(self._ready_waiters, len(self._ready))
+        if self._room_waiters:
+            _wake(self._room_waiters, self.config.capacity - len(self._recs))
 
+
+def _wake(waiters: list[tuple[int, asyncio.Future[None]]], have: int) -> None:
+    for need, fut in waiters:
+        if need <= have and not fut.done():
+            fut.set_result(None)

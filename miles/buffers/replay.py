@@ -313,17 +313,8 @@ class ReplayBuffer(BufferCore):
             batch = self.get_batch(num_groups, trainer_version)
             if batch:
                 return batch
-            if self._ready_event is None:
-                self._ready_event = asyncio.Event()
-            self._ready_event.clear()
-            self._ready_needs.append(num_groups)
-            try:
-                left = None if deadline is None else deadline - loop.time()
-                await asyncio.wait_for(self._ready_event.wait(), left)
-            except TimeoutError:
+            if not await _wait(self._ready_waiters, num_groups, loop, deadline):
                 return self.get_batch(num_groups, trainer_version)
-            finally:
-                self._ready_needs.remove(num_groups)
 
     async def add_prompts_async(
         self, prompts: Sequence[PromptSample], n_samples_per_prompt: int | None = None,
@@ -341,17 +332,7 @@ class ReplayBuffer(BufferCore):
             except BufferFull:
                 if need > self.config.capacity or (deadline is not None and loop.time() >= deadline):
                     raise
-            if self._room_event is None:
-                self._room_event = asyncio.Event()
-            self._room_event.clear()
-            self._room_needs.append(need)
-            try:
-                left = None if deadline is None else max(0.0, deadline - loop.time())
-                await asyncio.wait_for(self._room_event.wait(), left)
-            except TimeoutError:
-                pass  # one last try above, then BufferFull
-            finally:
-                self._room_needs.remove(need)
+            await _wait(self._room_waiters, need, loop, deadline)  # then one more try
 
     async def put_async(self, traj: Trajectory, worker_id: str | None = None) -> None:
         """``put``; never waits (a put returns work the buffer already counts)."""
@@ -370,3 +351,20 @@ class ReplayBuffer(BufferCore):
         checkpoint.load(self, state)
         self._sweep()  # this run's bound may be tighter than the saved run's
         self._notify()
+
+
+async def _wait(
+    waiters: list[tuple[int, asyncio.Future[None]]], need: int,
+    loop: asyncio.AbstractEventLoop, deadline: float | None,
+) -> bool:
+    """Wait until ``_notify`` says ``need`` may be met; False once ``deadline`` passed."""
+    entry = (need, loop.create_future())
+    waiters.append(entry)
+    try:
+        left = None if deadline is None else max(0.0, deadline - loop.time())
+        await asyncio.wait_for(entry[1], left)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        waiters.remove(entry)

@@ -41,13 +41,17 @@ MODES: tuple[str, ...] = ("sync", "one-step-off", "async")
 def loss_version_stats(versions: list[int], loss_mask: list[int]) -> tuple[int | None, int, int]:
     """``(oldest, count, sum)`` of the versions of loss-carrying tokens (oldest None if none).
 
-    ``compress`` keeps this in C: it runs once per trajectory put, so it must be cheap for
-    1-token and 1024-token trajectories alike.
+    Runs once per trajectory put, so it stays in C builtins (``count``, ``min``, ``sum``,
+    ``compress``) and skips the selection when every token carries loss (the common case).
+    ``loss_mask`` must hold only 0/1 (``Trajectory.validate`` checks that first).
     """
-    loss_versions = list(compress(versions, loss_mask))
-    if not loss_versions:
+    n_loss = loss_mask.count(1)
+    if n_loss == 0:
         return None, 0, 0
-    return min(loss_versions), len(loss_versions), sum(loss_versions)
+    if n_loss == len(versions):
+        return min(versions), n_loss, sum(versions)
+    loss_versions = list(compress(versions, loss_mask))
+    return min(loss_versions), n_loss, sum(loss_versions)
 
 
 def within_bound(oldest: int | None, trainer_version: int, max_staleness: int) -> bool:

@@ -55,3 +55,11 @@ def test_add_prompts_async_waits_for_room() -> None:
         assert buf.ledger().ready == 2
 
     asyncio.run(main())
+
+
+def test_buffer_outlives_an_event_loop() -> None:
+    """Waiters hold their own futures, so a buffer may be awaited from a later loop."""
+    buf = make_buffer()
+    assert asyncio.run(buf.get_batch_async(1, 0, timeout=0.01)) == []
+    run_groups(buf, 1)
+    assert len(asyncio.run(buf.get_batch_async(1, 0, timeout=1.0))) == 1

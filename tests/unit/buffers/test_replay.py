@@ -126,6 +126,13 @@ def test_stats_and_staleness_histogram() -> None:
     assert all(k.startswith("buffer/") for k in s)
 
 
+def test_stats_keys_exist_before_any_batch() -> None:
+    s = make_buffer(max_staleness=2).stats()
+    for key in ("buffer/queued", "buffer/partial", "buffer/ready_groups", "buffer/staleness_mean",
+                "buffer/staleness_max", "buffer/recycled_partials", "buffer/staleness_hist/2"):
+        assert s[key] == 0.0
+
+
 def test_env_tokens_carry_no_staleness() -> None:
     buf = make_buffer(max_staleness=0)
     buf.add_prompts(prompts(1))
