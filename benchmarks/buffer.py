@@ -203,6 +203,14 @@ def report(rows: list[dict], args: argparse.Namespace, per_call: int) -> None:
     summary = (f"Goal (in-process put+get ≥ {GOAL:,} trajectories/s for short trajectories): "
                f"**{verdict}** — {short:,.0f}/s for 1-token trajectories "
                f"({short / GOAL:.1f}× the goal).")
+    if has_ray:
+        longest = rows[-1]
+        summary += (
+            f" Through one Ray actor (blocking round trips of {per_call} trajectories): "
+            f"{rows[0]['ray_put_get_per_s']:,.0f} short trajectories/s, and "
+            f"{longest['ray_put_get_per_s'] * longest['length'] / 1e6:.1f}M response tokens/s "
+            f"with {longest['length']}-token trajectories."
+        )
     table = "\n".join(lines)
     print(table)
     print(summary)
@@ -218,7 +226,10 @@ def report(rows: list[dict], args: argparse.Namespace, per_call: int) -> None:
         "tokens; Ray = one `ray.remote(ReplayBuffer)` actor, blocking round trips, "
         "trajectories pickled by Ray. Memory: tracemalloc over 8,192 held trajectories "
         "(2,048 for 1024 tokens or with --quick); 'ready' includes the response lists "
-        "themselves (Python lists of ints/floats; a float is a 24-byte object).",
+        "themselves (Python lists of ints/floats; a float is a 24-byte object). "
+        "Timed calls include the cyclic GC passes that happen to fall in them: the buffer's "
+        "admit+lease work does not depend on response length, but GC passes over many long "
+        "response lists do.",
         "",
         table,
         "",

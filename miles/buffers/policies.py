@@ -20,11 +20,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from miles.buffers.records import Group
+from miles.protocols import GroupFilter
 from miles.types import Status, Trajectory
 
 SamplingPolicy = Callable[[Iterable[Group]], Iterable[Group]]
 EvictionPolicy = Callable[[Iterable[Group]], Iterable[Group]]
-GroupFilter = Callable[[Sequence[Trajectory]], bool]
+
+__all__ = ["EvictionPolicy", "GroupFilter", "SamplingPolicy", "drop_aborted", "drop_truncated",
+           "drop_uniform_rewards", "evict_fifo", "evict_oldest", "fifo", "filter_name",
+           "oldest_first", "priority"]
 
 _NEWEST = float("inf")  # a group without loss tokens is never stale: it sorts as newest
 
