@@ -137,8 +137,12 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return _flatten_yaml(data, path)
 
 
-def resolve(values: dict[str, Any]) -> MilesConfig:
-    """Build and validate a MilesConfig from flat ``field_name → value`` overrides."""
+def resolve(values: dict[str, Any], *, check: bool = True) -> MilesConfig:
+    """Build and validate a MilesConfig from flat ``field_name → value`` overrides.
+
+    ``check=False`` skips the cross-field and filesystem rules (``miles.validation``), for
+    tests and tools that build partial configs; types and choices are always validated.
+    """
     table = _field_table()
     unknown = sorted(k for k in values if k not in table)
     if unknown:
@@ -163,9 +167,10 @@ def resolve(values: dict[str, Any]) -> MilesConfig:
         except (ValueError, TypeError) as exc:  # a struct's own __post_init__ check
             raise ConfigError(str(exc)) from None
     config = MilesConfig(**built)
-    from miles.validation import check_config
+    if check:
+        from miles.validation import check_config
 
-    check_config(config)
+        check_config(config)
     return config
 
 
@@ -249,14 +254,15 @@ class MilesConfig:
         return flat
 
     def replace(self, **flat: Any) -> MilesConfig:
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (types validated again)."""
         values = self.to_flat()
         values.update(flat)
-        return resolve(values)
+        return resolve(values, check=False)
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False), encoding="utf-8")
 
 
 def default_config(**flat: Any) -> MilesConfig:
-    return resolve(flat)
+    """Defaults plus ``flat`` overrides, without the filesystem checks."""
+    return resolve(flat, check=False)

@@ -25,6 +25,7 @@ import signal
 import time
 from typing import Any
 
+import msgspec
 import ray
 
 from miles.actors import ray_actors
@@ -251,7 +252,7 @@ class Driver:
             "failure": self.failure,
             "steps": self.step,
             "policy_version": self.scheduler.version,
-            "ledger": ledger.to_dict() if hasattr(ledger, "to_dict") else ledger,
+            "ledger": msgspec.to_builtins(ledger),
             "ledger_ok": _ledger_ok(ledger),
             "data": self.dataset.stats(),
             "worker_restarts": self.restarts,

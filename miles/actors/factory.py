@@ -52,9 +52,16 @@ def load_datasets(cfg: MilesConfig) -> tuple[PromptDataset, PromptDataset | None
     return train, evaluation
 
 
+def context_len(cfg: MilesConfig) -> int:
+    """The engine's context: --max-seq-len, capped by the model's max_position_embeddings."""
+    from miles.models import load_config
+
+    return min(cfg.engine.max_seq_len, load_config(cfg.rollout.hf_checkpoint).max_position_embeddings)
+
+
 def _max_prompt_len(cfg: MilesConfig) -> int:
     """A prompt must leave room for at least one response token in the engine's context."""
-    limit = cfg.engine.max_seq_len - 1
+    limit = context_len(cfg) - 1
     return min(limit, cfg.data.max_prompt_len) if cfg.data.max_prompt_len else limit
 
 
@@ -77,7 +84,7 @@ def build_engine(cfg: MilesConfig, *, seed_offset: int = 0) -> Any:
     from miles.models import load_pretrained
 
     tokenizer = load_tokenizer(cfg)
-    engine_cfg = msgspec.structs.replace(cfg.engine, seed=cfg.run.seed + seed_offset)
+    engine_cfg = msgspec.structs.replace(cfg.engine, seed=cfg.run.seed + seed_offset, max_seq_len=context_len(cfg))
     model = load_pretrained(cfg.rollout.hf_checkpoint, device=engine_cfg.device)
     engine = EmbeddedEngine(model, config=engine_cfg, tokenizer=tokenizer)
     engine.start()
