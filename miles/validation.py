@@ -34,7 +34,7 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
             yield "--prompt-data is required (a JSONL file)"
         elif not Path(data.prompt_data).is_file():
             yield f"--prompt-data {data.prompt_data}: file not found"
-        if not (rollout.custom_rm_path or rollout.custom_generate_function_path or getattr(rollout, "env_path", None)):
+        if not (rollout.custom_rm_path or rollout.custom_generate_function_path or cfg.env.env_path):
             yield "no reward: set --custom-rm-path (or an --env-path / --custom-generate-function-path that sets rewards)"
     elif not Path(run.load_debug_rollout_data).is_dir():
         yield f"--load-debug-rollout-data {run.load_debug_rollout_data}: directory not found"
@@ -69,6 +69,20 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
         yield "--colocate shares the trainer's GPUs: leave --rollout-num-gpus unset or equal to the trainer's"
     if gpus and run.deterministic:
         yield "--deterministic is a CPU feature (bitwise resume); it is not supported with GPUs"
+    yield from _env_problems(cfg)
     if sched.mode == "sync" and sched.over_sampling_batch_size and not rollout.partial_rollout:
         # Over-sampled groups would finish on old weights and be dropped as stale.
         yield "--mode sync with --over-sampling-batch-size needs --partial-rollout (or a non-sync mode)"
+
+
+def _env_problems(cfg: Any):
+    env, rollout = cfg.env, cfg.rollout
+    if not env.env_path:
+        return
+    if rollout.custom_generate_function_path:
+        yield "--env-path and --custom-generate-function-path both choose the generate function: set one"
+    if env.env_reward == "none" and not rollout.custom_rm_path:
+        yield "--env-reward none leaves the reward to --custom-rm-path, which is not set"
+    module = env.env_path.rsplit(":", 1)[0]
+    if (module.endswith(".py") or "/" in module) and not Path(module).is_file():
+        yield f"--env-path {env.env_path}: file {module} not found"

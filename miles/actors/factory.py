@@ -103,6 +103,15 @@ def sampling_params(cfg: MilesConfig, tokenizer: Any) -> SamplingParams:
     )
 
 
+def build_generate_fn(cfg: MilesConfig, tokenizer: Any) -> Any:
+    """``--env-path``: the multi-turn Env rollout; else the default or custom function."""
+    if cfg.env.env_path:
+        from miles.envs import build_env_rollout
+
+        return build_env_rollout(cfg, tokenizer)
+    return load_generate_fn(cfg.rollout.custom_generate_function_path)
+
+
 def build_reward_runner(cfg: MilesConfig) -> tuple[Any, dict[str, Any]]:
     return cfg.rollout.custom_rm_path, {"timeout_s": cfg.rollout.reward_timeout_s, "args": cfg}
 
@@ -127,7 +136,7 @@ def build_rollout_worker(cfg: MilesConfig, worker_id: str, *, buffer: Any, rewar
     return {
         "engine": engine,
         "context": ctx,
-        "generate_fn": load_generate_fn(cfg.rollout.custom_generate_function_path),
+        "generate_fn": build_generate_fn(cfg, tokenizer),
         "buffer": buffer,
         "rewards": rewards,
         "local_reward": local_reward,

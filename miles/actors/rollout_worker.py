@@ -179,6 +179,7 @@ class RolloutWorker:
         """Abort every in-flight generation; they come back to the buffer as PARTIAL."""
         n = len(self._inflight)
         if n:
+            self.ctx.aborts += 1  # multi-turn episodes park between turns too
             await self.engine.abort(None)
             await asyncio.gather(*self._inflight.values(), return_exceptions=True)
             await self._flush()
@@ -229,4 +230,7 @@ class RolloutWorker:
             out.update(engine_stats())
         if self.local_reward is not None:
             out.update(self.local_reward.stats())
+        generate_stats = getattr(self.generate_fn, "stats", None)  # e.g. EnvRollout's env/...
+        if callable(generate_stats):
+            out.update(generate_stats())
         return out
