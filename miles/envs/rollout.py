@@ -79,6 +79,10 @@ class EnvRollout:
         self._parked: OrderedDict[str, _Parked] = OrderedDict()
         self._closing: set[asyncio.Task[Any]] = set()
         self.counters: Counter[str] = Counter()
+        # Occupancy: episodes in flight integrated over time, since the first episode.
+        self._active = 0
+        self._since: float | None = None
+        self._last = 0.0
 
     def template(self, tokenizer: Any) -> TurnTemplate:
         key = id(tokenizer)
@@ -89,6 +93,7 @@ class EnvRollout:
 
     async def __call__(self, sample: Trajectory, ctx: GenerateContext) -> Trajectory:
         started = self.clock()
+        self._occupancy(+1)
         state = EpisodeState.of(sample)
         episode = _Episode(self, sample, ctx, state)
         limit = self.config.episode_timeout_s
@@ -107,7 +112,18 @@ class EnvRollout:
             state.elapsed_s += self.clock() - started
             state.save(sample)
             self._settle(episode)
+            self._occupancy(-1)
         return sample
+
+    def _occupancy(self, delta: int) -> None:
+        now = self.clock()
+        if self._since is None:
+            self._since = now
+        dt = now - self._last if self._last else 0.0
+        self.counters["episode_s"] += self._active * dt  # ∫ episodes in flight dt
+        self.counters["busy_s"] += dt if self._active else 0.0  # time with any in flight
+        self._active += delta
+        self._last = now
 
     # ---- live environments -------------------------------------------------------------
     def _settle(self, episode: _Episode) -> None:
@@ -158,6 +174,12 @@ class EnvRollout:
         out = {f"env/{k}": float(v) for k, v in self.counters.items()}
         ended = sum(v for k, v in self.counters.items() if k.startswith("episodes_") and k != "episodes_partial")
         out["env/parked_envs"] = float(len(self._parked))
+        out["env/inflight"] = float(self._active)
+        if self._since is not None:
+            self._occupancy(0)  # bring the integrals up to now
+            out["env/episode_s"] = float(self.counters["episode_s"])
+            out["env/busy_s"] = float(self.counters["busy_s"])
+            out["env/window_s"] = self._last - self._since
         if ended:
             out["env/turns_per_episode"] = self.counters["turns_of_ended"] / ended
         return out

@@ -167,3 +167,20 @@ def test_many_episodes_share_one_rollout() -> None:
     outs = run(go())
     assert all(o.status is Status.COMPLETED and o.reward == 6.0 for o in outs)
     assert ro.stats()["env/turns_per_episode"] == 3.0 and ro.stats()["env/parked_envs"] == 0.0
+
+
+def test_occupancy_integrates_episodes_in_flight() -> None:
+    ticks = iter(range(10_000))
+    engine = ScriptedEngine()
+    ro = EnvRollout(lambda: CountdownEnv(turns=2), EnvConfig(), tokenizer=TOKENIZER, clock=lambda: float(next(ticks)))
+
+    async def go():
+        await ro(make_traj("solo"), make_ctx(engine))
+        alone = ro.stats()
+        await asyncio.gather(*(ro(make_traj(f"t{i}"), make_ctx(engine)) for i in range(4)))
+        return alone, ro.stats()
+
+    alone, after = run(go())
+    assert alone["env/episode_s"] == alone["env/busy_s"] > 0  # one episode: in flight = busy
+    assert after["env/episode_s"] > after["env/busy_s"]  # overlapping episodes count each
+    assert after["env/window_s"] >= after["env/busy_s"] and after["env/inflight"] == 0.0
