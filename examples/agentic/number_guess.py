@@ -28,7 +28,7 @@ _NUMBER = re.compile(r"\d+")
 
 
 class NumberGuessEnv:
-    def __init__(self, high: int = 7) -> None:
+    def __init__(self, high: int = 3) -> None:
         self.high = high
         self.secret = 0
         self.invalid = 0
@@ -48,7 +48,7 @@ class NumberGuessEnv:
         return ("higher" if guess < self.secret else "lower"), 0.0, False, {"valid": True}
 
 
-def prepare(out: str, high: int = 7, copies: int = 64) -> None:
+def prepare(out: str, high: int = 3, copies: int = 128) -> None:
     """A tiny random-init checkpoint, training prompts and a held-out evaluation set."""
     from miles.models import CausalLM, build_tiny_tokenizer, save_pretrained, tiny_config
 
@@ -67,6 +67,6 @@ def prepare(out: str, high: int = 7, copies: int = 64) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] != "prepare":
-        raise SystemExit("usage: python examples/agentic/number_guess.py prepare OUT_DIR")
-    prepare(sys.argv[2])
+    if len(sys.argv) not in (3, 4) or sys.argv[1] != "prepare":
+        raise SystemExit("usage: python examples/agentic/number_guess.py prepare OUT_DIR [HIGH]")
+    prepare(sys.argv[2], high=int(sys.argv[3]) if len(sys.argv) == 4 else 3)

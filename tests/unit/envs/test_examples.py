@@ -29,11 +29,11 @@ def test_number_guess_feedback() -> None:
 
 def test_number_guess_episode_rewards_only_solved_games_above_zero() -> None:
     solved = [TOKENIZER.encode("4"), TOKENIZER.encode("6"), TOKENIZER.encode("5")]
-    out = asyncio.run(rollout(NumberGuessEnv, max_turns=3)(make_traj(label=5), make_ctx(ScriptedEngine(solved))))
+    out = asyncio.run(rollout(lambda: NumberGuessEnv(high=7), max_turns=3)(make_traj(label=5), make_ctx(ScriptedEngine(solved))))
     assert out.status is Status.COMPLETED and out.reward == 1.0
     assert "higher" in out.response and "lower" in out.response
     lost = [TOKENIZER.encode("x"), TOKENIZER.encode("1"), TOKENIZER.encode("2")]
-    out = asyncio.run(rollout(NumberGuessEnv, max_turns=3)(make_traj(label=5), make_ctx(ScriptedEngine(lost))))
+    out = asyncio.run(rollout(lambda: NumberGuessEnv(high=7), max_turns=3)(make_traj(label=5), make_ctx(ScriptedEngine(lost))))
     assert out.status is Status.TRUNCATED and out.reward == pytest.approx(-0.1)
 
 
