@@ -16,6 +16,7 @@ import asyncio
 import inspect
 import math
 import numbers
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -62,18 +63,27 @@ def load_env_factory(env_path: str, env_kwargs: dict[str, Any] | None = None) ->
 
 
 class EnvCaller:
-    """Runs Env methods with a timeout, sync ones in a thread pool."""
+    """Runs Env methods with a timeout, sync ones in a thread pool.
+
+    A synchronous call that times out keeps its thread until it returns, maybe never. When
+    half of the pool's threads are stuck so, the pool is replaced by a fresh one (the stuck
+    threads are abandoned, counted in ``pools_replaced``), so hung environments cannot
+    starve the healthy ones of threads.
+    """
 
     def __init__(self, *, timeout_s: float, threads: int) -> None:
         self.timeout_s = timeout_s
+        self.threads = threads
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="miles-env")
+        self.pools_replaced = 0
+        self._stuck = 0  # timed-out calls still running in the current pool
+        self._lock = threading.Lock()
 
     async def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             if inspect.iscoroutinefunction(fn):
                 return await asyncio.wait_for(fn(*args), self.timeout_s)
-            loop = asyncio.get_running_loop()
-            result = await asyncio.wait_for(loop.run_in_executor(self.pool, fn, *args), self.timeout_s)
+            result = await self._in_thread(fn, *args)
             if inspect.isawaitable(result):  # a sync wrapper that returned a coroutine
                 result = await asyncio.wait_for(result, self.timeout_s)
             return result
@@ -83,6 +93,35 @@ class EnvCaller:
             raise EnvFailure("env_timeout", f"{what} gave no result within {self.timeout_s}s") from None
         except Exception as exc:
             raise EnvFailure("env_error", f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        pool = self.pool
+        job = pool.submit(fn, *args)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(job), self.timeout_s)
+        except asyncio.TimeoutError:
+            if not job.cancel():  # already running: its thread is stuck until it returns
+                self._note_stuck(pool, job)
+            raise
+
+    def _note_stuck(self, pool: ThreadPoolExecutor, job: Any) -> None:
+        with self._lock:
+            if pool is not self.pool:
+                return
+            self._stuck += 1
+            if self._stuck * 2 >= self.threads:
+                self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="miles-env")
+                self._stuck = 0
+                self.pools_replaced += 1
+                pool.shutdown(wait=False, cancel_futures=False)
+                return
+
+        def unstuck(_: Any) -> None:
+            with self._lock:
+                if pool is self.pool:
+                    self._stuck -= 1
+
+        job.add_done_callback(unstuck)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -174,6 +174,7 @@ class EnvRollout:
         out = {f"env/{k}": float(v) for k, v in self.counters.items()}
         ended = sum(v for k, v in self.counters.items() if k.startswith("episodes_") and k != "episodes_partial")
         out["env/parked_envs"] = float(len(self._parked))
+        out["env/thread_pools_replaced"] = float(self.caller.pools_replaced)
         out["env/inflight"] = float(self._active)
         if self._since is not None:
             self._occupancy(0)  # bring the integrals up to now

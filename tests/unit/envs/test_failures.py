@@ -191,3 +191,21 @@ def test_caller_timeouts_are_bounded() -> None:
         run(caller.call("thing", slow))
     assert exc.value.kind == "env_timeout" and exc.value.reason == "env_timeout: thing gave no result within 0.05s"
     caller.shutdown()
+
+
+def test_hung_threads_do_not_starve_healthy_envs() -> None:
+    import time
+
+    caller = EnvCaller(timeout_s=0.05, threads=2)
+    release = threading.Event()
+
+    async def go():
+        for _ in range(3):  # each hangs its thread past the timeout
+            with pytest.raises(EnvFailure):
+                await caller.call("step", release.wait, 5)
+        return await caller.call("step", time.monotonic)  # a healthy call still gets a thread
+
+    assert isinstance(run(go()), float)
+    assert caller.pools_replaced >= 1
+    release.set()
+    caller.shutdown()
