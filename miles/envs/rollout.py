@@ -92,10 +92,10 @@ class EnvRollout:
         return self._templates[key]
 
     async def __call__(self, sample: Trajectory, ctx: GenerateContext) -> Trajectory:
+        state = EpisodeState.of(sample)
+        episode = _Episode(self, sample, ctx, state)  # raises only for an unusable template
         started = self.clock()
         self._occupancy(+1)
-        state = EpisodeState.of(sample)
-        episode = _Episode(self, sample, ctx, state)
         limit = self.config.episode_timeout_s
         try:
             if limit is not None and state.elapsed_s >= limit:
