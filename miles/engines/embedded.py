@@ -194,10 +194,13 @@ class EmbeddedEngine:
     def stats(self) -> dict[str, float]:
         now = time.monotonic()
         rate = 0.0
-        recent = [(t, n) for t, n in self._rate if now - t <= 10.0]
+        # list() copies a deque in one C call, so the stepping thread cannot mutate it
+        # mid-iteration ("deque mutated during iteration" would fail the caller).
+        recent = [(t, n) for t, n in list(self._rate) if now - t <= 10.0]
         if len(recent) >= 2 and recent[-1][0] > recent[0][0]:
             rate = (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
-        occ = sum(self._occupancy) / len(self._occupancy) if self._occupancy else 0.0
+        occupancy = list(self._occupancy)
+        occ = sum(occupancy) / len(occupancy) if occupancy else 0.0
         out = {f"engine/{k}": float(v) for k, v in self._counters.items()}
         out.update({
             "rollout/tokens_generated": float(self._counters["tokens_generated"]),

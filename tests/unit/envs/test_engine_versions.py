@@ -91,3 +91,31 @@ def test_every_token_records_the_version_that_produced_it() -> None:
     for i, (v, m, lp) in enumerate(zip(t.versions, t.loss_mask, t.logprobs)):
         if m:
             assert abs(per_version[v][i].item() - lp) < 1e-4, (i, v)
+
+
+def test_engine_stats_can_be_read_while_it_decodes() -> None:
+    # Workers report engine stats (pings) while episodes decode on the stepping thread; a
+    # tiny switch interval makes a thread switch inside stats() likely.
+    import sys
+
+    from miles.types import GenerateRequest, SamplingParams
+
+    async def go() -> int:
+        engine = EmbeddedEngine(make_model(0), config=EngineConfig(max_seq_len=512, max_batch_size=4))
+        sp = SamplingParams(max_new_tokens=400, ignore_eos=True)
+        tasks = [asyncio.create_task(engine.generate(GenerateRequest(rid=f"r{i}", input_ids=[5, 6, 7], sampling=sp)))
+                 for i in range(4)]
+        calls = 0
+        while not all(t.done() for t in tasks):
+            engine.stats()
+            calls += 1
+            await asyncio.sleep(0)
+        await engine.close()
+        return calls
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        assert asyncio.run(go()) > 0
+    finally:
+        sys.setswitchinterval(old)
