@@ -99,8 +99,10 @@ class Driver:
         t1 = time.monotonic()
         metrics = await a.trainer.train.remote(batch_ref)
         train_s = time.monotonic() - t1
+        # The buffer learns the new version before any worker can hold its weights: a put
+        # with tokens of a version the buffer does not know yet is refused as invalid.
+        await a.buffer.set_version.remote(await a.trainer.get_version.remote())
         new_version = await a.trainer.publish.remote(a.broadcaster)
-        await a.buffer.set_version.remote(new_version)
         if cfg.scheduler.mode == "sync":
             await a.broadcaster.wait_applied.remote(new_version)
         self.scheduler.on_version(new_version)

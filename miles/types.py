@@ -32,6 +32,10 @@ class TrajectoryError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:  # picklable across Ray actors
+        return type(self), (self.field, self.message)
 
 
 class Status(enum.StrEnum):

@@ -33,6 +33,9 @@ class EnvFailure(Exception):
         super().__init__(detail)
         self.kind = kind
 
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:  # picklable across Ray actors
+        return type(self), (self.kind, str(self))
+
     @property
     def reason(self) -> str:
         return f"{self.kind}: {self}"[:500]

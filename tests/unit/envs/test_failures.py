@@ -209,3 +209,16 @@ def test_hung_threads_do_not_starve_healthy_envs() -> None:
     assert caller.pools_replaced >= 1
     release.set()
     caller.shutdown()
+
+
+def test_errors_survive_pickling_between_actors() -> None:
+    # Ray pickles an actor's exception for its caller; one that cannot be rebuilt arrives
+    # as an opaque UnserializableException instead of the reason.
+    import pickle
+
+    from miles.types import TrajectoryError
+
+    err = pickle.loads(pickle.dumps(TrajectoryError("versions", "version 3 is newer than the current policy 2")))
+    assert str(err) == "versions: version 3 is newer than the current policy 2" and err.field == "versions"
+    failure = pickle.loads(pickle.dumps(EnvFailure("env_timeout", "step gave no result within 1s")))
+    assert failure.reason == "env_timeout: step gave no result within 1s"
