@@ -187,6 +187,13 @@ class Driver:
             await a.trainer.publish.remote(a.broadcaster)
         for worker_id, handle in list(a.workers.items()):
             await self._start_worker(worker_id, handle)
+        # Construction errors (a bad checkpoint, an engine flag) are not crashes to restart
+        # from: surface them once, clearly.
+        for name, handle in [("PolicyTrainer", a.trainer), *a.workers.items()]:
+            try:
+                await handle.ping.remote()
+            except Exception as exc:
+                raise RunFailed(f"{name} failed to start: {_root_cause(exc)}") from None
 
     async def _until_stopped(self, ref: Any) -> Any:
         """Await ``ref`` unless the run is stopped first (then return None)."""
@@ -266,6 +273,13 @@ class Driver:
         return summary
 
 
+def _root_cause(exc: BaseException) -> str:
+    """The last line of a remote traceback: the error the user can act on."""
+    cause = getattr(exc, "cause", None) or exc
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
 def _ledger_ok(ledger: Any) -> bool:
     try:
         ledger.check()
@@ -277,9 +291,11 @@ def _ledger_ok(ledger: Any) -> bool:
 async def train(cfg: MilesConfig) -> dict[str, Any]:
     """Run training to ``--num-rollout`` steps; returns the summary (also in summary.json)."""
     from miles.actors.factory import load_datasets
+    from miles.validation import check_functions
 
     if cfg.run.load_debug_rollout_data:
         return await replay_debug_rollouts(cfg)
+    check_functions(cfg)  # a bad --custom-*-path fails here, before Ray starts
     dataset, eval_data = load_datasets(cfg)  # bad data fails here, before any output exists
     driver = Driver(cfg, dataset, eval_data)
     return await driver.run()

@@ -72,3 +72,16 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
     if sched.mode == "sync" and sched.over_sampling_batch_size and not rollout.partial_rollout:
         # Over-sampled groups would finish on old weights and be dropped as stale.
         yield "--mode sync with --over-sampling-batch-size needs --partial-rollout (or a non-sync mode)"
+
+
+def check_functions(cfg: Any) -> None:
+    """Resolve every user function path once, so a typo fails before anything starts."""
+    from miles.utils.loading import load_function
+
+    for flag, ref in (
+        ("--custom-rm-path", cfg.rollout.custom_rm_path),
+        ("--custom-generate-function-path", cfg.rollout.custom_generate_function_path),
+        ("--dynamic-sampling-filter-path", cfg.rollout.dynamic_sampling_filter_path),
+    ):
+        if ref:
+            load_function(ref)
