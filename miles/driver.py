@@ -57,6 +57,9 @@ class Driver:
         self.eval_tasks: list[asyncio.Task[None]] = []
         self.step = 0
         self.admit_s = 0.0
+        # Admission (data cursor + buffer) and checkpoint snapshots must not interleave, or a
+        # checkpoint could hold a cursor past prompts its buffer never received.
+        self.admission_lock = asyncio.Lock()
 
     # ---- the loop ---------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
@@ -67,7 +70,10 @@ class Driver:
             await self._start()
             background = [asyncio.create_task(self._admit()), asyncio.create_task(self._watch())]
             while self.step < self.cfg.run.num_rollout and not self.stop.is_set():
-                await self._train_step()
+                try:
+                    await self._train_step()
+                except ray.exceptions.RayActorError as exc:  # trainer or buffer: fatal
+                    self._fail(f"{_actor_name(exc)} died ({_root_cause(exc)}){self._checkpoint_note()}")
             if self.stop.is_set():
                 status = "failed" if self.failure else "interrupted"
             for task in background:
@@ -95,7 +101,7 @@ class Driver:
             # Over-sampled generations still running would be off-policy after this step:
             # park them now; they resume on the new weights.
             await asyncio.gather(*(w.abort_inflight.remote() for w in a.workers.values()))
-        self.out.dump_batch(self.step, version, groups)
+        self.out.dump_batch(self.step + 1, version, groups)
         t1 = time.monotonic()
         metrics = await a.trainer.train.remote(batch_ref)
         train_s = time.monotonic() - t1
@@ -127,11 +133,12 @@ class Driver:
         buffer, sched = self.actors.buffer, self.scheduler
         while not self.stop.is_set():
             t0 = time.monotonic()
-            ledger, room = await asyncio.gather(buffer.ledger.remote(), buffer.prompt_room.remote())
-            sched.observe(ledger)
-            n = sched.capacity(room)
-            if n > 0:
-                await buffer.add_prompts.remote(self.dataset.next(n))
+            async with self.admission_lock:
+                ledger, room = await asyncio.gather(buffer.ledger.remote(), buffer.prompt_room.remote())
+                sched.observe(ledger)
+                n = sched.capacity(room)
+                if n > 0:
+                    await buffer.add_prompts.remote(self.dataset.next(n))
             self.admit_s += time.monotonic() - t0
             await asyncio.sleep(0.005 if n > 0 else 0.02)
 
@@ -150,11 +157,11 @@ class Driver:
                     self.worker_stats[worker_id] = await asyncio.wait_for(handle.ping.remote(), timeout)
                 except Exception as exc:
                     await self._replace_worker(worker_id, exc)
+            await self.actors.buffer.expire_leases.remote()  # hung workers' work goes back
             try:
                 await asyncio.wait_for(self.actors.trainer.ping.remote(), timeout * 6)
             except Exception as exc:
-                where = f"; last checkpoint: {self.ckpt.latest()}" if self.ckpt else ""
-                self._fail(f"PolicyTrainer died or stopped answering ({type(exc).__name__}: {exc}){where}")
+                self._fail(f"PolicyTrainer died or stopped answering ({type(exc).__name__}){self._checkpoint_note()}")
 
     async def _replace_worker(self, worker_id: str, cause: Exception) -> None:
         a, cfg = self.actors, self.cfg
@@ -229,12 +236,18 @@ class Driver:
     async def _save(self) -> None:
         from miles.checkpoint import save_run_state
 
-        await save_run_state(self.ckpt, self.step, self.actors, self.dataset, self.scheduler)
+        async with self.admission_lock:
+            await save_run_state(self.ckpt, self.step, self.actors, self.dataset, self.scheduler)
 
     async def _load(self, path: str) -> None:
         from miles.checkpoint import load_run_state
 
         self.step = await load_run_state(path, self.actors, self.dataset, self.scheduler)
+
+    def _checkpoint_note(self) -> str:
+        if self.ckpt is None:
+            return "; no checkpoint was configured (--save)"
+        return f"; last checkpoint: {self.ckpt.latest()} (resume with --load {self.ckpt.root})"
 
     def _interrupt(self) -> None:
         print("\n[miles] interrupted: parking in-flight work and shutting down", flush=True)
@@ -271,6 +284,15 @@ class Driver:
         for handle in [*a.workers.values(), *a.rewards, a.trainer, a.broadcaster, a.buffer]:
             ray_actors.kill(handle)
         return summary
+
+
+def _actor_name(exc: BaseException) -> str:
+    text = str(exc)
+    for cls, name in (("_PolicyTrainerActor", "PolicyTrainer"), ("_BufferActor", "ReplayBuffer"),
+                      ("WeightBroadcaster", "WeightBroadcaster")):
+        if cls in text:
+            return name
+    return "an actor"
 
 
 def _root_cause(exc: BaseException) -> str:

@@ -69,6 +69,10 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
         yield "--colocate shares the trainer's GPUs: leave --rollout-num-gpus unset or equal to the trainer's"
     if gpus and run.deterministic:
         yield "--deterministic is a CPU feature (bitwise resume); it is not supported with GPUs"
+    if run.deterministic and (sched.mode != "sync" or sched.over_sampling_batch_size):
+        # Only the synchronous schedule makes every token's policy version independent of
+        # timing; async modes train on whatever finished first.
+        yield "--deterministic needs --mode sync without --over-sampling-batch-size"
     if sched.mode == "sync" and sched.over_sampling_batch_size and not rollout.partial_rollout:
         # Over-sampled groups would finish on old weights and be dropped as stale.
         yield "--mode sync with --over-sampling-batch-size needs --partial-rollout (or a non-sync mode)"

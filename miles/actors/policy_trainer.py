@@ -20,8 +20,10 @@ from miles.weights import pack
 
 
 class PolicyTrainer:
-    def __init__(self, backend: TrainerBackend, *, bucket_bytes: int, use_object_store: bool = False) -> None:
+    def __init__(self, backend: TrainerBackend, *, bucket_bytes: int, use_object_store: bool = False,
+                 deterministic: bool = False) -> None:
         self.backend = backend
+        self.deterministic = deterministic
         self.bucket_bytes = bucket_bytes
         self.use_object_store = use_object_store
         self.last_publish_s = 0.0
@@ -35,6 +37,11 @@ class PolicyTrainer:
 
     async def train(self, groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
         start = time.monotonic()
+        if self.deterministic:
+            # Groups arrive in completion order, which depends on timing; a fixed order
+            # makes the gradient's summation order, hence the weights, reproducible.
+            groups = sorted((sorted(g, key=lambda t: t.index_in_group) for g in groups),
+                            key=lambda g: g[0].group_id)
         metrics = await asyncio.to_thread(self.backend.train_step, groups)
         metrics = dict(metrics)
         metrics["perf/train_step_s"] = time.monotonic() - start

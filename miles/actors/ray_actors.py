@@ -51,7 +51,8 @@ class _PolicyTrainerActor(PolicyTrainer):
         cfg = resolve(flat)
         configure_process(cfg, threads)
         backend = build_policy_trainer(cfg)
-        super().__init__(backend, bucket_bytes=cfg.run.update_weight_buffer_size, use_object_store=True)
+        super().__init__(backend, bucket_bytes=cfg.run.update_weight_buffer_size, use_object_store=True,
+                         deterministic=cfg.run.deterministic)
 
 
 class _RewardActor(RewardRunner):

@@ -18,6 +18,7 @@ trajectories go back to the buffer as PARTIAL with their prefix, nothing lost.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -224,6 +225,7 @@ class RolloutWorker:
         out["rollout/inflight"] = float(len(self._inflight))
         out["rollout/version"] = float(self.engine.version)
         out["rollout/uptime_s"] = elapsed
+        out["rollout/pid"] = float(os.getpid())
         engine_stats = getattr(self.engine, "stats", None)
         if callable(engine_stats):
             out.update(engine_stats())
