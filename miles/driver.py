@@ -34,6 +34,7 @@ from miles.config import MilesConfig
 from miles.data import PromptDataset
 from miles.outputs import RunOutputs, batch_metrics, load_debug_batches
 from miles.scheduler import Scheduler
+from miles.utils.proc import rss_mb
 
 
 class RunFailed(RuntimeError):
@@ -57,6 +58,7 @@ class Driver:
         self.eval_tasks: list[asyncio.Task[None]] = []
         self.step = 0
         self.admit_s = 0.0
+        self.trainer_rss_mb = 0.0
         # Admission (data cursor + buffer) and checkpoint snapshots must not interleave, or a
         # checkpoint could hold a cursor past prompts its buffer never received.
         self.admission_lock = asyncio.Lock()
@@ -159,7 +161,8 @@ class Driver:
                     await self._replace_worker(worker_id, exc)
             await self.actors.buffer.expire_leases.remote()  # hung workers' work goes back
             try:
-                await asyncio.wait_for(self.actors.trainer.ping.remote(), timeout * 6)
+                pong = await asyncio.wait_for(self.actors.trainer.ping.remote(), timeout * 6)
+                self.trainer_rss_mb = pong.get("mem/trainer_rss_mb", 0.0)
             except Exception as exc:
                 self._fail(f"PolicyTrainer died or stopped answering ({type(exc).__name__}){self._checkpoint_note()}")
 
@@ -224,6 +227,9 @@ class Driver:
             totals["rollout/tokens_per_s"] = totals.get("rollout/tokens", 0.0) / up
         stats.update(totals)
         stats.update(self.scheduler.stats())
+        stats["mem/worker_rss_mb"] = max((ws.get("mem/worker_rss_mb", 0.0) for ws in self.worker_stats.values()), default=0.0)
+        stats["mem/trainer_rss_mb"] = self.trainer_rss_mb
+        stats["mem/driver_rss_mb"] = rss_mb()
         return stats
 
     async def _evaluate(self, step: int) -> None:

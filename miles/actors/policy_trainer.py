@@ -16,6 +16,7 @@ from typing import Any
 from miles.actors.handles import Peer
 from miles.protocols import TrainerBackend
 from miles.types import Trajectory
+from miles.utils.proc import rss_mb
 from miles.weights import pack
 
 
@@ -65,7 +66,8 @@ class PolicyTrainer:
         return [pack(p, version=version, index=i, total=len(plans)) for i, p in enumerate(plans)]
 
     def ping(self) -> dict[str, float]:
-        return {"train/version": float(self.backend.version), "perf/publish_s": self.last_publish_s}
+        return {"train/version": float(self.backend.version), "perf/publish_s": self.last_publish_s,
+                "mem/trainer_rss_mb": rss_mb()}
 
     def state_dict(self) -> dict[str, Any]:
         return self.backend.state_dict()
