@@ -22,10 +22,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Decode reads the KV cache up to the longest context rounded up to this (0 = auto:
     # 256 on CUDA so CUDA graphs see few shapes, 16 on the CPU).
     kv_block: int = 0
-    # "matmul" (explicit, K/V read once) or "sdpa" for the decode attention.
-    decode_attention: str = "matmul"
+    # "sdpa" (torch's fused kernel) or "matmul" (explicit q·Kᵀ, softmax, ·V) for decode.
+    decode_attention: str = "sdpa"
     # CUDA graphs for dense decode steps (ignored on the CPU and for MoE models).
     cuda_graphs: bool = True
+    # torch.compile the layers' step functions (fuses RMSNorm/RoPE/SiLU/residual kernels).
+    # None = auto: on for CUDA, off on the CPU (where it needs a C++ compiler and ~10 s).
+    compile: bool | None = None
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0
 
@@ -36,6 +39,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
         except KeyError:
             raise ValueError(f"dtype {self.dtype!r} not in auto/float32/bfloat16/float16") from None
+
+    def use_compile(self) -> bool:
+        if self.compile is None:
+            return torch.device(self.device).type == "cuda"
+        return self.compile
 
     def block(self) -> int:
         if self.kv_block > 0:

@@ -40,8 +40,9 @@ import torch
 from miles.engines.config import EngineConfig
 from miles.engines.requests import Request
 from miles.engines.runner import ModelRunner, StepOut
-from miles.engines.sampling import SamplingBatch, sample
+from miles.engines.sampling import SamplingBatch, sample, to_device
 from miles.engines.weights import WeightStager
+from miles.models.fused import compile_fast_path
 from miles.models.model import CausalLM
 from miles.protocols import NamedTensors
 from miles.types import GenerateOutput, GenerateRequest
@@ -57,6 +58,7 @@ class EmbeddedEngine:
         config.validate(model.config.max_position_embeddings)
         self.device, self.dtype = torch.device(config.device), config.torch_dtype()
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.model.fuse_projections(compile_fast_path() if config.use_compile() else None)
         self.tokenizer = tokenizer
         self.runner = ModelRunner(self.model, config)
         self.stager = WeightStager(self.model, self.device, self.dtype)
@@ -334,8 +336,9 @@ class EmbeddedEngine:
                 r.hidden.append(out.hidden[i, : len(seq)])
         sample_rows = [i for i, f in enumerate(fresh) if f]
         if sample_rows:
-            idx = torch.tensor(sample_rows, device=self.device)
-            routing = None if out.routing is None else out.routing[idx, [len(seqs[i]) - 1 for i in sample_rows]]
+            idx = to_device(sample_rows, torch.long, self.device)
+            last = to_device([len(seqs[i]) - 1 for i in sample_rows], torch.long, self.device)
+            routing = None if out.routing is None else out.routing[idx, last]
             sub = StepOut(out.logits[idx], None, routing)
             self._sample_and_append([rows[i] for i in sample_rows], sub)
 
