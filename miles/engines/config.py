@@ -29,6 +29,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # torch.compile the layers' step functions (fuses RMSNorm/RoPE/SiLU/residual kernels).
     # None = auto: on for CUDA, off on the CPU (where it needs a C++ compiler and ~10 s).
     compile: bool | None = None
+    # Launch decode step k+1 before reading back step k (host work overlaps the device).
+    # None = auto: on for CUDA, off on the CPU (where there is nothing to overlap).
+    overlap: bool | None = None
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0
 
@@ -44,6 +47,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.compile is None:
             return torch.device(self.device).type == "cuda"
         return self.compile
+
+    def use_overlap(self) -> bool:
+        if self.overlap is None:
+            return torch.device(self.device).type == "cuda"
+        return self.overlap
 
     def block(self) -> int:
         if self.kv_block > 0:

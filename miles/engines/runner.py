@@ -80,14 +80,17 @@ class ModelRunner:
         return StepOut(None if out.logits is None else out.logits[:, 0], out.hidden, out.routing)
 
     # ---- decode ------------------------------------------------------------------------
-    def decode(self, tokens: list[int], positions: list[int]) -> StepOut:
-        """One token per running request; request i occupies slot i (i < n)."""
+    def decode(self, tokens: Tensor | list[int], positions: list[int]) -> StepOut:
+        """One token per running request (host list, or device tensor from the previous
+        step's samples); request i occupies slot i (i < n)."""
         L = self.context_bucket(max(positions) + 1)
         if self.graphs is not None:
             out = self.graphs.run(tokens, positions, L)
             if out is not None:
                 return out
-        return self.decode_eager(self._tensor(tokens), self._tensor(positions), L)
+        if not isinstance(tokens, Tensor):
+            tokens = self._tensor(tokens)
+        return self.decode_eager(tokens, self._tensor(positions), L)
 
     def decode_eager(self, tokens: Tensor, positions: Tensor, L: int) -> StepOut:
         backend = DecodeAttention(self.cache, positions, L, self.config.decode_attention)
@@ -117,13 +120,17 @@ class _DecodeGraphs:
         self.logits[:nb].copy_(out.logits)
         self.hidden[:nb].copy_(out.hidden)
 
-    def run(self, tokens: list[int], positions: list[int], L: int) -> StepOut | None:
+    def run(self, tokens: Tensor | list[int], positions: list[int], L: int) -> StepOut | None:
         if self.failed:
             return None
-        n = len(tokens)
+        n = len(positions)
         nb = next(b for b in self.buckets if b >= n)
         pad = nb - n
-        self.tokens[:nb].copy_(self.runner._tensor(tokens + [0] * pad))
+        if isinstance(tokens, Tensor):
+            self.tokens[:n].copy_(tokens)
+            self.tokens[n:nb].zero_()
+        else:
+            self.tokens[:nb].copy_(self.runner._tensor(tokens + [0] * pad))
         self.positions[:nb].copy_(self.runner._tensor(positions + [0] * pad))
         graph = self.graphs.get((nb, L))
         if graph is None:
@@ -144,7 +151,8 @@ class _DecodeGraphs:
                 self._step(nb, L)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA work on other threads (weight staging, the caller) may go on.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self._step(nb, L)
         self.graphs[(nb, L)] = graph
         return graph
