@@ -164,12 +164,15 @@ def main() -> None:
     ap.add_argument("--decode-attention", default="sdpa", choices=["matmul", "sdpa"])
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--repeats", type=int, default=None, help="best of N interleaved runs")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
     args = ap.parse_args()
     cuda = torch.device(args.device).type == "cuda"
+    if args.threads:
+        torch.set_num_threads(args.threads)
     args.preset = args.preset or ("0.5b" if cuda else "tiny")
     args.batch = args.batch or ([4] if args.quick else [64, 256] if cuda else [8, 32])
     args.new_tokens = args.new_tokens or (16 if args.quick else 512 if cuda else 128)

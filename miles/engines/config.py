@@ -20,7 +20,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Most prompt tokens (padded) prefilled in one forward; a longer prompt goes alone.
     max_prefill_tokens: int = 8192
     # Decode reads the KV cache up to the longest context rounded up to this (0 = auto:
-    # 256 on CUDA so CUDA graphs see few shapes, 16 on the CPU).
+    # 128 on CUDA so CUDA graphs see few shapes, 16 on the CPU).
     kv_block: int = 0
     # "sdpa" (torch's fused kernel) or "matmul" (explicit q·Kᵀ, softmax, ·V) for decode.
     decode_attention: str = "sdpa"
@@ -56,7 +56,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def block(self) -> int:
         if self.kv_block > 0:
             return self.kv_block
-        return 16 if torch.device(self.device).type == "cpu" else 256
+        return 16 if torch.device(self.device).type == "cpu" else 128
 
     def validate(self, max_position_embeddings: int) -> None:
         if self.max_batch_size < 1:

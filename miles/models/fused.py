@@ -34,16 +34,15 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rope_qk(q: Tensor, k: Tensor, cos: Tensor, signed_sin: Tensor) -> tuple[Tensor, Tensor]:
+    """RoPE on q [B, T, H, D] and k [B, T, KV, D] together; returns [B, H, T, D], [B, KV, T, D].
 
-
-def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """RoPE on q [B, T, H, D] and k [B, T, KV, D] together; returns [B, H, T, D], [B, KV, T, D]."""
+    HF's ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, written as
+    ``roll(x, D/2) * signed_sin`` where ``signed_sin = cat(-sin1, sin2)`` (``Rotary``): the
+    same products up to sign, so bitwise equal, in fewer kernels."""
     H, KV = q.shape[2], k.shape[2]
     qk = torch.cat((q, k), dim=2).transpose(1, 2)
-    qk = qk * cos + rotate_half(qk) * sin
+    qk = qk * cos + torch.roll(qk, qk.shape[-1] // 2, dims=-1) * signed_sin
     return qk.split((H, KV), dim=1)
 
 
@@ -105,23 +104,27 @@ def fuse_linears(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
     return weight, bias
 
 
+def layer_args(layer: Any) -> tuple[tuple, tuple | None]:
+    """The tensors and sizes a fused layer passes to its step functions, gathered once
+    (in-place weight updates keep them valid; re-assigning a Parameter would not)."""
+    attn, norm, post = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+    qn = attn.q_norm.weight if attn.q_norm is not None else None
+    kn = attn.k_norm.weight if attn.k_norm is not None else None
+    first = (norm.weight, norm.eps, *attn.qkv, qn, kn)
+    sizes = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    o = (attn.o_proj.weight, attn.o_proj.bias)
+    second = None if layer.is_moe else (*o, post.weight, post.eps, layer.mlp.gate_up[0], layer.mlp.down_proj.weight)
+    return (first, sizes, o), second
+
+
 def fused_layer_forward(layer: Any, fast: FastPath, h: Tensor, cos: Tensor, sin: Tensor,
                         backend: Any, routing: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """DecoderLayer.forward for a fused layer (same math as the module path)."""
-    attn = layer.self_attn
-    qkv_w, qkv_b = attn.qkv
-    eps = layer.input_layernorm.eps
-    qn = attn.q_norm.weight if attn.q_norm is not None else None
-    kn = attn.k_norm.weight if attn.k_norm is not None else None
-    q, k, v = fast.attention_input(h, layer.input_layernorm.weight, eps, qkv_w, qkv_b, qn, kn,
-                                   cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim)
-    a = backend(attn.layer_idx, q, k, v)
-    o = attn.o_proj
-    if layer.is_moe:
-        h = fast.attention_output(h, a, o.weight, o.bias)
+    (first, sizes, o), second = layer.fast_args
+    q, k, v = fast.attention_input(h, *first, cos, sin, *sizes)
+    a = backend(layer.self_attn.layer_idx, q, k, v)
+    if second is None:  # MoE: experts stay eager
+        h = fast.attention_output(h, a, *o)
         y, idx = layer.mlp(layer.post_attention_layernorm(h), routing)
         return h + y, idx
-    mlp = layer.mlp
-    h = fast.attention_output_mlp(h, a, o.weight, o.bias, layer.post_attention_layernorm.weight,
-                                  layer.post_attention_layernorm.eps, mlp.gate_up[0], mlp.down_proj.weight)
-    return h, None
+    return fast.attention_output_mlp(h, a, *second), None

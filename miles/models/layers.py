@@ -88,10 +88,13 @@ class Rotary:
         pos = torch.arange(max(length, self.length), device=device, dtype=torch.int64).float()
         freqs = pos[:, None] * self.inv_freq.to(device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin = emb.cos(), emb.sin()
+        # sin with its first half negated: rotate_half(x) * sin == roll(x, D/2) * signed_sin
+        # exactly (only signs move), in 2 ops instead of 4 (see fused.rope_qk).
+        half = emb.shape[-1] // 2
+        self._cos, self._sin = emb.cos(), torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1)
 
     def __call__(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin of shape [B, 1, T, D] in ``dtype`` for position_ids [B, T]."""
+        """cos, signed sin of shape [B, 1, T, D] in ``dtype`` for position_ids [B, T]."""
         if self._cos is None or self._cos.device != position_ids.device:
             self.reserve(self.default_length, position_ids.device)
         assert self._cos is not None and self._sin is not None

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from miles.models.config import ModelConfig
-from miles.models.fused import FastPath
+from miles.models.fused import FastPath, layer_args
 from miles.models.layers import (
     MLP,
     Attention,
@@ -94,6 +94,7 @@ class CausalLM(nn.Module):
                 module.fuse()
         fast = fast or FastPath()
         for layer in self.model.layers:
+            layer.fast_args = layer_args(layer)
             layer.fast = fast
 
     @property
