@@ -117,18 +117,41 @@ class EngineSide:
         assert not bad, bad[:3]
         return elapsed
 
+    def rollout(self, prompts: list[list[int]], lengths: list[int]) -> float:
+        return self.loop.run_until_complete(self._rollout(prompts, lengths))
+
+    async def _rollout(self, prompts: list[list[int]], lengths: list[int]) -> float:
+        reqs = [GenerateRequest(rid=f"r{i}", input_ids=p, sampling=SamplingParams(
+            max_new_tokens=n, temperature=1.0, ignore_eos=True)) for i, (p, n) in enumerate(zip(prompts, lengths))]
+        _sync(self.engine.device)
+        t = time.perf_counter()
+        outs = await asyncio.gather(*(self.engine.generate(r) for r in reqs))
+        _sync(self.engine.device)
+        assert [len(o.output_ids) for o in outs] == lengths
+        return time.perf_counter() - t
+
     def close(self) -> None:
         self.loop.run_until_complete(self.engine.close())
         self.loop.close()
 
 
-def run_hf(hf, prompts: list[list[int]], new_tokens: int, device: torch.device) -> float:
+def hf_rollout(hf, prompts: list[list[int]], lengths: list[int], batch: int, device: torch.device) -> float:
+    """HF generate over consecutive static batches; a batch runs until its longest response
+    is done (as generate does when rows stop at different EOS positions)."""
+    t = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        run_hf(hf, prompts[i : i + batch], max(lengths[i : i + batch]), device, warm=False)
+    return time.perf_counter() - t
+
+
+def run_hf(hf, prompts: list[list[int]], new_tokens: int, device: torch.device, warm: bool = True) -> float:
     ids = torch.tensor(prompts, device=device)
     mask = torch.ones_like(ids)
     kw = dict(attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
               max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
     with torch.no_grad():
-        hf.generate(ids[:1], **{**kw, "attention_mask": mask[:1], "max_new_tokens": 2, "min_new_tokens": 2})
+        if warm:
+            hf.generate(ids[:1], **{**kw, "attention_mask": mask[:1], "max_new_tokens": 2, "min_new_tokens": 2})
         _sync(device)
         t = time.perf_counter()
         out = hf.generate(ids, **kw)
@@ -166,6 +189,9 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--repeats", type=int, default=None, help="best of N interleaved runs")
+    ap.add_argument("--workload", choices=["decode", "rollout", "both"], default="decode",
+                    help="decode: same batch, fixed length (the goal figures); rollout: 4×batch "
+                         "requests of varied length (continuous batching vs static batches)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
@@ -206,18 +232,40 @@ def bench(args) -> tuple[list[dict], dict]:
         systems = {"embedded": side}
         if hf is not None:
             systems["hf generate"] = lambda n: run_hf(hf, prompts, n, device)
-        found = measure(systems, batch, args.new_tokens, args.repeats)
+        found = measure(systems, batch, args.new_tokens, args.repeats) if args.workload != "rollout" else []
+        if args.workload in ("rollout", "both"):
+            found += rollout_rows(side, hf, batch, args, device, V, g)
         side.close()
         del side, systems
         mean_ctx = args.prompt_len + args.new_tokens / 2
         step_bytes = weight_bytes_per_step(engine_model, batch) + batch * mean_ctx * kv_per_token
         for row in found:
-            row["roofline"] = step_bytes / row["step_s"] / bw
-        if len(found) == 2:
-            found[0]["vs_hf"] = found[0]["decode_tps"] / found[1]["decode_tps"]
+            if "step_s" in row:
+                row["roofline"] = step_bytes / row["step_s"] / bw
+        decode = [r for r in found if "step_s" in r]
+        if len(decode) == 2:
+            decode[0]["vs_hf"] = decode[0]["decode_tps"] / decode[1]["decode_tps"]
         rows += found
     n_params = sum(p.numel() for p in engine_model.parameters())
     return rows, dict(copy_bw=bw, params=n_params, dtype=str(dtype).removeprefix("torch."))
+
+
+def rollout_rows(side: EngineSide, hf, batch: int, args, device, V: int, g) -> list[dict]:
+    """An RL-style workload: 4 × batch requests whose responses stop at lengths uniform in
+    [new/8, new]; the engine keeps ``batch`` slots full, HF runs static batches."""
+    n_req = 4 * batch
+    prompts = torch.randint(5, V, (n_req, args.prompt_len), generator=g).tolist()
+    lengths = torch.randint(max(1, args.new_tokens // 8), args.new_tokens + 1, (n_req,), generator=g).tolist()
+    useful = sum(lengths)
+    t_eng = min(side.rollout(prompts, lengths) for _ in range(args.repeats))
+    rows = [dict(system="embedded", workload="rollout", batch=batch, requests=n_req, total_s=t_eng,
+                 total_tps=useful / t_eng)]
+    if hf is not None:
+        t_hf = min(hf_rollout(hf, prompts, lengths, batch, device) for _ in range(args.repeats))
+        rows.append(dict(system="hf generate", workload="rollout", batch=batch, requests=n_req,
+                         total_s=t_hf, total_tps=useful / t_hf))
+        rows[0]["vs_hf_rollout"] = t_hf / t_eng
+    return rows
 
 
 def machine() -> str:
@@ -229,16 +277,24 @@ def machine() -> str:
 
 
 def report(args, rows: list[dict], info: dict) -> None:
-    head = f"| system | batch | total s | total tok/s | decode tok/s | step ms | roofline | × HF |"
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    lines = ["| system | batch | total s | total tok/s | decode tok/s | step ms | roofline | × HF |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in (r for r in rows if "step_s" in r):
         vs = f"{r['vs_hf']:.2f}×" if "vs_hf" in r else ""
         lines.append(f"| {r['system']} | {r['batch']} | {r['total_s']:.2f} | {r['total_tps']:.0f} | "
                      f"{r['decode_tps']:.0f} | {1000 * r['step_s']:.2f} | {100 * r['roofline']:.1f}% | {vs} |")
+    rollout = [r for r in rows if r.get("workload") == "rollout"]
+    if rollout:
+        lines += ["", "| rollout workload | slots | requests | total s | useful tok/s | × HF |",
+                  "|---|---|---|---|---|---|"]
+        for r in rollout:
+            vs = f"{r['vs_hf_rollout']:.2f}×" if "vs_hf_rollout" in r else ""
+            lines.append(f"| {r['system']} | {r['batch']} | {r['requests']} | {r['total_s']:.2f} | "
+                         f"{r['total_tps']:.0f} | {vs} |")
     goal_x, goal_roof = GOALS["cuda" if torch.device(args.device).type == "cuda" else "cpu"]
     verdicts = []
     for r in rows:
-        if r["system"] != "embedded":
+        if r["system"] != "embedded" or "step_s" not in r:
             continue
         if "vs_hf" in r:
             ok = r["vs_hf"] >= goal_x
@@ -248,6 +304,8 @@ def report(args, rows: list[dict], info: dict) -> None:
             ok = r["roofline"] >= goal_roof
             verdicts.append(f"batch {r['batch']}: {100 * r['roofline']:.1f}% of copy-bandwidth roofline "
                             f"(goal ≥ {100 * goal_roof:.0f}%: {'met' if ok else 'NOT met'})")
+    verdicts += [f"rollout, {r['batch']} slots: {r['vs_hf_rollout']:.2f}× HF useful tokens/s (no goal)"
+                 for r in rollout if "vs_hf_rollout" in r]
     cmd = "python benchmarks/engine.py " + " ".join(sys.argv[1:])
     desc = (f"preset {args.preset} ({info['params'] / 1e6:.1f}M params, {info['dtype']}), prompt "
             f"{args.prompt_len} tokens, {args.new_tokens} new tokens, temperature 1, no early stop; "

@@ -13,7 +13,8 @@ event loop — rewards, environment steps and other coroutines interleave with d
 switch interval). The thread loops: apply control (aborts, weight commits, pause) → admit
 waiting requests and prefill them (batched, right-padded) → one decode step for every
 running request (continuous batching: requests join and leave between steps) → sample →
-hand finished requests back. Model and cache state are touched by that thread only.
+hand finished requests back (``stepper.py``; on CUDA the next step is launched before the
+previous one is read back). Model and cache state are touched by that thread only.
 
 Weight updates: ``stage_weights`` copies tensors into a staging area while decoding goes on;
 ``commit_weights`` is applied between two decode steps, all at once, and the version flips
