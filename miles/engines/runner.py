@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -50,7 +51,7 @@ class ModelRunner:
         model.rotary.reserve(config.max_seq_len, self.device)
         self.block = config.block()
         use_graphs = config.cuda_graphs and self.device.type == "cuda" and not self.is_moe
-        self.graphs = _DecodeGraphs(self) if use_graphs else None
+        self.graphs = DecodeGraphs(self) if use_graphs else None
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -100,7 +101,9 @@ class ModelRunner:
         return StepOut(out.logits[:, 0], out.hidden[:, 0], routing)
 
 
-class _DecodeGraphs:
+class DecodeGraphs:
+    """Decode-step CUDA graphs keyed by (batch bucket, context bucket), captured lazily."""
+
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         cap = runner.config.max_batch_size
@@ -111,8 +114,8 @@ class _DecodeGraphs:
         cfg = runner.model.config
         self.logits = torch.zeros(cap, cfg.vocab_size, dtype=torch.float32, device=dev)
         self.hidden = torch.zeros(cap, cfg.hidden_size, dtype=runner.dtype, device=dev)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], Any] = {}  # (batch bucket, context bucket) → graph
+        self.pool: Any = None
         self.failed = False
 
     def _step(self, nb: int, L: int) -> None:
@@ -143,7 +146,9 @@ class _DecodeGraphs:
         graph.replay()
         return StepOut(self.logits[:n], self.hidden[:n], None)
 
-    def _capture(self, nb: int, L: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, nb: int, L: int) -> Any:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

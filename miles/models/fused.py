@@ -80,11 +80,17 @@ class FastPath:
         self.attention_output_mlp = wrap(attention_output_mlp)
 
 
+_COMPILED: dict[tuple, FastPath] = {}
+
+
 def compile_fast_path(**compile_kwargs: Any) -> FastPath:
-    """One compiled copy of each step function, shared by all layers (dynamic shapes, so
-    batch and sequence length changes do not recompile)."""
+    """One compiled copy of each step function, shared by all layers and all models in the
+    process (dynamic shapes, so batch and sequence length changes do not recompile)."""
     kw = {"dynamic": True, "fullgraph": True, **compile_kwargs}
-    return FastPath(lambda fn: torch.compile(fn, **kw))
+    key = tuple(sorted(kw.items()))
+    if key not in _COMPILED:
+        _COMPILED[key] = FastPath(lambda fn: torch.compile(fn, **kw))
+    return _COMPILED[key]
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
