@@ -33,6 +33,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,8 +43,10 @@ from miles.engines.requests import Request
 from miles.engines.runner import ModelRunner
 from miles.engines.stepper import EngineStats, Stepper
 from miles.engines.weights import WeightStager
+from miles.models.checkpoint import load_pretrained
 from miles.models.fused import compile_fast_path
 from miles.models.model import CausalLM
+from miles.models.tokenizer import load_tokenizer
 from miles.protocols import NamedTensors
 from miles.types import GenerateOutput, GenerateRequest
 
@@ -83,6 +86,15 @@ class EmbeddedEngine:
         self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._pause_requested = self._paused = self._closed = False
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, config: EngineConfig | None = None,
+                        version: int = 0) -> EmbeddedEngine:
+        """An engine over a local HF checkpoint directory (+ its tokenizer.json if any)."""
+        config = config or EngineConfig()
+        model = load_pretrained(path, dtype=config.torch_dtype(), device=config.device)
+        tokenizer = load_tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
+        return cls(model, config=config, tokenizer=tokenizer, version=version)
 
     # ---- public API ------------------------------------------------------------------
     @property

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from miles.engines import WeightError
-from miles.models import token_logprobs
+from miles.engines import EmbeddedEngine, EngineConfig, WeightError
+from miles.models import save_pretrained, token_logprobs
 from miles.protocols import RolloutEngine
 from miles.types import GenerateRequest, SamplingParams
 
@@ -27,6 +27,22 @@ async def _wait_progress(engine, rid: str, at_least: int) -> int:
 
 def test_engine_satisfies_protocol() -> None:
     assert isinstance(make_engine(), RolloutEngine)
+
+
+def test_from_pretrained_uses_checkpoint_and_tokenizer(tmp_path, tokenizer) -> None:
+    save_pretrained(make_model(seed=9), tmp_path, tokenizer=tokenizer)
+    engine = EmbeddedEngine.from_pretrained(tmp_path, config=EngineConfig(max_batch_size=2, max_seq_len=64),
+                                            version=3)
+    assert engine.version == 3 and engine.tokenizer.eos_token_id == 1
+
+    async def go():
+        out = await engine.generate(GenerateRequest(rid="t", input_ids=tokenizer.encode("hi"), sampling=SamplingParams(
+            max_new_tokens=20, temperature=0.0, ignore_eos=True, stop=["\x00never"])))
+        await engine.close()
+        return out
+
+    out = run(go)
+    assert len(out.output_ids) == 20 and out.versions == [3] * 20
 
 
 def test_abort_then_resume_reproduces_uninterrupted_run(overlap: bool) -> None:
