@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from miles.engines import EmbeddedEngine, EngineConfig  # noqa: E402
-from miles.models import CausalLM, ModelConfig, save_pretrained, tiny_config  # noqa: E402
+from miles.models import CausalLM, save_pretrained, tiny_config  # noqa: E402
 from miles.types import GenerateRequest, SamplingParams  # noqa: E402
 
 PRESETS = {
