@@ -107,7 +107,7 @@ def test_per_tensor_broadcast_from_another_sender(server) -> None:
     """The server's non-bucketed path, driven the way another trainer (slime's) would."""
     url, ck = server
     new = _perturbed(ck, seed=7)
-    named = list(new.state_dict().items())[:3]
+    named = list(new.state_dict().items())
 
     async def go():
         port = free_port()
@@ -126,11 +126,15 @@ def test_per_tensor_broadcast_from_another_sender(server) -> None:
         status, data = await update
         destroyed = await request(url, "/destroy_weights_update_group", {"group_name": "other-trainer"})
         weight_sync.destroy_group(group)
-        return version, status, data, destroyed[0], await _version(url)
+        gen = (await request(url, "/generate", {"input_ids": PROMPT, "return_logprob": True, "sampling_params": {
+            "max_new_tokens": 8, "sampling_seed": 1}}))[1]
+        return version, status, data, destroyed[0], await _version(url), gen["meta_info"]
 
-    version, status, data, destroyed, info = run(go())
+    version, status, data, destroyed, info, meta = run(go())
     assert status == 200 and data["success"], data
-    assert destroyed == 200 and info == str(version)
+    assert destroyed == 200 and info == str(version) and meta["weight_version"] == str(version)
+    ids, lps = [e[1] for e in meta["output_token_logprobs"]], [e[0] for e in meta["output_token_logprobs"]]
+    assert (full_forward_logprobs(new, PROMPT, ids, 1.0) - torch.tensor(lps)).abs().max().item() < TOL
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
