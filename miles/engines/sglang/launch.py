@@ -88,6 +88,7 @@ class ServerProcess:
             raise ImportError("launching SGLang needs the sglang package: pip install 'miles[sglang]' "
                               "(or connect to running servers with --sglang-urls)")
         self.argv = argv
+        self._own_log = log_path is None  # a temporary log goes when the server stops
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="miles-sglang-", suffix=".log")
             os.close(fd)
@@ -109,6 +110,11 @@ class ServerProcess:
             return ""
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        self._terminate(timeout_s)
+        if self._own_log:
+            self.log_path.unlink(missing_ok=True)
+
+    def _terminate(self, timeout_s: float) -> None:
         proc = self.process
         if proc is None or proc.poll() is not None:
             return
