@@ -204,6 +204,18 @@ class EmbeddedEngine:
                     return len(r.output_ids)
         return None
 
+    def snapshot(self, rid: str) -> tuple[list[int], list[float], list[int]] | None:
+        """(output_ids, logprobs, versions) an in-flight request has so far (None if not in
+        flight); for streaming. Copies taken while the stepping thread may be appending, so
+        cut to the shortest of the three."""
+        with self._cv:
+            for r in (*self._running, *self._waiting):
+                if r.rid == rid:
+                    ids, lps, vs = list(r.output_ids), list(r.logprobs), list(r.versions)
+                    n = min(len(ids), len(lps), len(vs))
+                    return ids[:n], lps[:n], vs[:n]
+        return None
+
     def stats(self) -> dict[str, float]:
         st = self.stats_
         out = {f"engine/{k}": float(v) for k, v in st.counters.items()}
