@@ -108,7 +108,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog, description="Run asynchronous RL (see README.md).")
+    # allow_abbrev=False: a passthrough --sglang-X must never be read as an abbreviation.
+    parser = _Parser(prog=prog, description="Run asynchronous RL (see README.md).", allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of flag values (flags override it)")
     for name, owners in _field_table().items():
         section, info = owners[0]

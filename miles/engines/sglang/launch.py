@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import socket
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -75,6 +76,8 @@ def build_launch_command(config: SGLangConfig, *, model_path: str, port: int, we
     for key, value in config.sglang_server_args.items():
         args[flag_name(key)] = value
     prefix = list(config.sglang_launch_command) or [sys.executable, *DEFAULT_COMMAND]
+    if len(prefix) == 1 and " " in prefix[0]:  # one shell-quoted string from the command line
+        prefix = shlex.split(prefix[0])
     host = str(args["host"])
     url_host = f"[{host}]" if ":" in host else host
     return [*prefix, *render_flags(args)], f"http://{url_host}:{args['port']}"
