@@ -202,6 +202,9 @@ async def load_run_state(path: str | Path, actors: Any, dataset: Any, scheduler:
     except Exception as exc:
         raise CheckpointError(f"--load {ckpt}: trainer state does not fit this model: {exc}") from None
     await actors.buffer.load_state_dict.remote(run_state["buffer"])
+    # Generations in flight at the save belonged to workers of the old run: each goes back
+    # to the queue exactly once (as PARTIAL with its lease-time prefix, or PENDING).
+    await actors.buffer.release_all_workers.remote()
     dataset.load_state_dict(run_state["data"])
     scheduler.load_state_dict(run_state["scheduler"])
     return int(run_state["step"])

@@ -100,8 +100,16 @@ def _parse_mapping(text: str) -> dict[str, Any]:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (the full usage of ~100 flags would bury it)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Run asynchronous RL (see README.md).")
+    # allow_abbrev=False: a passthrough --sglang-X must never be read as an abbreviation.
+    parser = _Parser(prog=prog, description="Run asynchronous RL (see README.md).", allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of flag values (flags override it)")
     for name, owners in _field_table().items():
         section, info = owners[0]

@@ -34,6 +34,7 @@ from miles.config import MilesConfig
 from miles.data import PromptDataset
 from miles.outputs import RunOutputs, batch_metrics, load_debug_batches
 from miles.scheduler import Scheduler
+from miles.utils.proc import rss_mb
 
 
 class RunFailed(RuntimeError):
@@ -57,6 +58,10 @@ class Driver:
         self.eval_tasks: list[asyncio.Task[None]] = []
         self.step = 0
         self.admit_s = 0.0
+        self.trainer_rss_mb = 0.0
+        # Admission (data cursor + buffer) and checkpoint snapshots must not interleave, or a
+        # checkpoint could hold a cursor past prompts its buffer never received.
+        self.admission_lock = asyncio.Lock()
 
     # ---- the loop ---------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
@@ -67,7 +72,10 @@ class Driver:
             await self._start()
             background = [asyncio.create_task(self._admit()), asyncio.create_task(self._watch())]
             while self.step < self.cfg.run.num_rollout and not self.stop.is_set():
-                await self._train_step()
+                try:
+                    await self._train_step()
+                except ray.exceptions.RayActorError as exc:  # trainer or buffer: fatal
+                    self._fail(f"{_actor_name(exc)} died ({_root_cause(exc)}){self._checkpoint_note()}")
             if self.stop.is_set():
                 status = "failed" if self.failure else "interrupted"
             for task in background:
@@ -95,7 +103,7 @@ class Driver:
             # Over-sampled generations still running would be off-policy after this step:
             # park them now; they resume on the new weights.
             await asyncio.gather(*(w.abort_inflight.remote() for w in a.workers.values()))
-        self.out.dump_batch(self.step, version, groups)
+        self.out.dump_batch(self.step + 1, version, groups)
         t1 = time.monotonic()
         metrics = await a.trainer.train.remote(batch_ref)
         train_s = time.monotonic() - t1
@@ -129,11 +137,12 @@ class Driver:
         buffer, sched = self.actors.buffer, self.scheduler
         while not self.stop.is_set():
             t0 = time.monotonic()
-            ledger, room = await asyncio.gather(buffer.ledger.remote(), buffer.prompt_room.remote())
-            sched.observe(ledger)
-            n = sched.capacity(room)
-            if n > 0:
-                await buffer.add_prompts.remote(self.dataset.next(n))
+            async with self.admission_lock:
+                ledger, room = await asyncio.gather(buffer.ledger.remote(), buffer.prompt_room.remote())
+                sched.observe(ledger)
+                n = sched.capacity(room)
+                if n > 0:
+                    await buffer.add_prompts.remote(self.dataset.next(n))
             self.admit_s += time.monotonic() - t0
             await asyncio.sleep(0.005 if n > 0 else 0.02)
 
@@ -152,11 +161,12 @@ class Driver:
                     self.worker_stats[worker_id] = await asyncio.wait_for(handle.ping.remote(), timeout)
                 except Exception as exc:
                     await self._replace_worker(worker_id, exc)
+            await self.actors.buffer.expire_leases.remote()  # hung workers' work goes back
             try:
-                await asyncio.wait_for(self.actors.trainer.ping.remote(), timeout * 6)
+                pong = await asyncio.wait_for(self.actors.trainer.ping.remote(), timeout * 6)
+                self.trainer_rss_mb = pong.get("mem/trainer_rss_mb", 0.0)
             except Exception as exc:
-                where = f"; last checkpoint: {self.ckpt.latest()}" if self.ckpt else ""
-                self._fail(f"PolicyTrainer died or stopped answering ({type(exc).__name__}: {exc}){where}")
+                self._fail(f"PolicyTrainer died or stopped answering ({type(exc).__name__}){self._checkpoint_note()}")
 
     async def _replace_worker(self, worker_id: str, cause: Exception) -> None:
         a, cfg = self.actors, self.cfg
@@ -189,6 +199,13 @@ class Driver:
             await a.trainer.publish.remote(a.broadcaster)
         for worker_id, handle in list(a.workers.items()):
             await self._start_worker(worker_id, handle)
+        # Construction errors (a bad checkpoint, an engine flag) are not crashes to restart
+        # from: surface them once, clearly.
+        for name, handle in [("PolicyTrainer", a.trainer), *a.workers.items()]:
+            try:
+                await handle.ping.remote()
+            except Exception as exc:
+                raise RunFailed(f"{name} failed to start: {_root_cause(exc)}") from None
 
     async def _until_stopped(self, ref: Any) -> Any:
         """Await ``ref`` unless the run is stopped first (then return None)."""
@@ -212,6 +229,9 @@ class Driver:
             totals["rollout/tokens_per_s"] = totals.get("rollout/tokens", 0.0) / up
         stats.update(totals)
         stats.update(self.scheduler.stats())
+        stats["mem/worker_rss_mb"] = max((ws.get("mem/worker_rss_mb", 0.0) for ws in self.worker_stats.values()), default=0.0)
+        stats["mem/trainer_rss_mb"] = self.trainer_rss_mb
+        stats["mem/driver_rss_mb"] = rss_mb()
         return stats
 
     async def _evaluate(self, step: int) -> None:
@@ -224,12 +244,18 @@ class Driver:
     async def _save(self) -> None:
         from miles.checkpoint import save_run_state
 
-        await save_run_state(self.ckpt, self.step, self.actors, self.dataset, self.scheduler)
+        async with self.admission_lock:
+            await save_run_state(self.ckpt, self.step, self.actors, self.dataset, self.scheduler)
 
     async def _load(self, path: str) -> None:
         from miles.checkpoint import load_run_state
 
         self.step = await load_run_state(path, self.actors, self.dataset, self.scheduler)
+
+    def _checkpoint_note(self) -> str:
+        if self.ckpt is None:
+            return "; no checkpoint was configured (--save)"
+        return f"; last checkpoint: {self.ckpt.latest()} (resume with --load {self.ckpt.root})"
 
     def _interrupt(self) -> None:
         print("\n[miles] interrupted: parking in-flight work and shutting down", flush=True)
@@ -268,6 +294,22 @@ class Driver:
         return summary
 
 
+def _actor_name(exc: BaseException) -> str:
+    text = str(exc)
+    for cls, name in (("_PolicyTrainerActor", "PolicyTrainer"), ("_BufferActor", "ReplayBuffer"),
+                      ("WeightBroadcaster", "WeightBroadcaster")):
+        if cls in text:
+            return name
+    return "an actor"
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The last line of a remote traceback: the error the user can act on."""
+    cause = getattr(exc, "cause", None) or exc
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
 def _ledger_ok(ledger: Any) -> bool:
     try:
         ledger.check()
@@ -279,9 +321,11 @@ def _ledger_ok(ledger: Any) -> bool:
 async def train(cfg: MilesConfig) -> dict[str, Any]:
     """Run training to ``--num-rollout`` steps; returns the summary (also in summary.json)."""
     from miles.actors.factory import load_datasets
+    from miles.validation import check_functions
 
     if cfg.run.load_debug_rollout_data:
         return await replay_debug_rollouts(cfg)
+    check_functions(cfg)  # a bad --custom-*-path fails here, before Ray starts
     dataset, eval_data = load_datasets(cfg)  # bad data fails here, before any output exists
     driver = Driver(cfg, dataset, eval_data)
     return await driver.run()

@@ -48,13 +48,15 @@ class GenerateContext:
         return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
     def request_for(self, traj: Trajectory, *, max_new_tokens: int | None = None, **overrides: Any) -> GenerateRequest:
-        """A request continuing ``traj`` from its current end (prompt + response so far)."""
+        """A request continuing ``traj`` from its current end (prompt + response so far).
+
+        ``max_new_tokens`` optionally caps this call (a turn); the request's budget is
+        counted from the original prompt, as the engine contract says, so it is the
+        response length so far plus what this call may add."""
         done = len(traj.response_tokens)
         remaining = self.max_response_len - done
         if max_new_tokens is not None:
             remaining = min(remaining, max_new_tokens)
-        # The engine counts max_new_tokens from the start of the response (num_prefix_tokens
-        # of it are already there), so a resumed request gets exactly ``remaining`` more.
         sampling = msgspec.structs.replace(
             self.sampling, max_new_tokens=done + max(remaining, 0), seed=self.sample_seed(traj), **overrides
         )

@@ -90,6 +90,7 @@ def _sections() -> dict[str, type[Any]]:
     from miles.algorithms import AlgorithmConfig
     from miles.buffers import BufferConfig
     from miles.engines import EngineConfig
+    from miles.engines.sglang import SGLangConfig
     from miles.envs.config import EnvConfig
     from miles.scheduler import SchedulerConfig
     from miles.trainers import TrainerConfig
@@ -103,6 +104,7 @@ def _sections() -> dict[str, type[Any]]:
         "engine": EngineConfig,
         "trainer": TrainerConfig,
         "algorithm": AlgorithmConfig,
+        "sglang": SGLangConfig,
         "env": EnvConfig,
     }
 

@@ -69,6 +69,10 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
         yield "--colocate shares the trainer's GPUs: leave --rollout-num-gpus unset or equal to the trainer's"
     if gpus and run.deterministic:
         yield "--deterministic is a CPU feature (bitwise resume); it is not supported with GPUs"
+    if run.deterministic and (sched.mode != "sync" or sched.over_sampling_batch_size):
+        # Only the synchronous schedule makes every token's policy version independent of
+        # timing; async modes train on whatever finished first.
+        yield "--deterministic needs --mode sync without --over-sampling-batch-size"
     yield from _env_problems(cfg)
     if sched.mode == "sync" and sched.over_sampling_batch_size and not rollout.partial_rollout:
         # Over-sampled groups would finish on old weights and be dropped as stale.
@@ -86,3 +90,17 @@ def _env_problems(cfg: Any):
     module = env.env_path.rsplit(":", 1)[0]
     if (module.endswith(".py") or "/" in module) and not Path(module).is_file():
         yield f"--env-path {env.env_path}: file {module} not found"
+
+
+def check_functions(cfg: Any) -> None:
+    """Resolve every user function path once, so a typo fails before anything starts."""
+    from miles.utils.loading import load_function
+
+    for flag, ref in (
+        ("--custom-rm-path", cfg.rollout.custom_rm_path),
+        ("--custom-generate-function-path", cfg.rollout.custom_generate_function_path),
+        ("--dynamic-sampling-filter-path", cfg.rollout.dynamic_sampling_filter_path),
+        ("--env-path", cfg.env.env_path),
+    ):
+        if ref:
+            load_function(ref)

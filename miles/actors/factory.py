@@ -79,7 +79,12 @@ def buffer_args(cfg: MilesConfig) -> dict[str, Any]:
     return {"config": config, "group_filters": filters}
 
 
-def build_engine(cfg: MilesConfig, *, seed_offset: int = 0) -> Any:
+def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0) -> Any:
+    """The rollout engine of worker ``index``: embedded torch, or an SGLang server."""
+    if cfg.run.rollout_backend == "sglang":
+        from miles.engines.sglang import build_sglang_engine
+
+        return build_sglang_engine(cfg, index=index)
     from miles.engines import EmbeddedEngine
     from miles.models import load_pretrained
 
@@ -118,9 +123,9 @@ def build_reward_runner(cfg: MilesConfig) -> tuple[Any, dict[str, Any]]:
 
 def build_rollout_worker(cfg: MilesConfig, worker_id: str, *, buffer: Any, rewards: list[Any]) -> dict[str, Any]:
     """Keyword arguments for ``RolloutWorker`` (everything but the id)."""
-    index = abs(hash(worker_id)) % 10_000
-    engine = build_engine(cfg, seed_offset=index)
-    tokenizer = engine.tokenizer
+    ordinal = int(worker_id.split("-")[0].removeprefix("worker") or 0)  # "worker3-1a2b3c" → 3
+    engine = build_engine(cfg, seed_offset=ordinal, index=ordinal)
+    tokenizer = getattr(engine, "tokenizer", None) or load_tokenizer(cfg)
     ctx = GenerateContext(
         engine=engine,
         tokenizer=tokenizer,

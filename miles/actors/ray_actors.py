@@ -32,11 +32,17 @@ from miles.actors.weight_broadcaster import WeightBroadcaster
 from miles.buffers import ReplayBuffer
 from miles.config import MilesConfig, resolve
 from miles.rewards import RewardRunner
+from miles.utils.proc import rss_mb
 
 
 class _BufferActor(ReplayBuffer):
     def __init__(self, flat: dict[str, Any]) -> None:
         super().__init__(**buffer_args(resolve(flat)))
+
+    def stats(self) -> dict[str, float]:
+        out = super().stats()
+        out["mem/buffer_rss_mb"] = rss_mb()
+        return out
 
 
 class _RolloutWorkerActor(RolloutWorker):
@@ -51,7 +57,8 @@ class _PolicyTrainerActor(PolicyTrainer):
         cfg = resolve(flat)
         configure_process(cfg, threads)
         backend = build_policy_trainer(cfg)
-        super().__init__(backend, bucket_bytes=cfg.run.update_weight_buffer_size, use_object_store=True)
+        super().__init__(backend, bucket_bytes=cfg.run.update_weight_buffer_size, use_object_store=True,
+                         deterministic=cfg.run.deterministic)
 
 
 class _RewardActor(RewardRunner):

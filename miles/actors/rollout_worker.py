@@ -18,6 +18,7 @@ trajectories go back to the buffer as PARTIAL with their prefix, nothing lost.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from miles.actors.handles import Peer
 from miles.rewards import RewardRunner
 from miles.rollout import GenerateContext, GenerateFn, call_generate
 from miles.types import PromptSample, Status, Trajectory
+from miles.utils.proc import rss_mb
 from miles.weights import WeightBucket, unpack
 
 
@@ -225,6 +227,8 @@ class RolloutWorker:
         out["rollout/inflight"] = float(len(self._inflight))
         out["rollout/version"] = float(self.engine.version)
         out["rollout/uptime_s"] = elapsed
+        out["rollout/pid"] = float(os.getpid())
+        out["mem/worker_rss_mb"] = rss_mb()
         engine_stats = getattr(self.engine, "stats", None)
         if callable(engine_stats):
             out.update(engine_stats())

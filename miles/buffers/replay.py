@@ -267,6 +267,10 @@ class ReplayBuffer(BufferCore):
         self._ev["released"] += n
         return n
 
+    def release_all_workers(self) -> int:
+        """Every lease goes back (a resumed run: the workers that held them are gone)."""
+        return sum(self.release_worker(wid) for wid in list(self._workers))
+
     def expire_leases(self) -> int:
         """Return the trajectories of every worker past its deadline; returns how many."""
         now = self._clock()

@@ -36,7 +36,8 @@ class Request:
         self.hidden: list[Tensor] | None = [] if req.return_hidden_states else None
         self.budget = req.sampling.max_new_tokens - req.num_prefix_tokens
         self.slot: int = -1
-        self.kv_len = 0
+        self.kv_len = 0  # context tokens whose K/V are in the slot
+        self.issued = 0  # tokens sampled so far, including one still on the device
         self.needs_prefill = True
         self.aborted = False
         self.finish: FinishReason | None = None
@@ -91,7 +92,9 @@ class Request:
     def hidden_states(self) -> Tensor | None:
         if not self.hidden:
             return None
-        return torch.cat([h.reshape(-1, h.shape[-1]) for h in self.hidden]).float().cpu()
+        rows = torch.cat([h.reshape(-1, h.shape[-1]) for h in self.hidden])
+        # A launch-ahead step may have run once more after the last token: drop its row.
+        return rows[: len(self.context) - 1].float().cpu()
 
     def resolve(self) -> None:
         """Hand the output to the awaiting coroutine (called from the stepping thread)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -50,7 +51,7 @@ class ModelRunner:
         model.rotary.reserve(config.max_seq_len, self.device)
         self.block = config.block()
         use_graphs = config.cuda_graphs and self.device.type == "cuda" and not self.is_moe
-        self.graphs = _DecodeGraphs(self) if use_graphs else None
+        self.graphs = DecodeGraphs(self) if use_graphs else None
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -80,14 +81,17 @@ class ModelRunner:
         return StepOut(None if out.logits is None else out.logits[:, 0], out.hidden, out.routing)
 
     # ---- decode ------------------------------------------------------------------------
-    def decode(self, tokens: list[int], positions: list[int]) -> StepOut:
-        """One token per running request; request i occupies slot i (i < n)."""
+    def decode(self, tokens: Tensor | list[int], positions: list[int]) -> StepOut:
+        """One token per running request (host list, or device tensor from the previous
+        step's samples); request i occupies slot i (i < n)."""
         L = self.context_bucket(max(positions) + 1)
         if self.graphs is not None:
             out = self.graphs.run(tokens, positions, L)
             if out is not None:
                 return out
-        return self.decode_eager(self._tensor(tokens), self._tensor(positions), L)
+        if not isinstance(tokens, Tensor):
+            tokens = self._tensor(tokens)
+        return self.decode_eager(tokens, self._tensor(positions), L)
 
     def decode_eager(self, tokens: Tensor, positions: Tensor, L: int) -> StepOut:
         backend = DecodeAttention(self.cache, positions, L, self.config.decode_attention)
@@ -97,7 +101,9 @@ class ModelRunner:
         return StepOut(out.logits[:, 0], out.hidden[:, 0], routing)
 
 
-class _DecodeGraphs:
+class DecodeGraphs:
+    """Decode-step CUDA graphs keyed by (batch bucket, context bucket), captured lazily."""
+
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         cap = runner.config.max_batch_size
@@ -108,8 +114,8 @@ class _DecodeGraphs:
         cfg = runner.model.config
         self.logits = torch.zeros(cap, cfg.vocab_size, dtype=torch.float32, device=dev)
         self.hidden = torch.zeros(cap, cfg.hidden_size, dtype=runner.dtype, device=dev)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], Any] = {}  # (batch bucket, context bucket) → graph
+        self.pool: Any = None
         self.failed = False
 
     def _step(self, nb: int, L: int) -> None:
@@ -117,13 +123,17 @@ class _DecodeGraphs:
         self.logits[:nb].copy_(out.logits)
         self.hidden[:nb].copy_(out.hidden)
 
-    def run(self, tokens: list[int], positions: list[int], L: int) -> StepOut | None:
+    def run(self, tokens: Tensor | list[int], positions: list[int], L: int) -> StepOut | None:
         if self.failed:
             return None
-        n = len(tokens)
+        n = len(positions)
         nb = next(b for b in self.buckets if b >= n)
         pad = nb - n
-        self.tokens[:nb].copy_(self.runner._tensor(tokens + [0] * pad))
+        if isinstance(tokens, Tensor):
+            self.tokens[:n].copy_(tokens)
+            self.tokens[n:nb].zero_()
+        else:
+            self.tokens[:nb].copy_(self.runner._tensor(tokens + [0] * pad))
         self.positions[:nb].copy_(self.runner._tensor(positions + [0] * pad))
         graph = self.graphs.get((nb, L))
         if graph is None:
@@ -136,7 +146,9 @@ class _DecodeGraphs:
         graph.replay()
         return StepOut(self.logits[:n], self.hidden[:n], None)
 
-    def _capture(self, nb: int, L: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, nb: int, L: int) -> Any:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -144,7 +156,8 @@ class _DecodeGraphs:
                 self._step(nb, L)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA work on other threads (weight staging, the caller) may go on.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self._step(nb, L)
         self.graphs[(nb, L)] = graph
         return graph

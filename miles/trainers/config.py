@@ -51,7 +51,9 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     device: str = "cpu"
     seed: int = 0
     rollout_temperature: float = 1.0  # logits are divided by it, as the engine samples
-    compile: bool = False  # torch.compile each decoder layer (GPU throughput)
+    # torch.compile each decoder layer (GPU throughput); shares --compile with the engine,
+    # where None means "auto" — for the trainer None means off
+    compile: bool | None = None
     gradient_checkpointing: bool = False  # recompute decoder layers in backward
     fsdp: bool | None = None  # None → FSDP2 when torch.distributed has > 1 rank
 

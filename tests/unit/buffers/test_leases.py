@@ -99,3 +99,21 @@ def test_lease_nothing_available_still_counts_as_life() -> None:
     assert buf.lease("w", 4) == []
     clock.now = 12.0
     assert buf.expire_leases() == 0
+
+
+def test_release_all_workers_after_checkpoint_load() -> None:
+    """A resumed run: leases of the old run's workers go back once, state-dict round trip."""
+    from miles.buffers import ReplayBuffer
+
+    buf = make_buffer()
+    buf.add_prompts(prompts(3))
+    buf.lease("a", 1)
+    buf.lease("b", 2)
+    fresh = ReplayBuffer(buf.config)
+    fresh.load_state_dict(buf.state_dict())
+    assert fresh.ledger().in_flight == 3
+    assert fresh.release_all_workers() == 3
+    assert fresh.release_all_workers() == 0
+    led = fresh.ledger()
+    assert (led.in_flight, led.queued) == (0, 3)
+    led.check()
