@@ -104,3 +104,26 @@ def test_broken_envs_fail_with_reasons_and_the_run_goes_on(cluster, checkpoint, 
         assert worker.get(f"env/failed/{kind}", 0) >= 2, (kind, worker)
     assert worker["env/failed/env_timeout"] >= 4  # sync and async hangs
     assert worker["rollout/failed"] >= 8 and worker["env/episodes_completed"] >= 6
+
+
+def test_examples_run_in_smoke_mode(cluster, tmp_path) -> None:
+    from miles.utils.loading import load_function
+
+    load_function(f"{ROOT}/examples/agentic/number_guess.py:prepare")(str(tmp_path / "guess"))
+    load_function(f"{ROOT}/examples/agentic/calculator.py:prepare")(str(tmp_path / "calc"))
+    g = tmp_path / "guess"
+    argv = ["train", "--config", str(ROOT / "examples/agentic/number_guess.yaml"), "--hf-checkpoint", str(g / "ckpt"),
+            "--prompt-data", str(g / "train.jsonl"), "--eval-prompt-data", str(g / "eval.jsonl"),
+            "--env-path", f"{ROOT}/examples/agentic/number_guess.py:NumberGuessEnv",
+            "--output-dir", str(g / "out"), "--num-rollout", "2", "--eval-interval", "0", "--no-progress",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4"]
+    assert main(argv) == 0
+    argv = ["train", "--hf-checkpoint", str(g / "ckpt"), "--prompt-data", str(tmp_path / "calc" / "train.jsonl"),
+            "--apply-chat-template", "--env-path", f"{ROOT}/examples/agentic/calculator.py:CalculatorEnv",
+            "--env-observation-role", "tool", "--max-turns", "3", "--max-turn-tokens", "32",
+            "--rollout-max-response-len", "300", "--max-prompt-len", "700", "--num-rollout", "1",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--output-dir", str(tmp_path / "calc" / "out"),
+            "--no-progress"]
+    assert main(argv) == 0
+    for out in (g / "out", tmp_path / "calc" / "out"):
+        assert json.loads((out / "summary.json").read_text())["ledger_ok"]
