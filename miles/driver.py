@@ -102,7 +102,7 @@ class Driver:
         if cfg.scheduler.mode == "sync" and cfg.rollout.partial_rollout:
             # Over-sampled generations still running would be off-policy after this step:
             # park them now; they resume on the new weights.
-            await asyncio.gather(*(w.abort_inflight.remote() for w in a.workers.values()))
+            await asyncio.gather(*(w.abort_inflight.remote(version + 1) for w in a.workers.values()))
         self.out.dump_batch(self.step + 1, version, groups)
         t1 = time.monotonic()
         metrics = await a.trainer.train.remote(batch_ref)

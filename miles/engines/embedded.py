@@ -209,7 +209,7 @@ class EmbeddedEngine:
         flight); for streaming. Copies taken while the stepping thread may be appending, so
         cut to the shortest of the three."""
         with self._cv:
-            for r in (*self._running, *self._waiting):
+            for r in (*self.stepper.running, *self._waiting):
                 if r.rid == rid:
                     ids, lps, vs = list(r.output_ids), list(r.logprobs), list(r.versions)
                     n = min(len(ids), len(lps), len(vs))

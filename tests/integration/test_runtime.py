@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 
 import pytest
 
@@ -81,7 +82,7 @@ def test_sglang_backend_end_to_end(ray_cluster, tiny_ckpt, task, tmp_path) -> No
     out = tmp_path / "sglang"
     cfg, summary = _run(
         tiny_ckpt, task, out, rollout_backend="sglang", sglang_launch=True,
-        sglang_launch_command=["python", "-m", "miles", "serve"], sglang_port=0, num_rollout=3,
+        sglang_launch_command=[sys.executable, "-m", "miles", "serve"], sglang_port=0, num_rollout=3,
     )
     assert summary["status"] == "completed" and summary["ledger_ok"]
     rows = _check_staleness(out, 1)

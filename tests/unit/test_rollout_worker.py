@@ -51,16 +51,20 @@ def test_request_budget_counts_from_the_prompt() -> None:
 
 def test_abort_parks_partial_and_resume_reaches_full_length() -> None:
     async def scenario() -> list[Trajectory]:
-        worker, buf, _ = _worker(partial=True)
+        worker, buf, source = _worker(partial=True)
         buf.add_prompts(_prompts(2))
         run = asyncio.create_task(worker.run())
         while worker.engine.stats().get("rollout/tokens_generated", 0) < 8:
             await asyncio.sleep(0.01)
-        assert await worker.abort_inflight() > 0
-        assert buf.ledger().partial > 0
+        assert await worker.abort_inflight(hold_until_version=1) > 0
+        await asyncio.sleep(0.1)
+        assert buf.ledger().partial > 0  # parked, and not re-leased before version 1
+        assert buf.ledger().in_flight == 0
+        buf.set_version(1)
+        await worker.receive_weights(1, pack_all(source.state_dict().items(), version=1, bucket_bytes=1 << 20))
         got: list[list[Trajectory]] = []
         while not got:
-            got = buf.get_batch(2, 0)
+            got = buf.get_batch(2, 1)
             await asyncio.sleep(0.02)
         await worker.stop()
         await run
@@ -101,3 +105,29 @@ def test_weight_update_in_place_or_drained(partial: bool) -> None:
         assert (0, 1) in spans  # generations continued on the new weights
     else:
         assert spans == {(0,)}  # drained: every trajectory from one version
+
+
+def test_a_refused_put_drops_only_that_trajectory() -> None:
+    """A lease that expired while the worker held it: the buffer refuses that one put, the
+    rest of the batch lands, and the worker keeps running."""
+
+    async def scenario() -> tuple[RolloutWorker, ReplayBuffer]:
+        worker, buf, _ = _worker(partial=True, max_len=8)
+        buf.add_prompts(_prompts(1))
+        a, b = buf.lease("w0", 2)
+        buf.release_worker("w0")  # as if the lease expired: both go back to the queue
+        (b2,) = buf.lease("w0", 1)  # b is leased again; a is not
+        for t in (a, b2):
+            t.append([5], [-0.1], 0)
+            t.status = Status.COMPLETED
+            t.reward = 1.0
+        worker._outbox = [a, b2]
+        await worker._flush()
+        await worker.engine.close()
+        return worker, buf
+
+    worker, buf = asyncio.run(scenario())
+    assert worker.counters["refused_puts"] == 1 and "not leased" in worker.last_refusal
+    led = buf.ledger()
+    assert (led.waiting, led.queued) == (1, 1)
+    led.check()
