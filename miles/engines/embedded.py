@@ -103,14 +103,16 @@ class EmbeddedEngine:
     def _build_spec(self, draft: Any, cfg: SpeculativeConfig, draft_version: int) -> Any:
         from miles.engines.spec.decoder import SpecDecoder
         from miles.engines.spec.drafters import make_drafter
-        from miles.engines.spec.graphs import VerifyGraphs
+        from miles.engines.spec.graphs import RoundGraphs, VerifyGraphs
         from miles.models.draft import check_compatible
 
         check_compatible(draft, self.model.config)
         drafter = make_drafter(draft, self.model, self.config, version=draft_version)
+        spec = SpecDecoder(self.runner, drafter, cfg)
         if self.runner.graphs is not None:  # dense model on CUDA with graphs on
             self.runner.verify_graphs = VerifyGraphs(self.runner, cfg.speculative_num_steps + 1)
-        return SpecDecoder(self.runner, drafter, cfg)
+            spec.round_graphs = RoundGraphs(spec, cfg.speculative_num_steps)
+        return spec
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, config: EngineConfig | None = None,

@@ -96,6 +96,14 @@ class ModelRunner:
             tokens = self._tensor(tokens)
         return self.decode_eager(tokens, self._tensor(positions), L)
 
+    def decode_at(self, tokens: Tensor, positions: Tensor, L: int) -> StepOut:
+        """``decode`` with device-side positions and a context bucket the caller knows."""
+        if self.graphs is not None:
+            out = self.graphs.run(tokens, positions, L)
+            if out is not None:
+                return out
+        return self.decode_eager(tokens, positions, L)
+
     def decode_eager(self, tokens: Tensor, positions: Tensor, L: int) -> StepOut:
         backend = DecodeAttention(self.cache, positions, L, self.config.decode_attention)
         out = self.model(tokens[:, None], positions[:, None], kv_cache=backend, return_hidden=True,
@@ -104,19 +112,22 @@ class ModelRunner:
         return StepOut(out.logits[:, 0], out.hidden[:, 0], routing)
 
     # ---- verify (several tokens per row) -------------------------------------------
-    def verify(self, tokens: Tensor, starts: list[int], *, logits_index: Tensor | None = None,
-               logits: bool = True) -> StepOut:
-        """``tokens`` [n, T] at positions ``starts[i] .. starts[i] + T - 1`` of slot i.
-        Returns logits [n, T, V] (or [n, V] at ``logits_index``), hidden [n, T, H] and
-        routing [n, T, L_moe, k] (MoE)."""
+    def verify(self, tokens: Tensor, starts: list[int] | Tensor, *, L: int | None = None,
+               logits_index: Tensor | None = None, logits: bool = True) -> StepOut:
+        """``tokens`` [n, T] at positions ``starts[i] .. starts[i] + T - 1`` of slot i (a host
+        list, or a device tensor with the context bucket ``L``). Returns logits [n, T, V] (or
+        [n, V] at ``logits_index``), hidden [n, T, H] and routing [n, T, L_moe, k] (MoE)."""
         T = tokens.shape[1]
-        L = self.context_bucket(max(starts) + T)
+        if L is None:
+            L = self.context_bucket(max(starts) + T)
         graphs = self.verify_graphs
         if graphs is not None and logits and logits_index is None:
             out = graphs.run(tokens, starts, L)
             if out is not None:
                 return out
-        return self.verify_eager(tokens, self._tensor(starts), L, logits_index=logits_index, logits=logits)
+        if not isinstance(starts, Tensor):
+            starts = self._tensor(starts)
+        return self.verify_eager(tokens, starts, L, logits_index=logits_index, logits=logits)
 
     def verify_eager(self, tokens: Tensor, starts: Tensor, L: int, *, logits_index: Tensor | None = None,
                      logits: bool = True) -> StepOut:
@@ -151,7 +162,7 @@ class DecodeGraphs:
         self.logits[:nb].copy_(out.logits)
         self.hidden[:nb].copy_(out.hidden)
 
-    def run(self, tokens: Tensor | list[int], positions: list[int], L: int) -> StepOut | None:
+    def run(self, tokens: Tensor | list[int], positions: list[int] | Tensor, L: int) -> StepOut | None:
         if self.failed:
             return None
         n = len(positions)
@@ -162,7 +173,11 @@ class DecodeGraphs:
             self.tokens[n:nb].zero_()
         else:
             self.tokens[:nb].copy_(self.runner._tensor(tokens + [0] * pad))
-        self.positions[:nb].copy_(self.runner._tensor(positions + [0] * pad))
+        if isinstance(positions, Tensor):
+            self.positions[:n].copy_(positions)
+            self.positions[n:nb].zero_()
+        else:
+            self.positions[:nb].copy_(self.runner._tensor(positions + [0] * pad))
         graph = self.graphs.get((nb, L))
         if graph is None:
             try:

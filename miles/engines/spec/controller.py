@@ -6,14 +6,15 @@ Speculation pays when a round's expected tokens per second beats plain decoding'
     τ(α, k)     = (1 - α^(k+1)) / (1 - α)   (expected tokens a row emits per round)
 
 where ``b`` is the batch size rounded up to a power of two, ``t_plain`` / ``t_round`` are
-exponential moving averages of the measured wall time of a plain decode step / of a whole
-round (draft + verify + accept + bookkeeping) at that size, and α is the measured
+medians of the last few measured wall times of a plain decode step / of a whole round
+(draft + verify + accept + bookkeeping) at that size — medians, because a step that the
+OS or another process interrupted must not flip the decision — and α is the measured
 per-token acceptance probability (decayed counts of accepted drafts over accepted +
 first rejections, so a row that accepts all k contributes no rejection). The rule:
 
 1. never speculate above ``--speculative-max-batch-size`` (0 = no cap);
 2. without ``--speculative-adaptive``: always a round of ``k = --speculative-num-steps``;
-3. otherwise, at each batch size, first measure every option (plain, k = 1..k_max) twice;
+3. otherwise, at each batch size, first measure every option (plain, k = 1..k_max) 3 times;
    then take the option with the best predicted rate; every ``--speculative-probe-interval``
    steps run the least recently measured option once, so a draft that improves (online
    training) or a policy that drifts away from it is noticed.
@@ -30,13 +31,14 @@ assumed; the cost is a few exploratory steps per batch size.
 
 from __future__ import annotations
 
-from collections import defaultdict
+import statistics
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from miles.engines.spec.config import SpeculativeConfig
 
-WARMUP = 2  # measurements of each option before the rule trusts them
-EMA = 0.25  # weight of a new timing measurement
+WARMUP = 3  # measurements of each option before the rule trusts them
+WINDOW = 9  # recent timings per option whose median the rule uses
 DECAY = 0.98  # per-round decay of the acceptance counts
 
 
@@ -70,15 +72,18 @@ class VersionStats:
 
 @dataclass
 class _Timings:
-    mean: dict[tuple[int, int], float] = field(default_factory=dict)
+    recent: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
     count: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
     last: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
 
     def add(self, key: tuple[int, int], seconds: float, step: int) -> None:
-        old = self.mean.get(key)
-        self.mean[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.recent.setdefault(key, deque(maxlen=WINDOW)).append(seconds)
         self.count[key] += 1
         self.last[key] = step
+
+    def median(self, key: tuple[int, int]) -> float | None:
+        window = self.recent.get(key)
+        return statistics.median(window) if window else None
 
 
 class SpecController:
@@ -126,7 +131,7 @@ class SpecController:
 
     def rate(self, b: int, option: int) -> float:
         """Predicted tokens per second per row of ``option`` at batch bucket ``b``."""
-        seconds = self.timings.mean.get((b, option))
+        seconds = self.timings.median((b, option))
         if not seconds:
             return 0.0
         return (1.0 if option == 0 else expected_tokens(self.alpha, option)) / seconds

@@ -12,6 +12,12 @@ A round (``Stepper`` calls ``run``, after ``drain``; requests are in slots 0..n-
    past ``kv_len``, masked and later overwritten (no copy, no cache surgery);
 4. one host read-back of (tokens, log-probs, accepted counts, finiteness).
 
+Steps 1-3 are ``core``: a function of device tensors only (``RoundIO`` + ``RoundParams``),
+with no host round trip. On CUDA, when every row is seeded (or greedy) and has at most
+k + 1 pending draft entries, the whole core is replayed from a CUDA graph
+(``graphs.RoundGraphs``); otherwise it runs eagerly (the policy's verify and the draft
+LM's steps still replay their own graphs).
+
 The stepper then appends the tokens with the policy's log-probs and the current policy
 version, applies stop rules token by token, and reports the round to the controller.
 """
@@ -29,7 +35,18 @@ from miles.engines.sampling import to_device
 from miles.engines.spec.config import SpeculativeConfig
 from miles.engines.spec.controller import SpecController
 from miles.engines.spec.drafters import CAPACITY, Drafter
-from miles.engines.spec.sampling import RoundParams, verify
+from miles.engines.spec.sampling import RoundParams, draft_noise, draft_pick, processed_logprobs, verify
+
+
+@dataclass
+class RoundIO:
+    """A round's per-row inputs on the device."""
+
+    last: Tensor  # [n] the last context token (the verify step's first input)
+    kv: Tensor  # [n] the policy's kv_len (where that token goes)
+    cu_tokens: Tensor  # [n, T] the drafter's pending entries, right-padded
+    cu_start: Tensor  # [n] the draft's draft_len (where they go)
+    cu_last: Tensor  # [n] index of each row's last real pending entry
 
 
 @dataclass
@@ -38,8 +55,13 @@ class RoundResult:
     logprobs: list[list[float]]
     accepted: list[int]
     finite: list[bool]
-    hidden: Tensor  # [n, k + 1, H] device (a view that the next verify may overwrite)
+    hidden: Tensor  # [n, k + 1, H] device (a view that the next round may overwrite)
     routing: list | None  # [n][k + 1][L_moe][top_k] when some row records routing
+
+
+def pack(tokens: Tensor, logprobs: Tensor, accepted: Tensor, finite: Tensor) -> Tensor:
+    """[n, 2T + 2] float64: one device→host copy per round (token ids are exact in float64)."""
+    return torch.cat([tokens.double(), logprobs.double(), accepted[:, None].double(), finite[:, None].double()], 1)
 
 
 class SpecDecoder:
@@ -48,6 +70,7 @@ class SpecDecoder:
         self.mode = cfg.speculative_sampling
         self.controller = SpecController(cfg)
         self.device = runner.device
+        self.round_graphs = None  # graphs.RoundGraphs, set by the engine on CUDA
 
     def plan(self, batch: int) -> int:
         return self.controller.choose(batch)
@@ -55,25 +78,64 @@ class SpecDecoder:
     def needs_flush(self, reqs: list[Request]) -> bool:
         return any(self.drafter.pending(r) >= CAPACITY - 1 for r in reqs)
 
+    def context_bucket(self, reqs: list[Request], k: int) -> int:
+        """Cache positions every forward of the round reads (policy and draft)."""
+        return self.runner.context_bucket(max(r.kv_len for r in reqs) + k + 2)
+
+    def core(self, rp: RoundParams, io: RoundIO, k: int, L: int, generator: torch.Generator | None, *,
+             captured: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Draft k tokens per row, verify them in one policy forward, accept / correct.
+        Returns (packed results [n, 2k + 4], the policy's hidden states [n, k + 1, H], MoE
+        routing or None). ``captured``: running inside a round graph (no nested graphs)."""
+        d = self.drafter
+        logits, state = d.catch_up(io.cu_tokens, io.cu_start, io.cu_last, L)
+        noise = draft_noise(rp, k, logits.shape[-1], self.mode, generator)
+        tokens, logqs = [], []
+        for j in range(k):
+            if j:
+                logits, state = d.step(tokens[-1], io.kv + (d.step_offset + j), state, L, graphs=not captured)
+            logits = torch.where(torch.isfinite(logits), logits, 0.0)  # a broken draft stays a distribution
+            logq = processed_logprobs(logits, rp)
+            tokens.append(draft_pick(logq, None if noise is None else noise[j]))
+            logqs.append(logq)
+        draft = torch.stack(tokens, dim=1)
+        inputs = torch.cat([io.last[:, None], draft], dim=1)
+        if captured:
+            out = self.runner.verify_eager(inputs, io.kv, L)
+        else:
+            out = self.runner.verify(inputs, io.kv, L=L)
+        v = verify(out.logits, draft, torch.stack(logqs, dim=1), rp, self.mode, noise=noise, generator=generator)
+        return pack(v.tokens, v.logprobs, v.accepted, v.finite), out.hidden, out.routing
+
     def run(self, reqs: list[Request], k: int, generator: torch.Generator | None) -> RoundResult:
+        d, n, T = self.drafter, len(reqs), k + 1
         rp = RoundParams.build([r.sampling for r in reqs], [r.response_position for r in reqs], self.device)
-        prop = self.drafter.propose(reqs, k, rp, self.mode, generator)
-        last = to_device([r.context[-1] for r in reqs], torch.long, self.device)
-        inputs = torch.cat([last[:, None], prop.tokens], dim=1)
-        out = self.runner.verify(inputs, [r.kv_len for r in reqs])
-        v = verify(out.logits, prop.tokens, prop.logq, rp, self.mode, noise=prop.noise, generator=generator)
-        if self.drafter.needs_hidden:
-            self.drafter.after_verify(reqs, out.hidden)
-        T = k + 1
-        packed = torch.cat([v.tokens.double(), v.logprobs.double(), v.accepted[:, None].double(),
-                            v.finite[:, None].double()], dim=1)
-        routing = out.routing if out.routing is not None and any(r.routed is not None for r in reqs) else None
-        host = packed.cpu().tolist()
+        entries = [d.entries(r) for r in reqs]
+        width = max(len(e) for e in entries)
+        L = self.context_bucket(reqs, max(k, width))
+        graphs = self.round_graphs
+        use_graph = graphs is not None and rp.all_seeded and width <= T
+        host = [[r.context[-1] for r in reqs], [r.kv_len for r in reqs], [r.draft_len for r in reqs],
+                [len(e) - 1 for e in entries]]
+        cu = [e + [0] * ((T if use_graph else width) - len(e)) for e in entries]
+        meta = to_device(host, torch.long, self.device)
+        io = RoundIO(last=meta[0], kv=meta[1], cu_tokens=to_device(cu, torch.long, self.device),
+                     cu_start=meta[2], cu_last=meta[3])
+        result = graphs.run(rp, io, k, L) if use_graph else None
+        if result is None:
+            result = self.core(rp, io, k, L, generator)
+        packed, hidden, routing = result
+        for r in reqs:
+            d.commit(r)
+        if d.needs_hidden:
+            d.after_verify(n, hidden)
+        routing = routing if routing is not None and any(r.routed is not None for r in reqs) else None
+        rows = packed.cpu().tolist()
         return RoundResult(
-            tokens=[row[:T] for row in host],
-            logprobs=[row[T : 2 * T] for row in host],
-            accepted=[int(row[2 * T]) for row in host],
-            finite=[bool(row[2 * T + 1]) for row in host],
-            hidden=out.hidden,
+            tokens=[row[:T] for row in rows],
+            logprobs=[row[T : 2 * T] for row in rows],
+            accepted=[int(row[2 * T]) for row in rows],
+            finite=[bool(row[2 * T + 1]) for row in rows],
+            hidden=hidden,
             routing=routing.cpu().tolist() if routing is not None else None,
         )

@@ -12,7 +12,7 @@ both), and a per-request count ``Request.draft_len`` of the *entries* whose K/V 
 Entries not yet in the draft cache are *pending*. A round (``propose``) first feeds every
 pending entry in one multi-token forward (the catch-up: 1..k+1 entries after a round; more
 after plain steps), whose last output predicts the first draft token, then runs k - 1
-single-entry steps. Only the catch-up advances ``draft_len``: the entries of the draft
+single-entry steps (``decoder.py`` runs the loop). Only the catch-up advances ``draft_len``: the entries of the draft
 steps themselves sit past it and are simply overwritten next round (rejected or not), so a
 rejection never needs undoing. Plain decode steps leave the draft behind; ``flush`` feeds
 pending entries when a row has ``capacity`` of them, so the catch-up stays bounded.
@@ -37,7 +37,6 @@ from miles.engines.requests import Request
 from miles.engines.runner import ModelRunner
 from miles.engines.sampling import to_device
 from miles.engines.spec.config import MAX_STEPS
-from miles.engines.spec.sampling import RoundParams, draft_pick, processed_logprobs
 from miles.engines.weights import WeightStager
 from miles.models.draft import EagleHead
 from miles.models.fused import compile_fast_path
@@ -46,16 +45,16 @@ from miles.models.model import CausalLM
 CAPACITY = 2 * MAX_STEPS  # most pending entries per row before a plain step flushes them
 
 
-class Proposal:
-    def __init__(self, tokens: Tensor, logq: Tensor, noise: list[Tensor] | None) -> None:
-        self.tokens, self.logq, self.noise = tokens, logq, noise  # [n, k], [n, k, V], k × [n, V]
-
-
 class Drafter:
-    """What both drafters share: model placement, weights, version, the proposal loop."""
+    """What both drafters share: model placement, weights and version.
+
+    Host side (lists, per request): ``pending``, ``entries``, ``commit``, ``prefill``,
+    ``flush``, ``record``, slot moves. Device side (tensors only, no host sync, so a round
+    can be captured in a CUDA graph): ``catch_up`` and ``step``."""
 
     kind = "base"
     needs_hidden = False
+    step_offset = 0  # draft step j (1..k-1) feeds its entry at position kv_len + step_offset + j
 
     def __init__(self, model: Any, config: EngineConfig, *, version: int = 0) -> None:
         self.config = config
@@ -66,8 +65,17 @@ class Drafter:
         self.version = version
         self.headroom = MAX_STEPS + 2
 
-    # ---- per-row bookkeeping (subclasses) -------------------------------------------------
+    # ---- host side (subclasses) ------------------------------------------------------------
     def pending(self, r: Request) -> int:
+        """Entries of ``r`` not yet in the draft cache (≥ 1 at the start of a round)."""
+        raise NotImplementedError
+
+    def entries(self, r: Request) -> list[int]:
+        """The tokens of ``r``'s pending entries (the catch-up's inputs)."""
+        raise NotImplementedError
+
+    def commit(self, r: Request) -> None:
+        """A catch-up fed all of ``r``'s pending entries."""
         raise NotImplementedError
 
     def prefill(self, rows: list[Request], seqs: list[list[int]], hidden: Tensor | None) -> None:
@@ -79,11 +87,11 @@ class Drafter:
     def record(self, rows: list[Request], hidden: Tensor) -> None:
         """A plain decode step ran ``rows`` at their ``kv_len`` (called before it advances)."""
 
+    def after_verify(self, n: int, hidden: Tensor) -> None:
+        """The policy verified rows 0..n-1; ``hidden`` [n, k + 1, H] at kv_len..kv_len+k."""
+
     def weights_changed(self, rows: list[Request]) -> None:
         """New draft weights were committed while ``rows`` are running."""
-
-    def after_verify(self, rows: list[Request], hidden: Tensor) -> None:
-        """The policy verified ``rows``; ``hidden`` [n, k + 1, H] at positions kv_len..kv_len+k."""
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         raise NotImplementedError
@@ -91,40 +99,24 @@ class Drafter:
     def clear_slot(self, slot: int) -> None:
         raise NotImplementedError
 
-    # ---- drafting ---------------------------------------------------------------------
-    def catch_up(self, rows: list[Request]) -> tuple[Tensor, Any]:
-        """Feed every row's pending entries; returns (logits [n, V] after the last, state)."""
+    # ---- device side ------------------------------------------------------------------------
+    def catch_up(self, tokens: Tensor, starts: Tensor, last: Tensor, L: int) -> tuple[Tensor, Any]:
+        """Feed entries ``tokens`` [n, T] (right-padded) at ``starts``; returns (logits [n, V]
+        after entry ``last[i]`` of each row, state for ``step``)."""
         raise NotImplementedError
 
-    def step(self, rows: list[Request], tokens: Tensor, j: int, state: Any) -> tuple[Tensor, Any]:
-        """Draft step j >= 1: feed the previous draft token; returns (logits [n, V], state)."""
+    def step(self, tokens: Tensor, positions: Tensor, state: Any, L: int, *, graphs: bool) -> tuple[Tensor, Any]:
+        """Feed the previous draft token of each row at ``positions``; returns (logits, state).
+        ``graphs``: may replay the draft's own decode CUDA graph (not inside a round graph)."""
         raise NotImplementedError
 
-    def propose(self, rows: list[Request], k: int, rp: RoundParams, mode: str,
-                generator: torch.Generator | None) -> Proposal:
-        logits, state = self.catch_up(rows)
-        tokens, logqs, noise = [], [], []
-        for j in range(k):
-            if j:
-                logits, state = self.step(rows, tokens[-1], j, state)
-            logits = torch.where(torch.isfinite(logits), logits, 0.0)  # a broken draft stays a distribution
-            logq = processed_logprobs(logits, rp)
-            tok, g = draft_pick(logq, rp, j, mode, generator)
-            tokens.append(tok)
-            logqs.append(logq)
-            if g is not None:
-                noise.append(g)
-        return Proposal(torch.stack(tokens, dim=1), torch.stack(logqs, dim=1), noise or None)
-
-    def _pad(self, seqs: list[list[int]]) -> tuple[Tensor, Tensor]:
-        m = max(len(s) for s in seqs)
-        ids = to_device([s + [0] * (m - len(s)) for s in seqs], torch.long, self.device)
-        last = to_device([max(len(s) - 1, 0) for s in seqs], torch.long, self.device)
-        return ids, last
+    def _ids(self, seqs: list[list[int]], width: int | None = None) -> Tensor:
+        m = width or max(max(len(s) for s in seqs), 1)
+        return to_device([s + [0] * (m - len(s)) for s in seqs], torch.long, self.device)
 
 
 class LMDrafter(Drafter):
-    """An independent small CausalLM: entry i = context token i."""
+    """An independent small CausalLM: entry i is context token i."""
 
     kind = "draft"
 
@@ -134,6 +126,12 @@ class LMDrafter(Drafter):
 
     def pending(self, r: Request) -> int:
         return r.kv_len + 1 - r.draft_len  # the pending last token counts (it may be in flight)
+
+    def entries(self, r: Request) -> list[int]:
+        return r.context[r.draft_len :]
+
+    def commit(self, r: Request) -> None:
+        r.draft_len = len(r.context)
 
     def weights_changed(self, rows: list[Request]) -> None:
         for r in rows:  # the next flush or catch-up re-feeds the whole context
@@ -146,20 +144,15 @@ class LMDrafter(Drafter):
 
     def flush(self, rows: list[Request]) -> None:
         seqs = [r.context[r.draft_len : -1] or [0] for r in rows]  # [0]: a padding entry
-        ids, _ = self._pad(seqs)
-        self.runner.verify(ids, [r.draft_len for r in rows], logits=False)
+        self.runner.verify(self._ids(seqs), [r.draft_len for r in rows], logits=False)
         for r in rows:
             r.draft_len = len(r.context) - 1
 
-    def catch_up(self, rows: list[Request]) -> tuple[Tensor, Any]:
-        ids, last = self._pad([r.context[r.draft_len :] for r in rows])
-        out = self.runner.verify(ids, [r.draft_len for r in rows], logits_index=last)
-        for r in rows:
-            r.draft_len = len(r.context)
-        return out.logits, None
+    def catch_up(self, tokens: Tensor, starts: Tensor, last: Tensor, L: int) -> tuple[Tensor, Any]:
+        return self.runner.verify_eager(tokens, starts, L, logits_index=last).logits, None
 
-    def step(self, rows: list[Request], tokens: Tensor, j: int, state: Any) -> tuple[Tensor, Any]:
-        out = self.runner.decode(tokens, [len(r.context) + j - 1 for r in rows])
+    def step(self, tokens: Tensor, positions: Tensor, state: Any, L: int, *, graphs: bool) -> tuple[Tensor, Any]:
+        out = self.runner.decode_at(tokens, positions, L) if graphs else self.runner.decode_eager(tokens, positions, L)
         return out.logits, None
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
@@ -174,6 +167,7 @@ class EagleDrafter(Drafter):
 
     kind = "eagle"
     needs_hidden = True
+    step_offset = -1
 
     def __init__(self, model: EagleHead, policy: CausalLM, config: EngineConfig, *, version: int = 0) -> None:
         super().__init__(model, config, version=version)
@@ -188,14 +182,17 @@ class EagleDrafter(Drafter):
     def pending(self, r: Request) -> int:
         return r.kv_len - r.draft_len
 
+    def entries(self, r: Request) -> list[int]:
+        return r.context[r.draft_len + 1 : r.kv_len + 1]
+
+    def commit(self, r: Request) -> None:
+        r.draft_len = r.kv_len
+
     def _bucket(self, longest: int) -> int:
         return min(-(-longest // self.block) * self.block, self.cache.length)
 
     def _features(self, hidden: Tensor, ids: Tensor, positions: Tensor, backend: Any) -> Tensor:
         return self.model(hidden, ids, self.policy.model.embed_tokens, position_ids=positions, kv_cache=backend)
-
-    def _logits(self, features: Tensor) -> Tensor:
-        return self.policy.lm_head(features).float()
 
     def prefill(self, rows: list[Request], seqs: list[list[int]], hidden: Tensor | None) -> None:
         assert hidden is not None, "the EAGLE drafter needs the policy's prefill hidden states"
@@ -207,32 +204,24 @@ class EagleDrafter(Drafter):
         self.pending_hidden[slots, 0] = hidden[idx, last].to(self.dtype)
         T = max(lens) - 1
         if T > 0:
-            ids = to_device([s[1:] + [0] * (T - len(s) + 1) for s in seqs], torch.long, self.device)
+            ids = self._ids([s[1:] for s in seqs], T)
             pos = torch.arange(T, device=self.device).expand(n, T)
             self._features(hidden[:, :T], ids, pos, PrefillAttention(self.cache, slots))
         for r, m in zip(rows, lens):
             r.draft_len = m - 1
 
-    def _feed(self, rows: list[Request], counts: list[int], *, want_logits: bool) -> Tensor | None:
-        """Feed ``counts[i]`` pending entries of each row (padding the rest); logits after each
-        row's last fed entry when ``want_logits``."""
-        n, T = len(rows), max(max(counts), 1)
-        seqs = [r.context[r.draft_len + 1 : r.draft_len + 1 + c] for r, c in zip(rows, counts)]
-        ids = to_device([s + [0] * (T - len(s)) for s in seqs], torch.long, self.device)
-        starts = to_device([r.draft_len for r in rows], torch.long, self.device)
-        backend = VerifyAttention(self.cache, starts, T, self._bucket(max(r.draft_len for r in rows) + T),
-                                  self.config.decode_attention)
-        feats = self._features(self.pending_hidden[:n, :T], ids, backend.positions, backend)
-        if not want_logits:
-            return None
-        last = to_device([max(c - 1, 0) for c in counts], torch.long, self.device)
-        return feats[torch.arange(n, device=self.device), last]
+    def _feed(self, ids: Tensor, starts: Tensor, L: int) -> Tensor:
+        backend = VerifyAttention(self.cache, starts, ids.shape[1], L, self.config.decode_attention)
+        return self._features(self.pending_hidden[: ids.shape[0], : ids.shape[1]], ids, backend.positions, backend)
 
     def flush(self, rows: list[Request]) -> None:
         counts = [max(self.pending(r) - 1, 0) for r in rows]
         if max(counts) == 0:
             return
-        self._feed(rows, counts, want_logits=False)
+        T = max(counts)
+        seqs = [r.context[r.draft_len + 1 : r.draft_len + 1 + c] for r, c in zip(rows, counts)]
+        self._feed(self._ids(seqs, T), to_device([r.draft_len for r in rows], torch.long, self.device),
+                   self._bucket(max(r.draft_len for r in rows) + T))
         n = len(rows)
         keep = to_device(counts, torch.long, self.device)
         self.pending_hidden[:n, 0] = self.pending_hidden[torch.arange(n, device=self.device), keep]
@@ -244,21 +233,18 @@ class EagleDrafter(Drafter):
         at = to_device([min(self.pending(r), self.pending_hidden.shape[1] - 1) for r in rows], torch.long, self.device)
         self.pending_hidden[torch.arange(n, device=self.device), at] = hidden.to(self.dtype)
 
-    def after_verify(self, rows: list[Request], hidden: Tensor) -> None:
-        self.pending_hidden[: len(rows), : hidden.shape[1]] = hidden.to(self.dtype)
+    def after_verify(self, n: int, hidden: Tensor) -> None:
+        self.pending_hidden[:n, : hidden.shape[1]] = hidden[:n].to(self.dtype)
 
-    def catch_up(self, rows: list[Request]) -> tuple[Tensor, Any]:
-        feats = self._feed(rows, [self.pending(r) for r in rows], want_logits=True)
-        for r in rows:
-            r.draft_len = r.kv_len
-        return self._logits(feats), feats
+    def catch_up(self, tokens: Tensor, starts: Tensor, last: Tensor, L: int) -> tuple[Tensor, Any]:
+        feats = self._feed(tokens, starts, L)
+        f = feats[torch.arange(tokens.shape[0], device=self.device), last]
+        return self.policy.lm_head(f).float(), f
 
-    def step(self, rows: list[Request], tokens: Tensor, j: int, state: Any) -> tuple[Tensor, Any]:
-        positions = to_device([r.kv_len + j - 1 for r in rows], torch.long, self.device)
-        backend = DecodeAttention(self.cache, positions, self._bucket(max(r.kv_len for r in rows) + j),
-                                  self.config.decode_attention)
-        feats = self._features(state[:, None], tokens[:, None], positions[:, None], backend)[:, 0]
-        return self._logits(feats), feats
+    def step(self, tokens: Tensor, positions: Tensor, state: Any, L: int, *, graphs: bool) -> tuple[Tensor, Any]:
+        backend = DecodeAttention(self.cache, positions, L, self.config.decode_attention)
+        f = self._features(state[:, None], tokens[:, None], positions[:, None], backend)[:, 0]
+        return self.policy.lm_head(f).float(), f
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         self.cache.move_slot(src, dst, min(length + self.headroom, self.cache.length))

@@ -28,7 +28,9 @@ Seeded draws are counter-based (``miles.engines.sampling.counter_uniform``): the
 response position i depends only on (seed, i, stream), with separate streams for the
 draft's choice, the accept test and the residual, and the plain sampler's own stream for
 the bonus token (and for everything in ``coupled`` mode). Unseeded rows draw from the
-engine's generator.
+engine's generator. Every key is computed on the device from per-row stream seeds and
+response positions, so a round makes no host round trip until its results are read back,
+and a fully seeded round can be captured in a CUDA graph (``graphs.RoundGraphs``).
 """
 
 from __future__ import annotations
@@ -39,25 +41,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from miles.engines.sampling import (
-    _C1,
-    _C2,
-    _GOLDEN,
-    _M64,
-    GREEDY_EPS,
-    _lsr,
-    _signed,
-    _splitmix64,
-    counter_uniform,
-    row_key,
-    to_device,
-    truncate,
-)
+from miles.engines.sampling import _C1, _C2, _GOLDEN, _M64, GREEDY_EPS, _lsr, _signed, _splitmix64, counter_uniform, truncate
 from miles.types import SamplingParams
 
 MODES = ("rejection", "coupled")
 # Salts that split one request seed into independent streams (plain sampling uses the seed).
 DRAFT_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM = 0xD1AF7, 0xACCE97, 0x5E51D0
+PLAIN, DRAFT, ACCEPT, RESIDUAL = range(4)  # rows of RoundParams.seeds
+_SALTS = (None, DRAFT_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM)
 
 
 def stream_seed(seed: int, salt: int) -> int:
@@ -72,55 +63,52 @@ def _mix(x: Tensor) -> Tensor:
     return x ^ _lsr(x, 31)
 
 
+def _premixed(seed: int | None, salt: int | None) -> int:
+    if seed is None:
+        return 0
+    return _signed(_splitmix64((seed if salt is None else stream_seed(seed, salt)) & _M64))
+
+
 @dataclass
 class RoundParams:
-    """Per-row sampling parameters of one speculative round (device tensors + host keys)."""
+    """Per-row sampling parameters of one round: device tensors plus host-side flags."""
 
     temperature: Tensor  # [n] float32 (1.0 for greedy rows)
-    top_k: Tensor  # [n] long (-1 for greedy rows)
     top_p: Tensor  # [n] float32 (1.0 for greedy rows)
+    top_k: Tensor  # [n] long (-1 for greedy rows)
     greedy: Tensor  # [n] bool
-    greedy_host: list[bool]
+    seeded: Tensor  # [n] bool
+    seeds: Tensor  # [4, n] int64: splitmix64 of each stream's seed (PLAIN, DRAFT, ACCEPT, RESIDUAL)
+    base: Tensor  # [n] int64: response position of the first new token
     any_greedy: bool
     all_greedy: bool
+    all_seeded: bool
     truncated: bool  # some row uses top-k / top-p
-    seeds: list[int | None]
-    base: list[int]  # response position of the first new token of each row
 
     @classmethod
     def build(cls, params: list[SamplingParams], base: list[int], device: torch.device) -> RoundParams:
+        from miles.engines.sampling import to_device
+
         greedy = [p.temperature <= GREEDY_EPS for p in params]
-        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-        top_k = [-1 if g else p.top_k for p, g in zip(params, greedy)]
-        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
-        return cls(
-            temperature=to_device(temps, torch.float32, device),
-            top_k=to_device(top_k, torch.long, device),
-            top_p=to_device(top_p, torch.float32, device),
-            greedy=to_device(greedy, torch.bool, device), greedy_host=greedy,
-            any_greedy=any(greedy), all_greedy=all(greedy),
-            truncated=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
-            seeds=[p.seed for p in params], base=list(base),
-        )
+        floats = [[1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                  [1.0 if g else p.top_p for p, g in zip(params, greedy)]]
+        ints = [[-1 if g else p.top_k for p, g in zip(params, greedy)], [int(g) for g in greedy],
+                [int(p.seed is not None) for p in params], list(base),
+                *[[_premixed(p.seed, salt) for p in params] for salt in _SALTS]]
+        f = to_device(floats, torch.float32, device)
+        i = to_device(ints, torch.int64, device)
+        return cls(temperature=f[0], top_p=f[1], top_k=i[0], greedy=i[1].bool(), seeded=i[2].bool(), base=i[3],
+                   seeds=i[4:], any_greedy=any(greedy), all_greedy=all(greedy),
+                   all_seeded=all(p.seed is not None or g for p, g in zip(params, greedy)),
+                   truncated=any(k > 0 for k in ints[0]) or any(p < 1.0 for p in floats[1]))
 
-    def keys(self, offset: int | list[int], salt: int | None = None) -> list[int | None]:
-        """Counter keys for response position ``base + offset`` of every row (one stream)."""
-        offs = offset if isinstance(offset, list) else [offset] * len(self.base)
-        out: list[int | None] = []
-        for seed, b, o in zip(self.seeds, self.base, offs):
-            if seed is None:
-                out.append(None)
-            else:
-                out.append(row_key(seed if salt is None else stream_seed(seed, salt), b + o))
-        return out
+    def keys(self, stream: int, offsets: Tensor | int) -> Tensor:
+        """Counter keys of ``stream`` at response positions ``base + offsets`` ([n] or
+        [m, n]): ``row_key`` of the stream's seed, computed on the device."""
+        return _mix(self.seeds[stream] ^ (self.base + offsets))
 
-    def device_keys(self, offsets: Tensor, salt: int | None = None) -> Tensor:
-        """``keys`` for per-row offsets held on the device (no host sync); unseeded rows get
-        a meaningless key (their draw comes from the generator)."""
-        mixed = [0 if s is None else _signed(_splitmix64((s if salt is None else stream_seed(s, salt)) & _M64))
-                 for s in self.seeds]
-        base = to_device(self.base, torch.int64, offsets.device)
-        return _mix(to_device(mixed, torch.int64, offsets.device) ^ (base + offsets))
+    def flags(self) -> tuple[bool, bool, bool]:
+        return self.any_greedy, self.all_greedy, self.truncated
 
 
 def processed_logprobs(logits: Tensor, rp: RoundParams) -> Tensor:
@@ -136,17 +124,13 @@ def processed_logprobs(logits: Tensor, rp: RoundParams) -> Tensor:
     return F.log_softmax(flat, dim=-1).reshape(shape)
 
 
-def uniforms(keys: list[int | None], V: int, device: torch.device, generator: torch.Generator | None) -> Tensor:
-    """u [m, V] in (0, 1): counter-based for keyed rows, from ``generator`` for the others."""
-    seeded = [i for i, k in enumerate(keys) if k is not None]
-    if not seeded:
-        return torch.rand(len(keys), V, device=device, generator=generator)
-    if len(seeded) == len(keys):
-        return counter_uniform(to_device(keys, torch.int64, device), V)
-    u = torch.rand(len(keys), V, device=device, generator=generator)
-    if seeded:
-        u[to_device(seeded, torch.long, device)] = counter_uniform(
-            to_device([keys[i] for i in seeded], torch.int64, device), V)
+def uniforms(rp: RoundParams, keys: Tensor, V: int, generator: torch.Generator | None) -> Tensor:
+    """u [..., V] in (0, 1) for keys [...] (rows last): counter-based on seeded rows, from
+    ``generator`` on the others."""
+    u = counter_uniform(keys.reshape(-1), V).view(*keys.shape, V)
+    if not rp.all_seeded:
+        fresh = torch.rand(u.shape, device=u.device, generator=generator)
+        u = torch.where(rp.seeded[..., :, None], u, fresh)
     return u
 
 
@@ -154,20 +138,23 @@ def gumbel(u: Tensor) -> Tensor:
     return -torch.log(-torch.log(u))
 
 
-def draft_pick(logq: Tensor, rp: RoundParams, step: int, mode: str,
-               generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
-    """The draft's token for response position ``base + step`` from its processed log-probs
-    ``logq`` [n, V]. Returns (tokens [n], the Gumbel noise used when ``coupled`` — the
-    verify step reuses it)."""
+def draft_noise(rp: RoundParams, k: int, V: int, mode: str, generator: torch.Generator | None) -> Tensor | None:
+    """The Gumbel noise of the round's k draft draws, [k, n, V], in one batched draw (the
+    plain stream in ``coupled`` mode — the policy's own noise — the draft stream otherwise;
+    zero on greedy rows); None when every row is greedy."""
     if rp.all_greedy:
-        return logq.argmax(dim=-1), None
-    V = logq.shape[-1]
-    salt = None if mode == "coupled" else DRAFT_STREAM
-    g = gumbel(uniforms(rp.keys(step, salt), V, logq.device, generator))
+        return None
+    offsets = torch.arange(k, device=rp.base.device)[:, None]
+    g = gumbel(uniforms(rp, rp.keys(PLAIN if mode == "coupled" else DRAFT, offsets), V, generator))
     if rp.any_greedy:
-        g = g.masked_fill(rp.greedy[:, None], 0.0)
-    tokens = (logq + g).argmax(dim=-1)
-    return tokens, (g if mode == "coupled" else None)
+        g = g.masked_fill(rp.greedy[None, :, None], 0.0)
+    return g
+
+
+def draft_pick(logq: Tensor, noise: Tensor | None) -> Tensor:
+    """The draft's token from its processed log-probs ``logq`` [n, V] and that step's noise
+    (Gumbel-max: a sample of q; the argmax on greedy rows, whose noise is zero)."""
+    return logq.argmax(dim=-1) if noise is None else (logq + noise).argmax(dim=-1)
 
 
 @dataclass
@@ -179,10 +166,10 @@ class Verdict:
 
 
 def verify(logits: Tensor, draft: Tensor, logq: Tensor, rp: RoundParams, mode: str, *,
-           noise: list[Tensor] | None = None, generator: torch.Generator | None = None) -> Verdict:
+           noise: Tensor | None = None, generator: torch.Generator | None = None) -> Verdict:
     """Accept or correct ``draft`` [n, k] (drawn from processed ``logq`` [n, k, V]) against
-    the policy's raw ``logits`` [n, k + 1, V]. ``noise``: the k Gumbel tensors the draft
-    used in ``coupled`` mode."""
+    the policy's raw ``logits`` [n, k + 1, V]. ``noise``: the draft's Gumbel noise [k, n, V]
+    (``draft_noise``), which ``coupled`` mode reuses as the policy's."""
     if mode not in MODES:
         raise ValueError(f"speculative sampling mode {mode!r} not in {MODES}")
     n, T, V = logits.shape
@@ -191,25 +178,32 @@ def verify(logits: Tensor, draft: Tensor, logq: Tensor, rp: RoundParams, mode: s
     logp = processed_logprobs(logits, rp)
     rows = torch.arange(n, device=dev)
     rejecting = mode == "rejection" and not rp.all_greedy  # some row uses rejection sampling
-    reject_rows = ~rp.greedy if mode == "rejection" else torch.zeros(n, dtype=torch.bool, device=dev)
     # Tokens of the argmax family (greedy rows; every sampled row in coupled mode).
-    g = torch.zeros_like(logp)
-    if mode == "coupled" and not rp.all_greedy:
-        for j in range(k):
-            g[:, j] = noise[j] if noise is not None else gumbel(uniforms(rp.keys(j), V, dev, generator))
-        g[:, k] = gumbel(uniforms(rp.keys(k), V, dev, generator))
-        g.masked_fill_(rp.greedy[:, None, None], 0.0)
-    target = (logp + g).argmax(dim=-1)  # [n, T]
-    accept = draft == target[:, :k]
+    target = None
+    if mode == "coupled" or rp.any_greedy:
+        g = torch.zeros_like(logp)
+        if mode == "coupled" and not rp.all_greedy:
+            if noise is None:
+                noise = draft_noise(rp, k, V, mode, generator)
+            g[:, :k] = noise.transpose(0, 1)
+            g[:, k] = gumbel(uniforms(rp, rp.keys(PLAIN, k), V, generator))
+            g.masked_fill_(rp.greedy[:, None, None], 0.0)
+        target = (logp + g).argmax(dim=-1)  # [n, T]
+        accept = draft == target[:, :k]
     if rejecting:
         lp_d = logp[:, :k].gather(-1, draft[..., None])[..., 0]
         lq_d = logq.gather(-1, draft[..., None])[..., 0]
-        u = torch.stack([uniforms(rp.keys(j, ACCEPT_STREAM), 1, dev, generator)[:, 0] for j in range(k)], dim=1)
-        accept = torch.where(reject_rows[:, None], torch.log(u) < lp_d - lq_d, accept)
+        offsets = torch.arange(k, device=dev)[:, None]
+        u = uniforms(rp, rp.keys(ACCEPT, offsets), 1, generator)[..., 0].transpose(0, 1)  # [n, k]
+        test = torch.log(u) < lp_d - lq_d
+        accept = test if target is None else torch.where(rp.greedy[:, None], accept, test)
     a = accept.long().cumprod(dim=1).sum(dim=1)  # leading accepted drafts
-    fix = target[rows, a]
     if rejecting:
-        fix = torch.where(reject_rows, _correction(logp, logq, a, rp, generator), fix)
+        fix = _correction(logp, logq, a, rp, generator)
+        if target is not None:
+            fix = torch.where(rp.greedy, target[rows, a], fix)
+    else:
+        fix = target[rows, a]
     tokens = torch.cat([draft, torch.zeros_like(draft[:, :1])], dim=1)
     tokens[rows, a] = fix
     logprobs = logp.gather(-1, tokens[..., None])[..., 0]
@@ -233,14 +227,6 @@ def _correction(logp: Tensor, logq: Tensor, a: Tensor, rp: RoundParams,
     empty = residual.sum(dim=-1) <= 0
     residual = torch.where(empty[:, None], p, residual)
     # The bonus draws from the plain stream at base + k, a residual from its own stream at
-    # base + a; both keys are computed on the device (a is not read back mid-round).
-    seeded = [s is not None for s in rp.seeds]
-    if any(seeded):
-        keys = torch.where(bonus, rp.device_keys(torch.full_like(a, k)), rp.device_keys(a, RESIDUAL_STREAM))
-        u = counter_uniform(keys, V)
-        if not all(seeded):
-            fresh = torch.rand(n, V, device=logp.device, generator=generator)
-            u = torch.where(to_device(seeded, torch.bool, logp.device)[:, None], u, fresh)
-    else:
-        u = torch.rand(n, V, device=logp.device, generator=generator)
-    return (torch.log(residual) + gumbel(u)).argmax(dim=-1)
+    # base + a (a stays on the device: nothing is read back mid-round).
+    keys = torch.where(bonus, rp.keys(PLAIN, k), rp.keys(RESIDUAL, a))
+    return (torch.log(residual) + gumbel(uniforms(rp, keys, V, generator))).argmax(dim=-1)

@@ -10,7 +10,17 @@ import torch
 
 from miles.engines.sampling import row_key
 from miles.engines.spec.config import SpeculativeConfig, from_sglang_args, sglang_args
-from miles.engines.spec.sampling import RoundParams, draft_pick, processed_logprobs, stream_seed, verify
+from miles.engines.spec.sampling import (
+    ACCEPT,
+    ACCEPT_STREAM,
+    PLAIN,
+    RoundParams,
+    draft_noise,
+    draft_pick,
+    processed_logprobs,
+    stream_seed,
+    verify,
+)
 from miles.types import SamplingParams
 
 from .stats import chi2_pvalue
@@ -26,19 +36,17 @@ def _dists(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return p, q
 
 
-def _round(p: torch.Tensor, q: torch.Tensor, params: list[SamplingParams], mode: str):
+def _round(p: torch.Tensor, q: torch.Tensor, params: list[SamplingParams], mode: str, generator=None):
     rp = RoundParams.build(params, [0] * len(params), torch.device("cpu"))
     n = len(params)
-    logqs, drafts, noise = [], [], []
+    noise = draft_noise(rp, K, V, mode, generator)
+    logqs, drafts = [], []
     for j in range(K):
         logq = processed_logprobs(q[j].expand(n, V), rp)
-        tok, g = draft_pick(logq, rp, j, mode, None)
+        drafts.append(draft_pick(logq, None if noise is None else noise[j]))
         logqs.append(logq)
-        drafts.append(tok)
-        if g is not None:
-            noise.append(g)
     draft = torch.stack(drafts, 1)
-    v = verify(p.expand(n, K + 1, V), draft, torch.stack(logqs, 1), rp, mode, noise=noise or None)
+    v = verify(p.expand(n, K + 1, V), draft, torch.stack(logqs, 1), rp, mode, noise=noise, generator=generator)
     return rp, draft, v
 
 
@@ -64,6 +72,19 @@ def test_every_position_follows_the_policy(mode: str, params: dict) -> None:
     expect = target.log()[torch.arange(K + 1)[None, :].expand(N, -1), v.tokens]
     used = torch.arange(K + 1)[None, :] <= a[:, None]
     assert torch.allclose(v.logprobs[used], expect[used], atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["rejection", "coupled"])
+def test_unseeded_and_greedy_rows_mixed_with_seeded_ones(mode: str) -> None:
+    p, q = _dists(11)
+    rows = [SamplingParams(seed=None if i % 3 else i) if i % 7 else SamplingParams(temperature=0.0) for i in range(N)]
+    rp, _, v = _round(p, q, rows, mode, torch.Generator().manual_seed(0))
+    target = processed_logprobs(p.expand(1, K + 1, V), RoundParams.build([SamplingParams()], [0], torch.device("cpu")))[0].exp()
+    greedy = torch.tensor([r.temperature == 0 for r in rows])
+    assert (v.tokens[greedy, 0] == p[0].argmax()).all()
+    for j in range(K + 1):
+        sel = (v.accepted >= j) & ~greedy
+        assert chi2_pvalue(torch.bincount(v.tokens[sel, j], minlength=V), target[j]) > 1e-3, j
 
 
 def test_coupled_tokens_equal_plain_gumbel_max_sampling() -> None:
@@ -112,10 +133,14 @@ def test_non_finite_policy_logits_fail_the_row() -> None:
 
 
 def test_device_keys_equal_host_keys() -> None:
+    """The round's keys, computed on the device, are the plain sampler's ``row_key``."""
     rp = RoundParams.build([SamplingParams(seed=5), SamplingParams(seed=2**62 + 7)], [3, 10], torch.device("cpu"))
     off = torch.tensor([2, 4])
-    assert rp.device_keys(off).tolist() == [row_key(5, 5), row_key(2**62 + 7, 14)]
-    assert rp.device_keys(off, 77).tolist() == [row_key(stream_seed(5, 77), 5), row_key(stream_seed(2**62 + 7, 77), 14)]
+    assert rp.keys(PLAIN, off).tolist() == [row_key(5, 5), row_key(2**62 + 7, 14)]
+    assert rp.keys(ACCEPT, off).tolist() == [row_key(stream_seed(5, ACCEPT_STREAM), 5),
+                                             row_key(stream_seed(2**62 + 7, ACCEPT_STREAM), 14)]
+    assert rp.keys(PLAIN, torch.tensor([[0], [1]])).tolist() == [[row_key(5, 3), row_key(2**62 + 7, 10)],
+                                                                 [row_key(5, 4), row_key(2**62 + 7, 11)]]
 
 
 def test_config_checks_and_sglang_mapping() -> None:

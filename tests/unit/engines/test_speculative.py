@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from miles.engines import EngineConfig, EmbeddedEngine
-from miles.engines.spec.graphs import VerifyGraphs
+from miles.engines.spec.graphs import RoundGraphs, VerifyGraphs
 from miles.types import GenerateRequest, SamplingParams
 
 from .helpers import make_engine, make_model, prompts
@@ -153,6 +153,36 @@ def test_verify_graph_plumbing_on_cpu() -> None:
     for p, s, o in zip(ps, sps, outs):
         assert len(o.output_ids) == s.max_new_tokens
         assert (torch.tensor(o.logprobs) - full_logprobs(policy, p, o)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_graph_plumbing_on_cpu(kind: str) -> None:
+    """The whole-round CUDA graph path (static inputs, padding rows, outputs read back before
+    the next replay), with a fake replay; seeded rows use it, unseeded ones run eagerly."""
+    policy = make_model(seed=16)
+    engine = spec_engine(policy, kind, mode="coupled", k=3, max_batch_size=6)
+    graphs = RoundGraphs(engine.spec, 3)
+
+    def capture(nb, L, k, flags):
+        graph = types.SimpleNamespace(replay=lambda: graphs._step(nb, L, k, flags))
+        graphs.graphs[(nb, L, k, engine.spec.mode, flags)] = graph
+        return graph
+
+    graphs._capture = capture
+    engine.spec.round_graphs = graphs
+    ps = prompts(9, seed=17)
+    sps = [SamplingParams(max_new_tokens=12 + 7 * (i % 4), seed=i, temperature=(0.0, 1.0, 0.8)[i % 3],
+                          top_p=(1.0, 1.0, 0.9)[i % 3], ignore_eos=True) for i in range(9)]
+    plain = generate_all(make_engine(policy, max_batch_size=6), _requests(ps, sps))
+    outs = generate_all(engine, _requests(ps, sps, return_hidden_states=True))
+    assert {nb for nb, *_ in graphs.graphs} >= {6, 4}  # padded buckets were used
+    for p, a, b in zip(ps, plain, outs):
+        assert b.output_ids == a.output_ids and b.spec_verify_count > 0
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+        ids = torch.tensor([p + b.output_ids])
+        with torch.no_grad():
+            full = policy(ids, return_hidden=True).hidden[0, :-1]
+        assert torch.allclose(engine.pop_hidden_states(b.rid), full, atol=1e-4)
 
 
 def test_engine_without_draft_or_with_bad_draft() -> None:
