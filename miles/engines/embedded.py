@@ -48,6 +48,7 @@ import torch
 from miles.engines.config import EngineConfig
 from miles.engines.requests import Request
 from miles.engines.runner import ModelRunner
+from miles.engines.sampling import compile_counter_uniform
 from miles.engines.spec.config import MAX_STEPS, SpeculativeConfig
 from miles.engines.stepper import EngineStats, Stepper
 from miles.engines.weights import WeightStager
@@ -72,6 +73,8 @@ class EmbeddedEngine:
         self.device, self.dtype = torch.device(config.device), config.torch_dtype()
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         self.model.fuse_projections(compile_fast_path() if config.use_compile() else None)
+        if config.use_compile():
+            compile_counter_uniform(self.device)  # seeded draws: one fused kernel on CUDA
         self.tokenizer = tokenizer
         spec_on = draft is not None and speculative is not None and speculative.enabled
         self.runner = ModelRunner(self.model, config, headroom=MAX_STEPS + 2 if spec_on else 0)

@@ -144,3 +144,23 @@ def test_bf16_speculative_run() -> None:
     outs = _run(engine, ps, [SamplingParams(max_new_tokens=64, seed=i, ignore_eos=True) for i in range(32)])
     assert all(len(o.output_ids) == 64 for o in outs)
     assert engine.stats()["spec/accept_len"] > 1.0
+
+
+def test_compiled_counter_uniform_is_bitwise_eager() -> None:
+    from miles.engines.sampling import compile_counter_uniform, counter_uniform, hashed_uniform
+
+    dev = torch.device("cuda")
+    assert compile_counter_uniform(dev)
+    keys = torch.randint(-(2**62), 2**62, (64,), dtype=torch.int64, device=dev)
+    assert torch.equal(hashed_uniform(keys, 151936), counter_uniform(keys, 151936))
+
+
+def test_round_graphs_are_used_for_seeded_rounds() -> None:
+    ref = _model(11)
+    engine = _engine(ref, _noisy(ref, 0.05), k=3)
+    ps = _prompts(8, seed=12)
+    outs = _run(engine, ps, [SamplingParams(max_new_tokens=80, seed=i, ignore_eos=True) for i in range(8)])
+    graphs = engine.spec.round_graphs
+    assert graphs is not None and graphs.graphs and not graphs.failed
+    for p, o in zip(ps, outs):
+        assert (_logprobs(ref, p, o) - torch.tensor(o.logprobs)).abs().max() < 1e-4

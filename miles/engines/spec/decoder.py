@@ -110,13 +110,13 @@ class SpecDecoder:
     def run(self, reqs: list[Request], k: int, generator: torch.Generator | None) -> RoundResult:
         d, n, T = self.drafter, len(reqs), k + 1
         rp = RoundParams.build([r.sampling for r in reqs], [r.response_position for r in reqs], self.device)
-        entries = [d.entries(r) for r in reqs]
-        width = max(len(e) for e in entries)
+        entries = [d.entries(r) for r in reqs]  # empty only for an EAGLE row with a 1-token prompt
+        width = max(max(len(e) for e in entries), 1)
         L = self.context_bucket(reqs, max(k, width))
         graphs = self.round_graphs
         use_graph = graphs is not None and rp.all_seeded and width <= T
         host = [[r.context[-1] for r in reqs], [r.kv_len for r in reqs], [r.draft_len for r in reqs],
-                [len(e) - 1 for e in entries]]
+                [max(len(e) - 1, 0) for e in entries]]
         cu = [e + [0] * ((T if use_graph else width) - len(e)) for e in entries]
         meta = to_device(host, torch.long, self.device)
         io = RoundIO(last=meta[0], kv=meta[1], cu_tokens=to_device(cu, torch.long, self.device),

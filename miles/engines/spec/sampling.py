@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from miles.engines.sampling import _C1, _C2, _GOLDEN, _M64, GREEDY_EPS, _lsr, _signed, _splitmix64, counter_uniform, truncate
+from miles.engines.sampling import _C1, _C2, _GOLDEN, _M64, GREEDY_EPS, _lsr, _signed, _splitmix64, hashed_uniform, truncate
 from miles.types import SamplingParams
 
 MODES = ("rejection", "coupled")
@@ -127,7 +127,7 @@ def processed_logprobs(logits: Tensor, rp: RoundParams) -> Tensor:
 def uniforms(rp: RoundParams, keys: Tensor, V: int, generator: torch.Generator | None) -> Tensor:
     """u [..., V] in (0, 1) for keys [...] (rows last): counter-based on seeded rows, from
     ``generator`` on the others."""
-    u = counter_uniform(keys.reshape(-1), V).view(*keys.shape, V)
+    u = hashed_uniform(keys.reshape(-1), V).view(*keys.shape, V)
     if not rp.all_seeded:
         fresh = torch.rand(u.shape, device=u.device, generator=generator)
         u = torch.where(rp.seeded[..., :, None], u, fresh)

@@ -106,6 +106,16 @@ def test_output_distribution_is_the_policys(kind: str, temperature: float) -> No
     assert chi2_pvalue(t1, p1) > 1e-3
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_token_prompts(kind: str) -> None:
+    policy = make_model(seed=18)
+    ps = [[7], [9], [11, 12]]
+    sps = [SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)] * 3
+    plain = generate_all(make_engine(policy), _requests(ps, sps))
+    outs = generate_all(spec_engine(policy, kind), _requests(ps, sps))
+    assert [o.output_ids for o in outs] == [o.output_ids for o in plain]
+
+
 def test_stop_token_inside_a_round_ends_the_output_there() -> None:
     policy = make_model(seed=9)
     p = prompts(1, seed=10)[0]
