@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import copy
 import datetime
+import gc
 import platform
 import sys
 import time
@@ -240,7 +241,9 @@ async def rl_run(args, policy: CausalLM, d0, targets: set[int]) -> tuple[list[di
         named = [kv for bucket in trainer.export_weights(1 << 30) for kv in bucket]
         for engine in sides.values():
             await engine.update_weights(named, version=trainer.version)
-        await policy_channel.publish(trainer.version, pack_all(named, version=trainer.version, bucket_bytes=1 << 30))
+        if learner.policy is not None:  # the DraftTrainer's policy copy pulls from here
+            await policy_channel.publish(trainer.version, pack_all(named, version=trainer.version,
+                                                                   bucket_bytes=1 << 30))
         while draft_channel.applied.get("online", -1) < learner.version:
             await asyncio.sleep(0.001)
         row.update({"train_s": time.perf_counter() - t0, "draft_loss": dmetrics.get("draft/loss", float("nan")),
@@ -282,6 +285,10 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
                     "auto_spec_frac": stats["auto"]["spec/spec_step_frac"]})
         for engine in engines.values():
             await engine.close()
+        del engines
+        gc.collect()  # free each batch size's engines (caches, CUDA graph pools) before the next
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         print(f"{state}, batch {batch}: plain {out[-1]['plain_tps']:.0f} auto {out[-1]['auto_tps']:.0f} "
               f"always {out[-1]['always_tps']:.0f} tok/s", flush=True)
     return out

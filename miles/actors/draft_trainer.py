@@ -18,6 +18,7 @@ it does not count as a worker the synchronous mode waits for.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -28,6 +29,8 @@ from miles.trainers.draft import DraftLearner, usable
 from miles.types import Trajectory
 from miles.utils.proc import rss_mb
 from miles.weights import WeightBucket, pack_all, unpack
+
+log = logging.getLogger(__name__)
 
 
 async def apply_draft_buckets(engine: Any, version: int, buckets: Sequence[Any]) -> int:
@@ -61,7 +64,7 @@ class DraftTrainer:
         self._stopping = False
         self._wake = asyncio.Event()
         self.last: dict[str, float] = {}
-        self.counters = {"received": 0, "dropped": 0, "trained": 0, "passes": 0, "published": 0,
+        self.counters = {"received": 0, "dropped": 0, "trained": 0, "passes": 0, "published": 0, "errors": 0,
                          "train_s": 0.0, "publish_s": 0.0}
 
     # ---- feeding ------------------------------------------------------------------------
@@ -89,7 +92,12 @@ class DraftTrainer:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            await self.train_pending()
+            try:
+                await self.train_pending()
+            except Exception as exc:  # keep the loop alive: the draft is an optimisation
+                self.counters["errors"] += 1
+                log.exception("draft training pass failed: %s", exc)
+                await asyncio.sleep(self.poll_interval_s)
         return self.ping()
 
     async def train_pending(self) -> dict[str, float]:
