@@ -11,6 +11,10 @@ Four things run at once, all meeting in the replay buffer:
 4. ``watch``: pings every actor; a dead rollout worker's leased work goes back to the queue
    (exactly once) and a fresh worker replaces it; a dead trainer stops the run.
 
+With ``--enable-draft-training`` a DraftTrainer runs beside them (its own ``run`` loop): the
+train loop hands it each trained batch without waiting, and it publishes draft versions
+to the workers on its own channel (``miles.actors.draft_trainer``).
+
 Modes differ only in η and in one wait: ``sync`` (η = 0) waits until every worker runs the
 new weights before admitting the next batch, so no token is ever off-policy; ``one-step-off``
 (η = 1) and ``async`` (η = --max-staleness) never wait. Ctrl-C parks in-flight generations in
@@ -56,6 +60,7 @@ class Driver:
         self.worker_stats: dict[str, dict[str, float]] = {}
         self.restarts: dict[str, int] = {}
         self.eval_tasks: list[asyncio.Task[None]] = []
+        self.draft_run: Any = None
         self.step = 0
         self.admit_s = 0.0
         self.trainer_rss_mb = 0.0
@@ -104,6 +109,8 @@ class Driver:
             # park them now; they resume on the new weights.
             await asyncio.gather(*(w.abort_inflight.remote(version + 1) for w in a.workers.values()))
         self.out.dump_batch(self.step + 1, version, groups)
+        if a.draft_trainer is not None:  # fresh trajectories for the draft; fire and forget
+            a.draft_trainer.add_batch.remote(batch_ref)
         t1 = time.monotonic()
         metrics = await a.trainer.train.remote(batch_ref)
         train_s = time.monotonic() - t1
@@ -176,6 +183,8 @@ class Driver:
         self.worker_runs.pop(worker_id, None)
         self.worker_stats.pop(worker_id, None)
         await a.broadcaster.unregister.remote(worker_id)
+        if a.draft_broadcaster is not None:
+            await a.draft_broadcaster.unregister.remote(worker_id)
         returned = await a.buffer.release_worker.remote(worker_id)
         print(f"[miles] rollout worker {worker_id} died ({type(cause).__name__}); "
               f"{returned} leased trajectories returned to the queue", flush=True)
@@ -186,6 +195,8 @@ class Driver:
 
     async def _start_worker(self, worker_id: str, handle: Any) -> None:
         await self.actors.broadcaster.register.remote(worker_id, handle)
+        if self.actors.draft_broadcaster is not None:
+            await self.actors.draft_broadcaster.register.remote(worker_id, handle)
         self.worker_runs[worker_id] = handle.run.remote()
 
     async def _start(self) -> None:
@@ -197,6 +208,10 @@ class Driver:
         await a.buffer.set_version.remote(version)
         if version > 0:  # resumed: workers loaded the base checkpoint, send them the weights
             await a.trainer.publish.remote(a.broadcaster)
+        if a.draft_trainer is not None:
+            if await a.draft_trainer.get_version.remote() > 0:  # resumed: the trained draft too
+                await a.draft_trainer.publish.remote()
+            self.draft_run = a.draft_trainer.run.remote()
         for worker_id, handle in list(a.workers.items()):
             await self._start_worker(worker_id, handle)
         # Construction errors (a bad checkpoint, an engine flag) are not crashes to restart
@@ -229,6 +244,16 @@ class Driver:
             totals["rollout/tokens_per_s"] = totals.get("rollout/tokens", 0.0) / up
         stats.update(totals)
         stats.update(self.scheduler.stats())
+        spec_keys = {k for ws in self.worker_stats.values() for k in ws if k.startswith("spec/")}
+        for key in spec_keys:  # speculative decoding: the workers' mean
+            vals = [ws[key] for ws in self.worker_stats.values() if key in ws]
+            stats[key] = sum(vals) / len(vals)
+        if self.actors.draft_trainer is not None:
+            try:
+                stats.update(await asyncio.wait_for(self.actors.draft_trainer.ping.remote(), 30))
+            except Exception as exc:  # the draft is an optimisation: note it, keep training
+                stats["draft/alive"] = 0.0
+                print(f"[miles] DraftTrainer not answering ({type(exc).__name__})", flush=True)
         stats["mem/worker_rss_mb"] = max((ws.get("mem/worker_rss_mb", 0.0) for ws in self.worker_stats.values()), default=0.0)
         stats["mem/trainer_rss_mb"] = self.trainer_rss_mb
         stats["mem/driver_rss_mb"] = rss_mb()
@@ -272,6 +297,10 @@ class Driver:
             task.cancel()
         stopped = await asyncio.gather(*(w.stop.remote() for w in a.workers.values()), return_exceptions=True)
         await asyncio.gather(*self.worker_runs.values(), return_exceptions=True)
+        if a.draft_trainer is not None:
+            await asyncio.gather(a.draft_trainer.stop.remote(), return_exceptions=True)
+            if self.draft_run is not None:
+                await asyncio.gather(self.draft_run, return_exceptions=True)
         if self.ckpt is not None and status == "interrupted":
             await self._save()
         ledger = await a.buffer.ledger.remote()
@@ -289,7 +318,8 @@ class Driver:
         }
         self.out.write_summary(summary)
         self.out.close()
-        for handle in [*a.workers.values(), *a.rewards, a.trainer, a.broadcaster, a.buffer]:
+        extra = [h for h in (a.draft_trainer, a.draft_broadcaster) if h is not None]
+        for handle in [*a.workers.values(), *a.rewards, a.trainer, a.broadcaster, a.buffer, *extra]:
             ray_actors.kill(handle)
         return summary
 

@@ -92,6 +92,7 @@ def _sections() -> dict[str, type[Any]]:
     from miles.engines import EngineConfig
     from miles.engines.sglang import SGLangConfig
     from miles.envs.config import EnvConfig
+    from miles.engines.spec import SpeculativeConfig
     from miles.scheduler import SchedulerConfig
     from miles.trainers import TrainerConfig
 
@@ -106,6 +107,7 @@ def _sections() -> dict[str, type[Any]]:
         "algorithm": AlgorithmConfig,
         "sglang": SGLangConfig,
         "env": EnvConfig,
+        "speculative": SpeculativeConfig,
     }
 
 

@@ -74,6 +74,11 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
         # timing; async modes train on whatever finished first.
         yield "--deterministic needs --mode sync without --over-sampling-batch-size"
     yield from _env_problems(cfg)
+    spec = getattr(cfg, "speculative", None)
+    if spec is not None and spec.draft_model_path and not (Path(spec.draft_model_path) / "config.json").is_file():
+        yield f"--draft-model-path {spec.draft_model_path}: no config.json there"
+    if spec is not None and spec.enabled and run.rollout_backend != "embedded" and spec.enable_draft_training:
+        yield "--enable-draft-training needs the embedded rollout engine (SGLang cannot load draft updates yet)"
     if sched.mode == "sync" and sched.over_sampling_batch_size and not rollout.partial_rollout:
         # Over-sampled groups would finish on old weights and be dropped as stale.
         yield "--mode sync with --over-sampling-batch-size needs --partial-rollout (or a non-sync mode)"

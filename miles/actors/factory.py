@@ -91,9 +91,42 @@ def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0) -> A
     tokenizer = load_tokenizer(cfg)
     engine_cfg = msgspec.structs.replace(cfg.engine, seed=cfg.run.seed + seed_offset, max_seq_len=context_len(cfg))
     model = load_pretrained(cfg.rollout.hf_checkpoint, device=engine_cfg.device)
-    engine = EmbeddedEngine(model, config=engine_cfg, tokenizer=tokenizer)
+    draft = build_draft_model(cfg, model.config) if cfg.speculative.enabled else None
+    engine = EmbeddedEngine(model, config=engine_cfg, tokenizer=tokenizer, draft=draft, speculative=cfg.speculative)
     engine.start()
     return engine
+
+
+def build_draft_model(cfg: MilesConfig, policy_config: Any) -> Any:
+    """The draft every engine and the DraftTrainer start from: ``--draft-model-path``, or a
+    fresh one initialised from ``--seed`` (identical in every process)."""
+    from miles.models.draft import build_draft, draft_kind, load_draft
+
+    sc = cfg.speculative
+    if sc.draft_model_path:
+        draft = load_draft(sc.draft_model_path, dtype=torch.float32)
+        if draft_kind(draft) != sc.speculative_algorithm:
+            raise ValueError(f"--draft-model-path {sc.draft_model_path} holds a {draft_kind(draft)!r} draft, "
+                             f"but --speculative-algorithm is {sc.speculative_algorithm!r}")
+        return draft
+    return build_draft(sc.speculative_algorithm, policy_config, num_layers=sc.draft_num_hidden_layers,
+                       hidden_size=sc.draft_hidden_size, seed=cfg.run.seed)
+
+
+def build_draft_trainer(cfg: MilesConfig) -> Any:
+    """The DraftLearner for the DraftTrainer actor (a policy copy when the head or KL needs it)."""
+    from miles.models import load_config, load_pretrained
+    from miles.trainers.draft import DraftLearner
+
+    sc = cfg.speculative
+    device = cfg.trainer.device if torch.cuda.is_available() else "cpu"
+    draft = build_draft_model(cfg, load_config(cfg.rollout.hf_checkpoint))
+    policy = None
+    if sc.speculative_algorithm == "eagle" or sc.draft_kl_coef > 0:
+        policy = load_pretrained(cfg.rollout.hf_checkpoint, dtype=torch.float32, device="cpu")
+    return DraftLearner(draft, policy=policy, lr=sc.draft_lr, kl_coef=sc.draft_kl_coef,
+                        temperature=cfg.rollout.rollout_temperature or 1.0,
+                        micro_batch_size=sc.draft_micro_batch_size, device=device)
 
 
 def sampling_params(cfg: MilesConfig, tokenizer: Any) -> SamplingParams:

@@ -11,6 +11,10 @@ new version (each token records its version). Without it the worker drains: it s
 starting generations, lets the in-flight ones finish on the old weights, swaps, and resumes —
 every trajectory then comes from one version, at the cost of idling on the long tail.
 
+Draft weights (speculative decoding, the DraftTrainer's channel) arrive through
+``receive_draft_weights``: applied between two decode steps, never drained for, never
+touching the policy version.
+
 ``abort_inflight`` (end of a synchronous round, shutdown) aborts the engine's requests; their
 trajectories go back to the buffer as PARTIAL with their prefix, nothing lost.
 """
@@ -189,6 +193,15 @@ class RolloutWorker:
             finally:
                 self._draining = False
             return self.engine.version
+
+    async def receive_draft_weights(self, version: int, buckets: list[Any]) -> int:
+        """Apply draft ``version`` to the engine's draft; returns the engine's draft version
+        (-1 when the engine has no draft)."""
+        from miles.actors.draft_trainer import apply_draft_buckets
+
+        version = await apply_draft_buckets(self.engine, version, buckets)
+        self.counters["draft_updates"] = self.counters.get("draft_updates", 0) + 1
+        return version
 
     async def abort_inflight(self, hold_until_version: int = 0) -> int:
         """Abort every in-flight generation; they come back to the buffer as PARTIAL.

@@ -25,6 +25,13 @@ first (AReaL); with ``True`` it keeps the cache computed by the old ones (Pipeli
 Hidden states (``return_hidden_states``) come back through ``pop_hidden_states(rid)``:
 ``[len(context) - 1, H]`` float32, row p = final-norm hidden state at context position p
 (the feature that predicted token p + 1) — what an EAGLE draft head trains on.
+
+Speculative decoding (``draft=`` a CausalLM or an EagleHead, ``speculative=`` a
+SpeculativeConfig; ``spec/``): steps become rounds in which the draft proposes k tokens
+per row and the policy verifies them in one forward; the recorded log-probs and versions
+stay the policy's. Draft weights have their own staged updates and version
+(``update_draft_weights``), applied between steps like the policy's and never touching
+the policy version.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ import torch
 from miles.engines.config import EngineConfig
 from miles.engines.requests import Request
 from miles.engines.runner import ModelRunner
+from miles.engines.sampling import compile_counter_uniform
+from miles.engines.spec.config import MAX_STEPS, SpeculativeConfig
 from miles.engines.stepper import EngineStats, Stepper
 from miles.engines.weights import WeightStager
 from miles.models.checkpoint import load_pretrained
@@ -55,15 +64,21 @@ log = logging.getLogger(__name__)
 
 class EmbeddedEngine:
     def __init__(self, model: CausalLM, *, config: EngineConfig | None = None,
-                 tokenizer: Any = None, version: int = 0) -> None:
-        """Takes ownership of ``model``: moves it to ``config.device`` / dtype, freezes grads."""
+                 tokenizer: Any = None, version: int = 0, draft: Any = None,
+                 speculative: SpeculativeConfig | None = None, draft_version: int = 0) -> None:
+        """Takes ownership of ``model`` (and ``draft``): moves it to ``config.device`` /
+        dtype, freezes grads. Speculation needs both ``draft`` and an enabled ``speculative``."""
         self.config = config = config or EngineConfig()
         config.validate(model.config.max_position_embeddings)
         self.device, self.dtype = torch.device(config.device), config.torch_dtype()
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         self.model.fuse_projections(compile_fast_path() if config.use_compile() else None)
+        if config.use_compile():
+            compile_counter_uniform(self.device)  # seeded draws: one fused kernel on CUDA
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(self.model, config)
+        spec_on = draft is not None and speculative is not None and speculative.enabled
+        self.runner = ModelRunner(self.model, config, headroom=MAX_STEPS + 2 if spec_on else 0)
+        self.spec = self._build_spec(draft, speculative, draft_version) if spec_on else None
         self.stager = WeightStager(self.model, self.device, self.dtype)
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -74,7 +89,7 @@ class EmbeddedEngine:
         self.stepper = Stepper(
             self.runner, config, eos_ids=self.eos_ids, tokenizer=tokenizer,
             generator=torch.Generator(device=self.device).manual_seed(config.seed),
-            stats=self.stats_, on_done=self._done,
+            stats=self.stats_, on_done=self._done, spec=self.spec,
         )
         self.stepper.version = version
         self._cv = threading.Condition()  # guards queues and control flags
@@ -83,9 +98,24 @@ class EmbeddedEngine:
         self._abort_rids: set[str] = set()
         self._abort_all = False
         self._commits: deque[tuple[int, bool, asyncio.AbstractEventLoop, asyncio.Future]] = deque()
+        self._draft_commits: deque[tuple[int, asyncio.AbstractEventLoop, asyncio.Future]] = deque()
         self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._pause_requested = self._paused = self._closed = False
         self._thread: threading.Thread | None = None
+
+    def _build_spec(self, draft: Any, cfg: SpeculativeConfig, draft_version: int) -> Any:
+        from miles.engines.spec.decoder import SpecDecoder
+        from miles.engines.spec.drafters import make_drafter
+        from miles.engines.spec.graphs import RoundGraphs, VerifyGraphs
+        from miles.models.draft import check_compatible
+
+        check_compatible(draft, self.model.config)
+        drafter = make_drafter(draft, self.model, self.config, version=draft_version)
+        spec = SpecDecoder(self.runner, drafter, cfg)
+        if self.runner.graphs is not None:  # dense model on CUDA with graphs on
+            self.runner.verify_graphs = VerifyGraphs(self.runner, cfg.speculative_num_steps + 1)
+            spec.round_graphs = RoundGraphs(spec, cfg.speculative_num_steps)
+        return spec
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, config: EngineConfig | None = None,
@@ -193,6 +223,47 @@ class EmbeddedEngine:
         await asyncio.to_thread(self.stage_weights, named_tensors)
         await self.commit_weights(version, keep_kv_cache=keep_kv_cache)
 
+    # ---- the draft (speculative decoding) ----------------------------------------------
+    @property
+    def draft_version(self) -> int:
+        """Version of the draft's weights (-1 without a draft); independent of ``version``."""
+        return self.spec.drafter.version if self.spec is not None else -1
+
+    def stage_draft_weights(self, named_tensors: NamedTensors) -> int:
+        """Validate and stage draft tensors (their own names) while decoding continues."""
+        if self.spec is None:
+            raise RuntimeError("this engine has no draft model (speculative decoding is off)")
+        with self._stage_lock:
+            return self.spec.drafter.stager.stage(named_tensors)
+
+    async def commit_draft_weights(self, version: int) -> None:
+        """Swap the staged draft tensors in between two steps; the policy version is untouched."""
+        if self.spec is None:
+            raise RuntimeError("this engine has no draft model (speculative decoding is off)")
+        if version < self.draft_version:
+            raise ValueError(f"draft version {version} is older than the engine's {self.draft_version}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cv:
+            idle = self._thread is None
+            if not idle:
+                self._draft_commits.append((version, loop, fut))
+                self._cv.notify()
+        if idle:
+            self._commit_draft(version)
+            return
+        await fut
+
+    async def update_draft_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        await asyncio.to_thread(self.stage_draft_weights, named_tensors)
+        await self.commit_draft_weights(version)
+
+    def spec_stats(self) -> dict[int, dict[str, float]]:
+        """Per policy version: acceptance rate, mean accepted length, rounds (speculation)."""
+        if self.spec is None:
+            return {}
+        return {v: s.as_dict() for v, s in sorted(self.spec.controller.by_version.items())}
+
     def pop_hidden_states(self, rid: str) -> torch.Tensor | None:
         return self._hidden.pop(rid, None)
 
@@ -229,6 +300,9 @@ class EmbeddedEngine:
             "engine/version": float(self.version),
             "engine/kv_cache_bytes": float(self.runner.cache.nbytes),
         })
+        if self.spec is not None:
+            out.update(self.spec.controller.stats(self.version))
+            out["spec/draft_version"] = float(self.draft_version)
         return out
 
     async def close(self) -> None:
@@ -286,7 +360,7 @@ class EmbeddedEngine:
                     self.stepper.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
 
     def _has_work(self) -> bool:
-        if self._closed or self._commits or self._abort_all or self._abort_rids:
+        if self._closed or self._commits or self._draft_commits or self._abort_all or self._abort_rids:
             return True
         if self._pause_requested != self._paused:
             return True
@@ -297,8 +371,9 @@ class EmbeddedEngine:
             aborts, abort_all = self._abort_rids, self._abort_all
             self._abort_rids, self._abort_all = set(), False
             commits, self._commits = self._commits, deque()
+            draft_commits, self._draft_commits = self._draft_commits, deque()
             pause = self._pause_requested and not self._paused
-            if pause or aborts or abort_all or commits:
+            if pause or aborts or abort_all or commits or draft_commits:
                 self.stepper.drain()  # act on a settled state
             if pause:
                 self._paused = True
@@ -310,6 +385,12 @@ class EmbeddedEngine:
         for version, keep, loop, fut in commits:
             try:
                 self._commit(version, keep)
+                _set_soon(loop, fut, None)
+            except Exception as exc:
+                _set_soon(loop, fut, exc)
+        for version, loop, fut in draft_commits:
+            try:
+                self._commit_draft(version)
                 _set_soon(loop, fut, None)
             except Exception as exc:
                 _set_soon(loop, fut, exc)
@@ -326,6 +407,13 @@ class EmbeddedEngine:
         if not keep_kv_cache:
             for r in self.stepper.running:
                 r.needs_prefill = True
+
+    def _commit_draft(self, version: int) -> None:
+        with self._stage_lock:
+            self.spec.drafter.stager.apply()
+        self.spec.drafter.version = version
+        self.spec.drafter.weights_changed(self.stepper.running)
+        self.stats_.counters["draft_updates"] += 1
 
     def _take_waiting(self) -> list[Request]:
         """Waiting requests that fit the free slots and the prefill token budget."""

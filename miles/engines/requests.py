@@ -39,6 +39,9 @@ class Request:
         self.kv_len = 0  # context tokens whose K/V are in the slot
         self.issued = 0  # tokens sampled so far, including one still on the device
         self.needs_prefill = True
+        self.draft_len = 0  # entries in the draft's cache (speculative decoding; spec/drafters.py)
+        self.spec_rounds = 0  # verify steps this request took part in
+        self.spec_accepted = 0  # draft tokens accepted over them
         self.aborted = False
         self.finish: FinishReason | None = None
         self.matched_stop: int | str | None = None
@@ -87,6 +90,8 @@ class Request:
             matched_stop=self.matched_stop,
             error=self.error,
             routed_experts=self.routed,
+            spec_verify_count=self.spec_rounds,
+            spec_accepted_tokens=self.spec_accepted,
         )
 
     def hidden_states(self) -> Tensor | None:

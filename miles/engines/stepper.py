@@ -11,6 +11,11 @@ step k's samples — *before* it reads back and processes step k, so host bookke
 while the device computes. A request that step k finished still occupies a row of step
 k+1; that row's token is discarded. Anything that needs a settled state — admitting or
 re-prefilling requests, aborts, weight commits, pause — calls ``drain`` first.
+
+With a ``SpecDecoder`` each step is either a plain decode step or, when its controller says
+so, a speculative round (``spec/decoder.py``): synchronous, up to k + 1 tokens per row, all
+of them carrying the policy's log-probs and the current policy version. Plain steps are
+timed for the controller; the drafter sees every prefill, slot move and plain step.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -28,6 +33,9 @@ from miles.engines.config import EngineConfig
 from miles.engines.requests import Request
 from miles.engines.runner import ModelRunner, StepOut
 from miles.engines.sampling import SamplingBatch, sample, to_device
+
+if TYPE_CHECKING:
+    from miles.engines.spec.decoder import SpecDecoder
 
 
 @dataclass
@@ -44,7 +52,8 @@ class EngineStats:
     def __init__(self) -> None:
         self.counters = dict.fromkeys(
             ("tokens_generated", "decode_steps", "prefill_tokens", "weight_updates",
-             "requests_finished", "requests_aborted", "requests_failed"), 0)
+             "requests_finished", "requests_aborted", "requests_failed", "spec_rounds",
+             "draft_updates"), 0)
         self.occupancy: deque[float] = deque(maxlen=256)
         self.rate: deque[tuple[float, int]] = deque(maxlen=512)
 
@@ -63,8 +72,8 @@ class EngineStats:
 class Stepper:
     def __init__(self, runner: ModelRunner, config: EngineConfig, *, eos_ids: frozenset[int],
                  tokenizer: Any, generator: torch.Generator, stats: EngineStats,
-                 on_done: Callable[[Request], None]) -> None:
-        self.runner, self.config = runner, config
+                 on_done: Callable[[Request], None], spec: SpecDecoder | None = None) -> None:
+        self.runner, self.config, self.spec = runner, config, spec
         self.eos_ids, self.tokenizer, self.generator = eos_ids, tokenizer, generator
         self.stats, self.on_done = stats, on_done
         self.device = runner.device
@@ -90,6 +99,8 @@ class Stepper:
             self._prefill(rows)
 
     def _prefill(self, rows: list[Request]) -> None:
+        if self.spec is not None:
+            return self._prefill_spec(rows)
         # A fresh request prefills its whole context and samples its first token; a
         # recomputed one re-prefills all but its pending last token and samples nothing.
         seqs = [r.context if r.kv_len == 0 else r.context[:-1] for r in rows]
@@ -109,10 +120,43 @@ class Stepper:
             routing = None if out.routing is None else out.routing[idx, last]
             self._process(self._launch_sample([rows[i] for i in fresh], StepOut(out.logits[idx], None, routing)))
 
+    def _prefill_spec(self, rows: list[Request]) -> None:
+        """With speculation every row prefills all but its last context token and samples
+        nothing: every token then comes from a step (plain or a round), so a resumed request
+        restarts at a step boundary exactly as the uninterrupted one went on."""
+        drafter = self.spec.drafter
+        work = [r for r in rows if len(r.context) > 1]
+        fresh = [i for i, r in enumerate(work) if r.kv_len == 0]
+        if work:
+            seqs = [r.context[:-1] for r in work]
+            out = self.runner.prefill([r.slot for r in work], seqs, logits=False,
+                                      hidden=drafter.needs_hidden or any(r.hidden is not None for r in work))
+            self.stats.counters["prefill_tokens"] += sum(len(s) for s in seqs)
+            for i, r in enumerate(work):
+                if r.kv_len == 0 and r.hidden is not None:
+                    r.hidden.append(out.hidden[i, : len(seqs[i])].clone())
+            if fresh:  # a recomputed request keeps its draft cache
+                hidden = out.hidden[to_device(fresh, torch.long, self.device)] if drafter.needs_hidden else None
+                drafter.prefill([work[i] for i in fresh], [seqs[i] for i in fresh], hidden)
+        for r in rows:
+            r.needs_prefill = False
+            r.kv_len = len(r.context) - 1
+
     # ---- decode ------------------------------------------------------------------------
     def decode(self) -> None:
         """Launch one decode step for every running request (then, with overlap, process
-        the previous step while this one runs)."""
+        the previous step while this one runs) — or run one speculative round."""
+        if self.spec is not None:
+            k = self.spec.plan(len(self.running))
+            if k or self.spec.needs_flush(self.running):
+                self.drain()  # a settled state: every sampled token is in its context
+                if not self.running:
+                    return
+                if k:
+                    self._spec_round(k)
+                    return
+                self.spec.drafter.flush(list(self.running))
+        start = time.perf_counter()
         prev = self.inflight  # stays in place if this launch raises (fail_all drains it)
         reqs = list(self.running)
         if prev is None:
@@ -122,6 +166,8 @@ class Stepper:
             tokens = prev.tokens[to_device([row[id(r)] for r in reqs], torch.long, self.device)]
         top = self.config.max_seq_len - 1  # a finished-but-unprocessed row must stay in bounds
         out = self.runner.decode(tokens, [min(r.kv_len, top) for r in reqs])
+        if self.spec is not None:
+            self.spec.drafter.record(reqs, out.hidden)
         for i, r in enumerate(reqs):
             r.kv_len += 1
             if r.hidden is not None:
@@ -133,6 +179,52 @@ class Stepper:
             self._process(prev)
         if not self.overlap:
             self.drain()
+        if self.spec is not None:
+            self.spec.controller.observe_plain(len(reqs), time.perf_counter() - start, len(reqs))
+
+    def _spec_round(self, k: int) -> None:
+        start = time.perf_counter()
+        reqs = list(self.running)
+        res = self.spec.run(reqs, k, self.generator)
+        eos, max_len, tok = self.eos_ids, self.config.max_seq_len, self.tokenizer
+        done, total, drafted, accepted, rejections = [], 0, 0, 0, 0
+        for i, r in enumerate(reqs):
+            if not res.finite[i]:
+                r.fail(f"non-finite logits at response position {r.response_position}")
+                done.append(r)
+                continue
+            room = min(r.budget - len(r.output_ids), max_len - len(r.context))
+            k_eff = max(min(k, room - 1), 0)  # drafts that could have been kept
+            a = res.accepted[i]
+            emitted = 0
+            for j in range(a + 1):
+                r.append(int(res.tokens[i][j]), res.logprobs[i][j], self.version, eos_ids=eos,
+                         max_seq_len=max_len, tokenizer=tok)
+                if r.routed is not None and res.routing is not None:
+                    r.routed.append(res.routing[i][j])
+                emitted += 1
+                if r.finish is not None:
+                    break
+            if r.hidden is not None:
+                r.hidden.append(res.hidden[i, :emitted].clone())
+            r.kv_len += emitted  # the accepted drafts' K/V are in place; the last token is pending
+            r.issued += emitted
+            r.spec_rounds += 1
+            r.spec_accepted += min(a, k_eff)
+            total += emitted
+            drafted += k_eff
+            accepted += min(a, k_eff)
+            rejections += a < k_eff
+            if r.finish is not None:
+                done.append(r)
+        self.stats.tokens(total)
+        self.stats.counters["decode_steps"] += 1
+        self.stats.counters["spec_rounds"] += 1
+        self.stats.occupancy.append(len(reqs) / self.config.max_batch_size)
+        self.spec.controller.observe_round(len(reqs), k, time.perf_counter() - start, self.version, rows=len(reqs),
+                                           drafted=drafted, accepted=accepted, rejections=rejections, emitted=total)
+        for r in done:
+            self.release(r)
 
     def drain(self) -> None:
         """Read back and process the step in flight, if any."""
@@ -190,12 +282,17 @@ class Stepper:
     def release(self, req: Request) -> None:
         """Hand a request back; the last running request moves into its slot."""
         slot = req.slot
+        drafter = self.spec.drafter if self.spec is not None else None
         if req.finish == "error":  # non-finite K/V must not linger (0 · NaN poisons attention)
             self.runner.cache.clear_slot(slot)
+            if drafter is not None:
+                drafter.clear_slot(slot)
         last = self.running.pop()
         if last is not req:
             self.running[slot] = last
             self.runner.cache.move_slot(last.slot, slot, min(last.kv_len, self.config.max_seq_len))
+            if drafter is not None:
+                drafter.move_slot(last.slot, slot, min(last.kv_len + 1, self.config.max_seq_len))
             last.slot = slot
         req.slot = -1
         key = {"error": "requests_failed", None: "requests_aborted"}.get(req.finish, "requests_finished")
