@@ -5,6 +5,8 @@ A checkpoint is a directory ``DIR/step_000042/`` holding:
 - ``trainer.safetensors`` + ``trainer.msgpack``: the trainer's state (model, optimizer, LR
   schedule, RNG) as a tree whose tensors live in safetensors and whose other leaves are
   msgpack — ``save_tree``/``load_tree`` split and join them;
+- ``draft.safetensors`` + ``draft.msgpack`` (with ``--enable-draft-training``): the
+  DraftTrainer's draft model, optimizer and draft version;
 - ``run.msgpack``: the replay buffer (ready groups, partial trajectories, in-flight leases,
   counters), the data cursor, the scheduler's counters and the driver's step;
 - ``manifest.json``: step, version, and a SHA-256 of every file, checked on load so that a
@@ -176,8 +178,12 @@ async def save_run_state(manager: CheckpointManager, step: int, actors: Any, dat
     trainer_state, buffer_state, version = await asyncio.gather(
         actors.trainer.state_dict.remote(), actors.buffer.state_dict.remote(), actors.trainer.get_version.remote()
     )
+    draft = getattr(actors, "draft_trainer", None)
+    draft_state = await draft.state_dict.remote() if draft is not None else None
     tmp = manager.begin(step)
     await asyncio.to_thread(save_tree, tmp, "trainer", trainer_state)
+    if draft_state is not None:
+        await asyncio.to_thread(save_tree, tmp, "draft", draft_state)
     run_state = {
         "step": step,
         "version": version,
@@ -201,7 +207,16 @@ async def load_run_state(path: str | Path, actors: Any, dataset: Any, scheduler:
         await actors.trainer.load_state_dict.remote(trainer_state)
     except Exception as exc:
         raise CheckpointError(f"--load {ckpt}: trainer state does not fit this model: {exc}") from None
+    draft = getattr(actors, "draft_trainer", None)
+    if draft is not None and (ckpt / "draft.safetensors").is_file():
+        try:
+            await draft.load_state_dict.remote(load_tree(ckpt, "draft"))
+        except Exception as exc:
+            raise CheckpointError(f"--load {ckpt}: draft state does not fit this draft: {exc}") from None
     await actors.buffer.load_state_dict.remote(run_state["buffer"])
+    # Generations in flight at the save belonged to workers of the old run: each goes back
+    # to the queue exactly once (as PARTIAL with its lease-time prefix, or PENDING).
+    await actors.buffer.release_all_workers.remote()
     dataset.load_state_dict(run_state["data"])
     scheduler.load_state_dict(run_state["scheduler"])
     return int(run_state["step"])

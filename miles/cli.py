@@ -58,14 +58,13 @@ def _train(argv: list[str]) -> int:
     from miles.checkpoint import CheckpointError
     from miles.config import ConfigError, parse_args
     from miles.data import DataError
+    from miles.driver import RunFailed, train
     from miles.models import CheckpointError as ModelCheckpointError
     from miles.utils.loading import LoadError
 
     user_errors = (ConfigError, DataError, CheckpointError, ModelCheckpointError, LoadError, FileNotFoundError)
     try:
         cfg = parse_args(argv)
-        from miles.driver import RunFailed, train
-
         summary = asyncio.run(train(cfg))
     except user_errors as exc:
         raise UserError(str(exc)) from None

@@ -100,8 +100,16 @@ def _parse_mapping(text: str) -> dict[str, Any]:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (the full usage of ~100 flags would bury it)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Run asynchronous RL (see README.md).")
+    # allow_abbrev=False: a passthrough --sglang-X must never be read as an abbreviation.
+    parser = _Parser(prog=prog, description="Run asynchronous RL (see README.md).", allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of flag values (flags override it)")
     for name, owners in _field_table().items():
         section, info = owners[0]
@@ -137,8 +145,12 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return _flatten_yaml(data, path)
 
 
-def resolve(values: dict[str, Any]) -> MilesConfig:
-    """Build and validate a MilesConfig from flat ``field_name → value`` overrides."""
+def resolve(values: dict[str, Any], *, check: bool = True) -> MilesConfig:
+    """Build and validate a MilesConfig from flat ``field_name → value`` overrides.
+
+    ``check=False`` skips the cross-field and filesystem rules (``miles.validation``), for
+    tests and tools that build partial configs; types and choices are always validated.
+    """
     table = _field_table()
     unknown = sorted(k for k in values if k not in table)
     if unknown:
@@ -163,9 +175,10 @@ def resolve(values: dict[str, Any]) -> MilesConfig:
         except (ValueError, TypeError) as exc:  # a struct's own __post_init__ check
             raise ConfigError(str(exc)) from None
     config = MilesConfig(**built)
-    from miles.validation import check_config
+    if check:
+        from miles.validation import check_config
 
-    check_config(config)
+        check_config(config)
     return config
 
 
@@ -249,14 +262,15 @@ class MilesConfig:
         return flat
 
     def replace(self, **flat: Any) -> MilesConfig:
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (types validated again)."""
         values = self.to_flat()
         values.update(flat)
-        return resolve(values)
+        return resolve(values, check=False)
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False), encoding="utf-8")
 
 
 def default_config(**flat: Any) -> MilesConfig:
-    return resolve(flat)
+    """Defaults plus ``flat`` overrides, without the filesystem checks."""
+    return resolve(flat, check=False)

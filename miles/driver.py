@@ -11,6 +11,10 @@ Four things run at once, all meeting in the replay buffer:
 4. ``watch``: pings every actor; a dead rollout worker's leased work goes back to the queue
    (exactly once) and a fresh worker replaces it; a dead trainer stops the run.
 
+With ``--enable-draft-training`` a DraftTrainer runs beside them (its own ``run`` loop): the
+train loop hands it each trained batch without waiting, and it publishes draft versions
+to the workers on its own channel (``miles.actors.draft_trainer``).
+
 Modes differ only in η and in one wait: ``sync`` (η = 0) waits until every worker runs the
 new weights before admitting the next batch, so no token is ever off-policy; ``one-step-off``
 (η = 1) and ``async`` (η = --max-staleness) never wait. Ctrl-C parks in-flight generations in
@@ -25,6 +29,7 @@ import signal
 import time
 from typing import Any
 
+import msgspec
 import ray
 
 from miles.actors import ray_actors
@@ -33,6 +38,7 @@ from miles.config import MilesConfig
 from miles.data import PromptDataset
 from miles.outputs import RunOutputs, batch_metrics, load_debug_batches
 from miles.scheduler import Scheduler
+from miles.utils.proc import rss_mb
 
 
 class RunFailed(RuntimeError):
@@ -54,8 +60,13 @@ class Driver:
         self.worker_stats: dict[str, dict[str, float]] = {}
         self.restarts: dict[str, int] = {}
         self.eval_tasks: list[asyncio.Task[None]] = []
+        self.draft_run: Any = None
         self.step = 0
         self.admit_s = 0.0
+        self.trainer_rss_mb = 0.0
+        # Admission (data cursor + buffer) and checkpoint snapshots must not interleave, or a
+        # checkpoint could hold a cursor past prompts its buffer never received.
+        self.admission_lock = asyncio.Lock()
 
     # ---- the loop ---------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
@@ -66,7 +77,10 @@ class Driver:
             await self._start()
             background = [asyncio.create_task(self._admit()), asyncio.create_task(self._watch())]
             while self.step < self.cfg.run.num_rollout and not self.stop.is_set():
-                await self._train_step()
+                try:
+                    await self._train_step()
+                except ray.exceptions.RayActorError as exc:  # trainer or buffer: fatal
+                    self._fail(f"{_actor_name(exc)} died ({_root_cause(exc)}){self._checkpoint_note()}")
             if self.stop.is_set():
                 status = "failed" if self.failure else "interrupted"
             for task in background:
@@ -93,13 +107,17 @@ class Driver:
         if cfg.scheduler.mode == "sync" and cfg.rollout.partial_rollout:
             # Over-sampled generations still running would be off-policy after this step:
             # park them now; they resume on the new weights.
-            await asyncio.gather(*(w.abort_inflight.remote() for w in a.workers.values()))
-        self.out.dump_batch(self.step, version, groups)
+            await asyncio.gather(*(w.abort_inflight.remote(version + 1) for w in a.workers.values()))
+        self.out.dump_batch(self.step + 1, version, groups)
+        if a.draft_trainer is not None:  # fresh trajectories for the draft; fire and forget
+            a.draft_trainer.add_batch.remote(batch_ref)
         t1 = time.monotonic()
         metrics = await a.trainer.train.remote(batch_ref)
         train_s = time.monotonic() - t1
+        # The buffer learns the new version before any worker can hold its weights: a put
+        # with tokens of a version the buffer does not know yet is refused as invalid.
+        await a.buffer.set_version.remote(await a.trainer.get_version.remote())
         new_version = await a.trainer.publish.remote(a.broadcaster)
-        await a.buffer.set_version.remote(new_version)
         if cfg.scheduler.mode == "sync":
             await a.broadcaster.wait_applied.remote(new_version)
         self.scheduler.on_version(new_version)
@@ -126,11 +144,12 @@ class Driver:
         buffer, sched = self.actors.buffer, self.scheduler
         while not self.stop.is_set():
             t0 = time.monotonic()
-            ledger, room = await asyncio.gather(buffer.ledger.remote(), buffer.prompt_room.remote())
-            sched.observe(ledger)
-            n = sched.capacity(room)
-            if n > 0:
-                await buffer.add_prompts.remote(self.dataset.next(n))
+            async with self.admission_lock:
+                ledger, room = await asyncio.gather(buffer.ledger.remote(), buffer.prompt_room.remote())
+                sched.observe(ledger)
+                n = sched.capacity(room)
+                if n > 0:
+                    await buffer.add_prompts.remote(self.dataset.next(n))
             self.admit_s += time.monotonic() - t0
             await asyncio.sleep(0.005 if n > 0 else 0.02)
 
@@ -149,11 +168,12 @@ class Driver:
                     self.worker_stats[worker_id] = await asyncio.wait_for(handle.ping.remote(), timeout)
                 except Exception as exc:
                     await self._replace_worker(worker_id, exc)
+            await self.actors.buffer.expire_leases.remote()  # hung workers' work goes back
             try:
-                await asyncio.wait_for(self.actors.trainer.ping.remote(), timeout * 6)
+                pong = await asyncio.wait_for(self.actors.trainer.ping.remote(), timeout * 6)
+                self.trainer_rss_mb = pong.get("mem/trainer_rss_mb", 0.0)
             except Exception as exc:
-                where = f"; last checkpoint: {self.ckpt.latest()}" if self.ckpt else ""
-                self._fail(f"PolicyTrainer died or stopped answering ({type(exc).__name__}: {exc}){where}")
+                self._fail(f"PolicyTrainer died or stopped answering ({type(exc).__name__}){self._checkpoint_note()}")
 
     async def _replace_worker(self, worker_id: str, cause: Exception) -> None:
         a, cfg = self.actors, self.cfg
@@ -163,6 +183,8 @@ class Driver:
         self.worker_runs.pop(worker_id, None)
         self.worker_stats.pop(worker_id, None)
         await a.broadcaster.unregister.remote(worker_id)
+        if a.draft_broadcaster is not None:
+            await a.draft_broadcaster.unregister.remote(worker_id)
         returned = await a.buffer.release_worker.remote(worker_id)
         print(f"[miles] rollout worker {worker_id} died ({type(cause).__name__}); "
               f"{returned} leased trajectories returned to the queue", flush=True)
@@ -173,6 +195,8 @@ class Driver:
 
     async def _start_worker(self, worker_id: str, handle: Any) -> None:
         await self.actors.broadcaster.register.remote(worker_id, handle)
+        if self.actors.draft_broadcaster is not None:
+            await self.actors.draft_broadcaster.register.remote(worker_id, handle)
         self.worker_runs[worker_id] = handle.run.remote()
 
     async def _start(self) -> None:
@@ -184,8 +208,19 @@ class Driver:
         await a.buffer.set_version.remote(version)
         if version > 0:  # resumed: workers loaded the base checkpoint, send them the weights
             await a.trainer.publish.remote(a.broadcaster)
+        if a.draft_trainer is not None:
+            if await a.draft_trainer.get_version.remote() > 0:  # resumed: the trained draft too
+                await a.draft_trainer.publish.remote()
+            self.draft_run = a.draft_trainer.run.remote()
         for worker_id, handle in list(a.workers.items()):
             await self._start_worker(worker_id, handle)
+        # Construction errors (a bad checkpoint, an engine flag) are not crashes to restart
+        # from: surface them once, clearly.
+        for name, handle in [("PolicyTrainer", a.trainer), *a.workers.items()]:
+            try:
+                await handle.ping.remote()
+            except Exception as exc:
+                raise RunFailed(f"{name} failed to start: {_root_cause(exc)}") from None
 
     async def _until_stopped(self, ref: Any) -> Any:
         """Await ``ref`` unless the run is stopped first (then return None)."""
@@ -209,6 +244,19 @@ class Driver:
             totals["rollout/tokens_per_s"] = totals.get("rollout/tokens", 0.0) / up
         stats.update(totals)
         stats.update(self.scheduler.stats())
+        spec_keys = {k for ws in self.worker_stats.values() for k in ws if k.startswith("spec/")}
+        for key in spec_keys:  # speculative decoding: the workers' mean
+            vals = [ws[key] for ws in self.worker_stats.values() if key in ws]
+            stats[key] = sum(vals) / len(vals)
+        if self.actors.draft_trainer is not None:
+            try:
+                stats.update(await asyncio.wait_for(self.actors.draft_trainer.ping.remote(), 30))
+            except Exception as exc:  # the draft is an optimisation: note it, keep training
+                stats["draft/alive"] = 0.0
+                print(f"[miles] DraftTrainer not answering ({type(exc).__name__})", flush=True)
+        stats["mem/worker_rss_mb"] = max((ws.get("mem/worker_rss_mb", 0.0) for ws in self.worker_stats.values()), default=0.0)
+        stats["mem/trainer_rss_mb"] = self.trainer_rss_mb
+        stats["mem/driver_rss_mb"] = rss_mb()
         return stats
 
     async def _evaluate(self, step: int) -> None:
@@ -221,12 +269,18 @@ class Driver:
     async def _save(self) -> None:
         from miles.checkpoint import save_run_state
 
-        await save_run_state(self.ckpt, self.step, self.actors, self.dataset, self.scheduler)
+        async with self.admission_lock:
+            await save_run_state(self.ckpt, self.step, self.actors, self.dataset, self.scheduler)
 
     async def _load(self, path: str) -> None:
         from miles.checkpoint import load_run_state
 
         self.step = await load_run_state(path, self.actors, self.dataset, self.scheduler)
+
+    def _checkpoint_note(self) -> str:
+        if self.ckpt is None:
+            return "; no checkpoint was configured (--save)"
+        return f"; last checkpoint: {self.ckpt.latest()} (resume with --load {self.ckpt.root})"
 
     def _interrupt(self) -> None:
         print("\n[miles] interrupted: parking in-flight work and shutting down", flush=True)
@@ -243,6 +297,10 @@ class Driver:
             task.cancel()
         stopped = await asyncio.gather(*(w.stop.remote() for w in a.workers.values()), return_exceptions=True)
         await asyncio.gather(*self.worker_runs.values(), return_exceptions=True)
+        if a.draft_trainer is not None:
+            await asyncio.gather(a.draft_trainer.stop.remote(), return_exceptions=True)
+            if self.draft_run is not None:
+                await asyncio.gather(self.draft_run, return_exceptions=True)
         if self.ckpt is not None and status == "interrupted":
             await self._save()
         ledger = await a.buffer.ledger.remote()
@@ -251,7 +309,7 @@ class Driver:
             "failure": self.failure,
             "steps": self.step,
             "policy_version": self.scheduler.version,
-            "ledger": ledger.to_dict() if hasattr(ledger, "to_dict") else ledger,
+            "ledger": msgspec.to_builtins(ledger),
             "ledger_ok": _ledger_ok(ledger),
             "data": self.dataset.stats(),
             "worker_restarts": self.restarts,
@@ -260,9 +318,26 @@ class Driver:
         }
         self.out.write_summary(summary)
         self.out.close()
-        for handle in [*a.workers.values(), *a.rewards, a.trainer, a.broadcaster, a.buffer]:
+        extra = [h for h in (a.draft_trainer, a.draft_broadcaster) if h is not None]
+        for handle in [*a.workers.values(), *a.rewards, a.trainer, a.broadcaster, a.buffer, *extra]:
             ray_actors.kill(handle)
         return summary
+
+
+def _actor_name(exc: BaseException) -> str:
+    text = str(exc)
+    for cls, name in (("_PolicyTrainerActor", "PolicyTrainer"), ("_BufferActor", "ReplayBuffer"),
+                      ("WeightBroadcaster", "WeightBroadcaster")):
+        if cls in text:
+            return name
+    return "an actor"
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The last line of a remote traceback: the error the user can act on."""
+    cause = getattr(exc, "cause", None) or exc
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def _ledger_ok(ledger: Any) -> bool:
@@ -276,9 +351,11 @@ def _ledger_ok(ledger: Any) -> bool:
 async def train(cfg: MilesConfig) -> dict[str, Any]:
     """Run training to ``--num-rollout`` steps; returns the summary (also in summary.json)."""
     from miles.actors.factory import load_datasets
+    from miles.validation import check_functions
 
     if cfg.run.load_debug_rollout_data:
         return await replay_debug_rollouts(cfg)
+    check_functions(cfg)  # a bad --custom-*-path fails here, before Ray starts
     dataset, eval_data = load_datasets(cfg)  # bad data fails here, before any output exists
     driver = Driver(cfg, dataset, eval_data)
     return await driver.run()

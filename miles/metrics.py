@@ -41,12 +41,13 @@ class MetricsRecorder:
                     self._tb = None
                 else:
                     self._tb = SummaryWriter(str(self.output_dir / "tb"))
-        self.history: list[dict[str, Any]] = []
+        # Only the newest row is kept in memory: a long run's history lives in the file.
+        self.last: dict[str, Any] = {}
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         row = {"step": step, "wall_time": round(time.monotonic() - self._start, 4)}
         row.update({k: _clean(v) for k, v in metrics.items()})
-        self.history.append(row)
+        self.last = row
         if self._file is not None:
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()

@@ -89,17 +89,22 @@ GroupFilter = Callable[[Sequence[Trajectory]], bool]
 
 @runtime_checkable
 class Env(Protocol):
-    """A multi-turn environment; one instance per episode. Methods may be sync or async."""
+    """A multi-turn environment; one instance per episode (built from ``--env-path`` with
+    ``--env-kwargs``). Methods may be sync (run in a thread pool) or async (awaited).
+    Optional: ``stop`` / ``stop_token_ids`` attributes (what ends a model turn, besides
+    EOS) and ``close()`` (called when the episode ends). See ``miles.envs``."""
 
     def reset(self, sample: Trajectory) -> str | Awaitable[str]:
-        """Called once before the first turn; returns the first observation (may be "")."""
+        """Called once before the first turn; returns the first observation: "" keeps the
+        data prompt, text (or a list of chat messages) becomes the prompt."""
         ...
 
     def step(
         self, action_text: str
     ) -> tuple[str, float, bool, dict[str, Any]] | Awaitable[tuple[str, float, bool, dict[str, Any]]]:
         """Called after each model turn with its decoded text; returns
-        (observation_text, reward, done, info)."""
+        (observation_text, reward, done, info) — or gymnasium's
+        (observation_text, reward, terminated, truncated, info)."""
         ...
 
 

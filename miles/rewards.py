@@ -1,7 +1,7 @@
 """Reward evaluation: user functions run asynchronously, and never hang or crash a worker.
 
 A reward function is ``fn(sample)`` or slime's ``fn(args, sample)``, sync or ``async def``;
-it returns a float or a dict of named floats. Sync functions run in a thread pool so that
+it returns a float or a dict of named floats. Sync functions run in their own threads so that
 the worker's event loop keeps decoding; async ones are awaited. A timeout, an exception or
 a non-finite value marks the trajectory FAILED with the reason in ``finish_reason`` and is
 counted — the run goes on. ``RewardRunner`` is a plain class: the rollout worker uses it
@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from miles.types import Reward, Status, Trajectory
@@ -32,14 +32,13 @@ class RewardRunner:
         *,
         timeout_s: float = 30.0,
         args: Any = None,
-        max_threads: int = 8,
     ) -> None:
         self.fn = load_function(fn) if isinstance(fn, str) else fn
         self.timeout_s = timeout_s
         self.args = args
         self._takes_args = positional_arity(self.fn) >= 2
         self._is_async = inspect.iscoroutinefunction(self.fn)
-        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="reward")
+        self._threads = 0  # sync calls running now (hung ones included)
         self.counts: Counter[str] = Counter()
         self.total_time_s = 0.0
 
@@ -53,14 +52,12 @@ class RewardRunner:
             if self._is_async:
                 value = await asyncio.wait_for(self._call(traj), self.timeout_s)
             else:
-                loop = asyncio.get_running_loop()
-                future = loop.run_in_executor(self._pool, self._call, traj)
-                value = await asyncio.wait_for(future, self.timeout_s)
+                value = await asyncio.wait_for(self._in_thread(traj), self.timeout_s)
             traj.reward = check_reward(value)
             self.counts["ok"] += 1
         except asyncio.TimeoutError:
-            # A hung sync function keeps its thread; the pool has spares, and the count
-            # tells the operator. The trajectory is not lost: it is FAILED with a reason.
+            # The trajectory is not lost: it is FAILED with a reason. A hung sync function
+            # keeps its own thread (Python cannot kill it) but blocks no other call.
             self._fail(traj, f"reward_timeout: no result after {self.timeout_s}s")
         except RewardValueError as exc:
             self._fail(traj, f"reward_invalid: {exc}")
@@ -69,6 +66,30 @@ class RewardRunner:
         finally:
             self.total_time_s += time.perf_counter() - start
         return traj
+
+    def _in_thread(self, traj: Trajectory) -> asyncio.Future[Any]:
+        """Run the sync function in a fresh daemon thread: unlike a fixed pool, calls that
+        hang forever cannot starve the next ones."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def settle(value: Any, error: BaseException | None) -> None:
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(value)
+
+        def target() -> None:
+            self._threads += 1
+            try:
+                value, error = self._call(traj), None
+            except BaseException as exc:  # delivered to the awaiting coroutine
+                value, error = None, exc
+            finally:
+                self._threads -= 1
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(settle, value, error)
+
+        threading.Thread(target=target, name="reward", daemon=True).start()
+        return future
 
     async def score_many(self, trajs: list[Trajectory]) -> list[Trajectory]:
         return list(await asyncio.gather(*(self.score(t) for t in trajs)))
@@ -82,10 +103,11 @@ class RewardRunner:
     def stats(self) -> dict[str, float]:
         out = {f"reward/{k}": float(v) for k, v in self.counts.items()}
         out["reward/time_s"] = self.total_time_s
+        out["reward/threads_running"] = float(self._threads)
         return out
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: threads are daemons and end with their call."""
 
 
 class RewardValueError(ValueError):

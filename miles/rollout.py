@@ -38,6 +38,9 @@ class GenerateContext:
     seed: int = 0
     config: Any = None  # the run's MilesConfig, for custom functions that need flags
     extras: dict[str, Any] = field(default_factory=dict)
+    # Bumped by the worker each time it aborts its in-flight generations: a multi-turn
+    # function checks it between turns and parks (PARTIAL) instead of starting a new one.
+    aborts: int = 0
 
     def sample_seed(self, traj: Trajectory) -> int:
         """A per-trajectory seed: resume after abort re-draws the same random numbers."""
@@ -45,12 +48,17 @@ class GenerateContext:
         return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
     def request_for(self, traj: Trajectory, *, max_new_tokens: int | None = None, **overrides: Any) -> GenerateRequest:
-        """A request continuing ``traj`` from its current end (prompt + response so far)."""
-        remaining = self.max_response_len - len(traj.response_tokens)
+        """A request continuing ``traj`` from its current end (prompt + response so far).
+
+        ``max_new_tokens`` optionally caps this call (a turn); the request's budget is
+        counted from the original prompt, as the engine contract says, so it is the
+        response length so far plus what this call may add."""
+        done = len(traj.response_tokens)
+        remaining = self.max_response_len - done
         if max_new_tokens is not None:
             remaining = min(remaining, max_new_tokens)
         sampling = msgspec.structs.replace(
-            self.sampling, max_new_tokens=max(remaining, 0), seed=self.sample_seed(traj), **overrides
+            self.sampling, max_new_tokens=done + max(remaining, 0), seed=self.sample_seed(traj), **overrides
         )
         return GenerateRequest(
             rid=traj.id,
@@ -80,7 +88,7 @@ def apply_output(traj: Trajectory, out: GenerateOutput, *, kind: str = "model") 
 async def generate_single_turn(sample: Trajectory, ctx: GenerateContext) -> Trajectory:
     """The default: continue the response until stop, length, abort or error."""
     request = ctx.request_for(sample)
-    if request.sampling.max_new_tokens <= 0:
+    if request.sampling.max_new_tokens <= request.num_prefix_tokens:
         sample.status = Status.TRUNCATED
         sample.finish_reason = "length"
         return sample

@@ -90,6 +90,9 @@ def _sections() -> dict[str, type[Any]]:
     from miles.algorithms import AlgorithmConfig
     from miles.buffers import BufferConfig
     from miles.engines import EngineConfig
+    from miles.engines.sglang import SGLangConfig
+    from miles.envs.config import EnvConfig
+    from miles.engines.spec import SpeculativeConfig
     from miles.scheduler import SchedulerConfig
     from miles.trainers import TrainerConfig
 
@@ -102,6 +105,9 @@ def _sections() -> dict[str, type[Any]]:
         "engine": EngineConfig,
         "trainer": TrainerConfig,
         "algorithm": AlgorithmConfig,
+        "sglang": SGLangConfig,
+        "env": EnvConfig,
+        "speculative": SpeculativeConfig,
     }
 
 

@@ -32,6 +32,10 @@ class TrajectoryError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:  # picklable across Ray actors
+        return type(self), (self.field, self.message)
 
 
 class Status(enum.StrEnum):
@@ -211,7 +215,12 @@ class PromptSample(msgspec.Struct, kw_only=True):
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
-    """Sampling controls, named as SGLang's ``sampling_params`` (temperature<=1e-6 is greedy)."""
+    """Sampling controls, named as SGLang's ``sampling_params`` (temperature<=1e-6 is greedy).
+
+    ``max_new_tokens`` is the response budget counted from the ORIGINAL prompt: a resumed
+    request (``GenerateRequest.num_prefix_tokens`` = k) may add ``max_new_tokens - k`` more.
+    Adapters for servers that count per call (SGLang) send the difference.
+    """
 
     max_new_tokens: int = 128
     temperature: float = 1.0

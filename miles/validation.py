@@ -34,7 +34,7 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
             yield "--prompt-data is required (a JSONL file)"
         elif not Path(data.prompt_data).is_file():
             yield f"--prompt-data {data.prompt_data}: file not found"
-        if not (rollout.custom_rm_path or rollout.custom_generate_function_path or getattr(rollout, "env_path", None)):
+        if not (rollout.custom_rm_path or rollout.custom_generate_function_path or cfg.env.env_path):
             yield "no reward: set --custom-rm-path (or an --env-path / --custom-generate-function-path that sets rewards)"
     elif not Path(run.load_debug_rollout_data).is_dir():
         yield f"--load-debug-rollout-data {run.load_debug_rollout_data}: directory not found"
@@ -69,6 +69,43 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
         yield "--colocate shares the trainer's GPUs: leave --rollout-num-gpus unset or equal to the trainer's"
     if gpus and run.deterministic:
         yield "--deterministic is a CPU feature (bitwise resume); it is not supported with GPUs"
+    if run.deterministic and (sched.mode != "sync" or sched.over_sampling_batch_size):
+        # Only the synchronous schedule makes every token's policy version independent of
+        # timing; async modes train on whatever finished first.
+        yield "--deterministic needs --mode sync without --over-sampling-batch-size"
+    yield from _env_problems(cfg)
+    spec = getattr(cfg, "speculative", None)
+    if spec is not None and spec.draft_model_path and not (Path(spec.draft_model_path) / "config.json").is_file():
+        yield f"--draft-model-path {spec.draft_model_path}: no config.json there"
+    if spec is not None and spec.enabled and run.rollout_backend != "embedded" and spec.enable_draft_training:
+        yield "--enable-draft-training needs the embedded rollout engine (SGLang cannot load draft updates yet)"
     if sched.mode == "sync" and sched.over_sampling_batch_size and not rollout.partial_rollout:
         # Over-sampled groups would finish on old weights and be dropped as stale.
         yield "--mode sync with --over-sampling-batch-size needs --partial-rollout (or a non-sync mode)"
+
+
+def _env_problems(cfg: Any):
+    env, rollout = cfg.env, cfg.rollout
+    if not env.env_path:
+        return
+    if rollout.custom_generate_function_path:
+        yield "--env-path and --custom-generate-function-path both choose the generate function: set one"
+    if env.env_reward == "none" and not rollout.custom_rm_path:
+        yield "--env-reward none leaves the reward to --custom-rm-path, which is not set"
+    module = env.env_path.rsplit(":", 1)[0]
+    if (module.endswith(".py") or "/" in module) and not Path(module).is_file():
+        yield f"--env-path {env.env_path}: file {module} not found"
+
+
+def check_functions(cfg: Any) -> None:
+    """Resolve every user function path once, so a typo fails before anything starts."""
+    from miles.utils.loading import load_function
+
+    for flag, ref in (
+        ("--custom-rm-path", cfg.rollout.custom_rm_path),
+        ("--custom-generate-function-path", cfg.rollout.custom_generate_function_path),
+        ("--dynamic-sampling-filter-path", cfg.rollout.dynamic_sampling_filter_path),
+        ("--env-path", cfg.env.env_path),
+    ):
+        if ref:
+            load_function(ref)

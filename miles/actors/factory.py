@@ -52,9 +52,16 @@ def load_datasets(cfg: MilesConfig) -> tuple[PromptDataset, PromptDataset | None
     return train, evaluation
 
 
+def context_len(cfg: MilesConfig) -> int:
+    """The engine's context: --max-seq-len, capped by the model's max_position_embeddings."""
+    from miles.models import load_config
+
+    return min(cfg.engine.max_seq_len, load_config(cfg.rollout.hf_checkpoint).max_position_embeddings)
+
+
 def _max_prompt_len(cfg: MilesConfig) -> int:
     """A prompt must leave room for at least one response token in the engine's context."""
-    limit = cfg.engine.max_seq_len - 1
+    limit = context_len(cfg) - 1
     return min(limit, cfg.data.max_prompt_len) if cfg.data.max_prompt_len else limit
 
 
@@ -72,16 +79,54 @@ def buffer_args(cfg: MilesConfig) -> dict[str, Any]:
     return {"config": config, "group_filters": filters}
 
 
-def build_engine(cfg: MilesConfig, *, seed_offset: int = 0) -> Any:
+def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0) -> Any:
+    """The rollout engine of worker ``index``: embedded torch, or an SGLang server."""
+    if cfg.run.rollout_backend == "sglang":
+        from miles.engines.sglang import build_sglang_engine
+
+        return build_sglang_engine(cfg, index=index)
     from miles.engines import EmbeddedEngine
     from miles.models import load_pretrained
 
     tokenizer = load_tokenizer(cfg)
-    engine_cfg = msgspec.structs.replace(cfg.engine, seed=cfg.run.seed + seed_offset)
+    engine_cfg = msgspec.structs.replace(cfg.engine, seed=cfg.run.seed + seed_offset, max_seq_len=context_len(cfg))
     model = load_pretrained(cfg.rollout.hf_checkpoint, device=engine_cfg.device)
-    engine = EmbeddedEngine(model, config=engine_cfg, tokenizer=tokenizer)
+    draft = build_draft_model(cfg, model.config) if cfg.speculative.enabled else None
+    engine = EmbeddedEngine(model, config=engine_cfg, tokenizer=tokenizer, draft=draft, speculative=cfg.speculative)
     engine.start()
     return engine
+
+
+def build_draft_model(cfg: MilesConfig, policy_config: Any) -> Any:
+    """The draft every engine and the DraftTrainer start from: ``--draft-model-path``, or a
+    fresh one initialised from ``--seed`` (identical in every process)."""
+    from miles.models.draft import build_draft, draft_kind, load_draft
+
+    sc = cfg.speculative
+    if sc.draft_model_path:
+        draft = load_draft(sc.draft_model_path, dtype=torch.float32)
+        if draft_kind(draft) != sc.speculative_algorithm:
+            raise ValueError(f"--draft-model-path {sc.draft_model_path} holds a {draft_kind(draft)!r} draft, "
+                             f"but --speculative-algorithm is {sc.speculative_algorithm!r}")
+        return draft
+    return build_draft(sc.speculative_algorithm, policy_config, num_layers=sc.draft_num_hidden_layers,
+                       hidden_size=sc.draft_hidden_size, seed=cfg.run.seed)
+
+
+def build_draft_trainer(cfg: MilesConfig) -> Any:
+    """The DraftLearner for the DraftTrainer actor (a policy copy when the head or KL needs it)."""
+    from miles.models import load_config, load_pretrained
+    from miles.trainers.draft import DraftLearner
+
+    sc = cfg.speculative
+    device = cfg.trainer.device if torch.cuda.is_available() else "cpu"
+    draft = build_draft_model(cfg, load_config(cfg.rollout.hf_checkpoint))
+    policy = None
+    if sc.speculative_algorithm == "eagle" or sc.draft_kl_coef > 0:
+        policy = load_pretrained(cfg.rollout.hf_checkpoint, dtype=torch.float32, device="cpu")
+    return DraftLearner(draft, policy=policy, lr=sc.draft_lr, kl_coef=sc.draft_kl_coef,
+                        temperature=cfg.rollout.rollout_temperature or 1.0,
+                        micro_batch_size=sc.draft_micro_batch_size, device=device)
 
 
 def sampling_params(cfg: MilesConfig, tokenizer: Any) -> SamplingParams:
@@ -96,15 +141,24 @@ def sampling_params(cfg: MilesConfig, tokenizer: Any) -> SamplingParams:
     )
 
 
+def build_generate_fn(cfg: MilesConfig, tokenizer: Any) -> Any:
+    """``--env-path``: the multi-turn Env rollout; else the default or custom function."""
+    if cfg.env.env_path:
+        from miles.envs import build_env_rollout
+
+        return build_env_rollout(cfg, tokenizer)
+    return load_generate_fn(cfg.rollout.custom_generate_function_path)
+
+
 def build_reward_runner(cfg: MilesConfig) -> tuple[Any, dict[str, Any]]:
     return cfg.rollout.custom_rm_path, {"timeout_s": cfg.rollout.reward_timeout_s, "args": cfg}
 
 
 def build_rollout_worker(cfg: MilesConfig, worker_id: str, *, buffer: Any, rewards: list[Any]) -> dict[str, Any]:
     """Keyword arguments for ``RolloutWorker`` (everything but the id)."""
-    index = abs(hash(worker_id)) % 10_000
-    engine = build_engine(cfg, seed_offset=index)
-    tokenizer = engine.tokenizer
+    ordinal = int(worker_id.split("-")[0].removeprefix("worker") or 0)  # "worker3-1a2b3c" → 3
+    engine = build_engine(cfg, seed_offset=ordinal, index=ordinal)
+    tokenizer = getattr(engine, "tokenizer", None) or load_tokenizer(cfg)
     ctx = GenerateContext(
         engine=engine,
         tokenizer=tokenizer,
@@ -120,7 +174,7 @@ def build_rollout_worker(cfg: MilesConfig, worker_id: str, *, buffer: Any, rewar
     return {
         "engine": engine,
         "context": ctx,
-        "generate_fn": load_generate_fn(cfg.rollout.custom_generate_function_path),
+        "generate_fn": build_generate_fn(cfg, tokenizer),
         "buffer": buffer,
         "rewards": rewards,
         "local_reward": local_reward,

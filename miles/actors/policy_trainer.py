@@ -16,12 +16,15 @@ from typing import Any
 from miles.actors.handles import Peer
 from miles.protocols import TrainerBackend
 from miles.types import Trajectory
+from miles.utils.proc import rss_mb
 from miles.weights import pack
 
 
 class PolicyTrainer:
-    def __init__(self, backend: TrainerBackend, *, bucket_bytes: int, use_object_store: bool = False) -> None:
+    def __init__(self, backend: TrainerBackend, *, bucket_bytes: int, use_object_store: bool = False,
+                 deterministic: bool = False) -> None:
         self.backend = backend
+        self.deterministic = deterministic
         self.bucket_bytes = bucket_bytes
         self.use_object_store = use_object_store
         self.last_publish_s = 0.0
@@ -35,6 +38,11 @@ class PolicyTrainer:
 
     async def train(self, groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
         start = time.monotonic()
+        if self.deterministic:
+            # Groups arrive in completion order, which depends on timing; a fixed order
+            # makes the gradient's summation order, hence the weights, reproducible.
+            groups = sorted((sorted(g, key=lambda t: t.index_in_group) for g in groups),
+                            key=lambda g: g[0].group_id)
         metrics = await asyncio.to_thread(self.backend.train_step, groups)
         metrics = dict(metrics)
         metrics["perf/train_step_s"] = time.monotonic() - start
@@ -58,7 +66,8 @@ class PolicyTrainer:
         return [pack(p, version=version, index=i, total=len(plans)) for i, p in enumerate(plans)]
 
     def ping(self) -> dict[str, float]:
-        return {"train/version": float(self.backend.version), "perf/publish_s": self.last_publish_s}
+        return {"train/version": float(self.backend.version), "perf/publish_s": self.last_publish_s,
+                "mem/trainer_rss_mb": rss_mb()}
 
     def state_dict(self) -> dict[str, Any]:
         return self.backend.state_dict()

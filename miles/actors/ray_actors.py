@@ -19,8 +19,10 @@ from typing import Any
 
 import ray
 
+from miles.actors.draft_trainer import DraftTrainer
 from miles.actors.factory import (
     buffer_args,
+    build_draft_trainer,
     build_policy_trainer,
     build_reward_runner,
     build_rollout_worker,
@@ -32,11 +34,17 @@ from miles.actors.weight_broadcaster import WeightBroadcaster
 from miles.buffers import ReplayBuffer
 from miles.config import MilesConfig, resolve
 from miles.rewards import RewardRunner
+from miles.utils.proc import rss_mb
 
 
 class _BufferActor(ReplayBuffer):
     def __init__(self, flat: dict[str, Any]) -> None:
         super().__init__(**buffer_args(resolve(flat)))
+
+    def stats(self) -> dict[str, float]:
+        out = super().stats()
+        out["mem/buffer_rss_mb"] = rss_mb()
+        return out
 
 
 class _RolloutWorkerActor(RolloutWorker):
@@ -51,7 +59,19 @@ class _PolicyTrainerActor(PolicyTrainer):
         cfg = resolve(flat)
         configure_process(cfg, threads)
         backend = build_policy_trainer(cfg)
-        super().__init__(backend, bucket_bytes=cfg.run.update_weight_buffer_size, use_object_store=True)
+        super().__init__(backend, bucket_bytes=cfg.run.update_weight_buffer_size, use_object_store=True,
+                         deterministic=cfg.run.deterministic)
+
+
+class _DraftTrainerActor(DraftTrainer):
+    def __init__(self, flat: dict[str, Any], threads: int, draft_broadcaster: Any, policy_broadcaster: Any) -> None:
+        cfg = resolve(flat)
+        configure_process(cfg, threads)
+        sc = cfg.speculative
+        super().__init__(build_draft_trainer(cfg), draft_broadcaster=draft_broadcaster,
+                         policy_broadcaster=policy_broadcaster, train_interval=sc.draft_train_interval,
+                         max_queue=sc.draft_max_queue, bucket_bytes=cfg.run.update_weight_buffer_size,
+                         use_object_store=True)
 
 
 class _RewardActor(RewardRunner):
@@ -76,6 +96,8 @@ class Actors:
     placement: Any = None
     worker_options: dict[str, Any] = field(default_factory=dict)
     threads: int = 1
+    draft_trainer: Any = None  # --enable-draft-training: the DraftTrainer and its draft channel
+    draft_broadcaster: Any = None
 
 
 def init_ray(cfg: MilesConfig) -> None:
@@ -121,7 +143,8 @@ def launch(cfg: MilesConfig) -> Actors:
     init_ray(cfg)
     flat = cfg.to_flat()
     trainer_opts, worker_opts, pg = _gpu_options(cfg)
-    procs = 1 + cfg.run.num_rollout_workers + cfg.run.num_reward_workers
+    draft_training = cfg.speculative.enabled and cfg.speculative.enable_draft_training
+    procs = 1 + cfg.run.num_rollout_workers + cfg.run.num_reward_workers + int(draft_training)
     threads = max(1, (os.cpu_count() or 1) // max(procs, 1))
     buffer = ray.remote(_BufferActor).options(num_cpus=0, max_concurrency=1000).remote(flat)
     broadcaster = ray.remote(WeightBroadcaster).options(num_cpus=0, max_concurrency=1000).remote()
@@ -132,6 +155,14 @@ def launch(cfg: MilesConfig) -> Actors:
     ]
     actors = Actors(buffer=buffer, trainer=trainer, broadcaster=broadcaster, rewards=rewards,
                     placement=pg, worker_options=worker_opts, threads=threads)
+    if draft_training:
+        # The draft channel: a second broadcaster whose deliveries call receive_draft_weights.
+        # The DraftTrainer runs on the CPU unless its process sees a GPU (placement on GPU
+        # machines is left to the GPU runtime: it takes no GPU here).
+        actors.draft_broadcaster = (ray.remote(WeightBroadcaster).options(num_cpus=0, max_concurrency=1000)
+                                    .remote("receive_draft_weights"))
+        actors.draft_trainer = (ray.remote(_DraftTrainerActor).options(num_cpus=0.5, max_concurrency=16)
+                                .remote(flat, threads, actors.draft_broadcaster, broadcaster))
     for i in range(cfg.run.num_rollout_workers):
         start_worker(cfg, actors, f"worker{i}")
     return actors

@@ -11,6 +11,10 @@ new version (each token records its version). Without it the worker drains: it s
 starting generations, lets the in-flight ones finish on the old weights, swaps, and resumes —
 every trajectory then comes from one version, at the cost of idling on the long tail.
 
+Draft weights (speculative decoding, the DraftTrainer's channel) arrive through
+``receive_draft_weights``: applied between two decode steps, never drained for, never
+touching the policy version.
+
 ``abort_inflight`` (end of a synchronous round, shutdown) aborts the engine's requests; their
 trajectories go back to the buffer as PARTIAL with their prefix, nothing lost.
 """
@@ -18,6 +22,7 @@ trajectories go back to the buffer as PARTIAL with their prefix, nothing lost.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +30,8 @@ from typing import Any
 from miles.actors.handles import Peer
 from miles.rewards import RewardRunner
 from miles.rollout import GenerateContext, GenerateFn, call_generate
-from miles.types import PromptSample, Status, Trajectory
+from miles.types import PromptSample, Status, Trajectory, TrajectoryError
+from miles.utils.proc import rss_mb
 from miles.weights import WeightBucket, unpack
 
 
@@ -62,13 +68,15 @@ class RolloutWorker:
         self._outbox: list[Trajectory] = []
         self._stopping = False
         self._draining = False
+        self._hold_until_version = 0
         self._weights_lock = asyncio.Lock()
         self._reward_rr = 0
         self._idle = asyncio.Event()
         self.counters: dict[str, float] = {
             "finished": 0, "partial": 0, "failed": 0, "tokens": 0, "weight_updates": 0,
-            "drain_s": 0.0, "swap_s": 0.0, "busy_s": 0.0,
+            "drain_s": 0.0, "swap_s": 0.0, "busy_s": 0.0, "refused_puts": 0,
         }
+        self.last_refusal = ""
         self._started = time.monotonic()
 
     # ---- the loop ---------------------------------------------------------------------
@@ -78,7 +86,7 @@ class RolloutWorker:
         while not self._stopping:
             leased: list[Trajectory] = []
             free = self.max_inflight - len(self._inflight)
-            if free > 0 and not self._draining:
+            if free > 0 and not self._draining and self.engine.version >= self._hold_until_version:
                 leased = await self.buffer.call("lease", self.worker_id, free)
                 for traj in leased:
                     self._inflight[traj.id] = asyncio.create_task(self._process(traj))
@@ -144,9 +152,20 @@ class RolloutWorker:
         return traj
 
     async def _flush(self) -> None:
-        if self._outbox:
-            batch, self._outbox = self._outbox, []
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        try:
             await self.buffer.call("put_many", batch, self.worker_id)
+        except TrajectoryError:
+            # put_many is all-or-nothing; find the ones the buffer refuses (e.g. a lease that
+            # expired while we worked: the buffer already re-queued it) and drop only those.
+            for traj in batch:
+                try:
+                    await self.buffer.call("put", traj, self.worker_id)
+                except TrajectoryError as exc:
+                    self.counters["refused_puts"] += 1
+                    self.last_refusal = str(exc)[:300]
 
     # ---- control ----------------------------------------------------------------------
     async def receive_weights(self, version: int, buckets: list[Any]) -> int:
@@ -175,10 +194,23 @@ class RolloutWorker:
                 self._draining = False
             return self.engine.version
 
-    async def abort_inflight(self) -> int:
-        """Abort every in-flight generation; they come back to the buffer as PARTIAL."""
+    async def receive_draft_weights(self, version: int, buckets: list[Any]) -> int:
+        """Apply draft ``version`` to the engine's draft; returns the engine's draft version
+        (-1 when the engine has no draft)."""
+        from miles.actors.draft_trainer import apply_draft_buckets
+
+        version = await apply_draft_buckets(self.engine, version, buckets)
+        self.counters["draft_updates"] = self.counters.get("draft_updates", 0) + 1
+        return version
+
+    async def abort_inflight(self, hold_until_version: int = 0) -> int:
+        """Abort every in-flight generation; they come back to the buffer as PARTIAL.
+        With ``hold_until_version`` the worker leases nothing more until it runs that
+        policy version (end of a synchronous round: resume on the new weights, not the old)."""
+        self._hold_until_version = max(self._hold_until_version, hold_until_version)
         n = len(self._inflight)
         if n:
+            self.ctx.aborts += 1  # multi-turn episodes park between turns too
             await self.engine.abort(None)
             await asyncio.gather(*self._inflight.values(), return_exceptions=True)
             await self._flush()
@@ -224,9 +256,14 @@ class RolloutWorker:
         out["rollout/inflight"] = float(len(self._inflight))
         out["rollout/version"] = float(self.engine.version)
         out["rollout/uptime_s"] = elapsed
+        out["rollout/pid"] = float(os.getpid())
+        out["mem/worker_rss_mb"] = rss_mb()
         engine_stats = getattr(self.engine, "stats", None)
         if callable(engine_stats):
             out.update(engine_stats())
         if self.local_reward is not None:
             out.update(self.local_reward.stats())
+        generate_stats = getattr(self.generate_fn, "stats", None)  # e.g. EnvRollout's env/...
+        if callable(generate_stats):
+            out.update(generate_stats())
         return out

@@ -7,6 +7,11 @@ them to apply (the trainer never blocks on rollouts), records which version each
 has applied and how long delivery took, and hands the newest version to a worker that
 (re)registers. A worker applies all buckets, then flips its version: never half an update.
 GPU transports (NCCL broadcast, CUDA IPC) plug in behind the same ``publish``.
+
+Channels: the policy channel calls each worker's ``receive_weights``; a second broadcaster
+built with ``method="receive_draft_weights"`` is the DraftTrainer's draft channel (draft
+versions, applied without touching policy versions). ``latest()`` serves pull-style
+consumers (the DraftTrainer's policy copy) that must not count as workers to wait for.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from miles.actors.handles import Peer
 
 
 class WeightBroadcaster:
-    def __init__(self) -> None:
+    def __init__(self, method: str = "receive_weights") -> None:
+        self.method = method  # the worker endpoint deliveries call
         self.workers: dict[str, Peer] = {}
         self.applied: dict[str, int] = {}
         self.latest_version = -1
@@ -67,12 +73,16 @@ class WeightBroadcaster:
             return
         start = time.monotonic()
         try:
-            applied = await peer.call("receive_weights", version, buckets)
+            applied = await peer.call(self.method, version, buckets)
         except Exception:
             self.failures += 1  # the driver's health check restarts dead workers
             return
         self.applied[worker_id] = max(self.applied.get(worker_id, -1), int(applied))
         self.delivery_s.append(time.monotonic() - start)
+
+    def latest(self) -> tuple[int, list[Any]]:
+        """The newest version and its bucket references (-1, [] before the first publish)."""
+        return self.latest_version, list(self.latest_buckets)
 
     async def wait_applied(self, version: int, timeout: float | None = None) -> bool:
         """Wait until every registered worker runs ``version`` or newer (sync mode)."""

@@ -8,6 +8,8 @@
 - ``sampling.py`` batched sampling (temperature, top-k, top-p, seeded counter-based draws)
 - ``requests.py`` per-request state and stop rules
 - ``weights.py``  staged weight updates
+- ``spec/``       speculative decoding: draft models' device side, speculative sampling,
+  one-forward verify, the measured on/off and k rule, CUDA graphs for whole rounds
 """
 
 from miles.engines.config import EngineConfig

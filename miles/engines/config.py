@@ -20,12 +20,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Most prompt tokens (padded) prefilled in one forward; a longer prompt goes alone.
     max_prefill_tokens: int = 8192
     # Decode reads the KV cache up to the longest context rounded up to this (0 = auto:
-    # 256 on CUDA so CUDA graphs see few shapes, 16 on the CPU).
+    # 128 on CUDA so CUDA graphs see few shapes, 16 on the CPU).
     kv_block: int = 0
-    # "matmul" (explicit, K/V read once) or "sdpa" for the decode attention.
-    decode_attention: str = "matmul"
+    # "sdpa" (torch's fused kernel) or "matmul" (explicit q·Kᵀ, softmax, ·V) for decode.
+    decode_attention: str = "sdpa"
     # CUDA graphs for dense decode steps (ignored on the CPU and for MoE models).
     cuda_graphs: bool = True
+    # torch.compile the layers' step functions (fuses RMSNorm/RoPE/SiLU/residual kernels).
+    # None = auto: on for CUDA, off on the CPU (where it needs a C++ compiler and ~10 s).
+    compile: bool | None = None
+    # Launch decode step k+1 before reading back step k (host work overlaps the device).
+    # None = auto: on for CUDA, off on the CPU (where there is nothing to overlap).
+    overlap: bool | None = None
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0
 
@@ -37,10 +43,20 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         except KeyError:
             raise ValueError(f"dtype {self.dtype!r} not in auto/float32/bfloat16/float16") from None
 
+    def use_compile(self) -> bool:
+        if self.compile is None:
+            return torch.device(self.device).type == "cuda"
+        return self.compile
+
+    def use_overlap(self) -> bool:
+        if self.overlap is None:
+            return torch.device(self.device).type == "cuda"
+        return self.overlap
+
     def block(self) -> int:
         if self.kv_block > 0:
             return self.kv_block
-        return 16 if torch.device(self.device).type == "cpu" else 256
+        return 16 if torch.device(self.device).type == "cpu" else 128
 
     def validate(self, max_position_embeddings: int) -> None:
         if self.max_batch_size < 1:

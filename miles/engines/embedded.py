@@ -13,7 +13,8 @@ event loop — rewards, environment steps and other coroutines interleave with d
 switch interval). The thread loops: apply control (aborts, weight commits, pause) → admit
 waiting requests and prefill them (batched, right-padded) → one decode step for every
 running request (continuous batching: requests join and leave between steps) → sample →
-hand finished requests back. Model and cache state are touched by that thread only.
+hand finished requests back (``stepper.py``; on CUDA the next step is launched before the
+previous one is read back). Model and cache state are touched by that thread only.
 
 Weight updates: ``stage_weights`` copies tensors into a staging area while decoding goes on;
 ``commit_weights`` is applied between two decode steps, all at once, and the version flips
@@ -24,6 +25,13 @@ first (AReaL); with ``True`` it keeps the cache computed by the old ones (Pipeli
 Hidden states (``return_hidden_states``) come back through ``pop_hidden_states(rid)``:
 ``[len(context) - 1, H]`` float32, row p = final-norm hidden state at context position p
 (the feature that predicted token p + 1) — what an EAGLE draft head trains on.
+
+Speculative decoding (``draft=`` a CausalLM or an EagleHead, ``speculative=`` a
+SpeculativeConfig; ``spec/``): steps become rounds in which the draft proposes k tokens
+per row and the policy verifies them in one forward; the recorded log-probs and versions
+stay the policy's. Draft weights have their own staged updates and version
+(``update_draft_weights``), applied between steps like the policy's and never touching
+the policy version.
 """
 
 from __future__ import annotations
@@ -31,18 +39,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from miles.engines.config import EngineConfig
 from miles.engines.requests import Request
-from miles.engines.runner import ModelRunner, StepOut
-from miles.engines.sampling import SamplingBatch, sample
+from miles.engines.runner import ModelRunner
+from miles.engines.sampling import compile_counter_uniform
+from miles.engines.spec.config import MAX_STEPS, SpeculativeConfig
+from miles.engines.stepper import EngineStats, Stepper
 from miles.engines.weights import WeightStager
+from miles.models.checkpoint import load_pretrained
+from miles.models.fused import compile_fast_path
 from miles.models.model import CausalLM
+from miles.models.tokenizer import load_tokenizer
 from miles.protocols import NamedTensors
 from miles.types import GenerateOutput, GenerateRequest
 
@@ -51,42 +64,72 @@ log = logging.getLogger(__name__)
 
 class EmbeddedEngine:
     def __init__(self, model: CausalLM, *, config: EngineConfig | None = None,
-                 tokenizer: Any = None, version: int = 0) -> None:
-        """Takes ownership of ``model``: moves it to ``config.device`` / dtype, freezes grads."""
+                 tokenizer: Any = None, version: int = 0, draft: Any = None,
+                 speculative: SpeculativeConfig | None = None, draft_version: int = 0) -> None:
+        """Takes ownership of ``model`` (and ``draft``): moves it to ``config.device`` /
+        dtype, freezes grads. Speculation needs both ``draft`` and an enabled ``speculative``."""
         self.config = config = config or EngineConfig()
         config.validate(model.config.max_position_embeddings)
         self.device, self.dtype = torch.device(config.device), config.torch_dtype()
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.model.fuse_projections(compile_fast_path() if config.use_compile() else None)
+        if config.use_compile():
+            compile_counter_uniform(self.device)  # seeded draws: one fused kernel on CUDA
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(self.model, config)
+        spec_on = draft is not None and speculative is not None and speculative.enabled
+        self.runner = ModelRunner(self.model, config, headroom=MAX_STEPS + 2 if spec_on else 0)
+        self.spec = self._build_spec(draft, speculative, draft_version) if spec_on else None
         self.stager = WeightStager(self.model, self.device, self.dtype)
-        self._version = version
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
-        self._gen = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.stats_ = EngineStats()
+        self._hidden: dict[str, torch.Tensor] = {}
+        self.stepper = Stepper(
+            self.runner, config, eos_ids=self.eos_ids, tokenizer=tokenizer,
+            generator=torch.Generator(device=self.device).manual_seed(config.seed),
+            stats=self.stats_, on_done=self._done, spec=self.spec,
+        )
+        self.stepper.version = version
         self._cv = threading.Condition()  # guards queues and control flags
         self._stage_lock = threading.Lock()  # staging vs applying weights, not decoding
         self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []  # request i holds KV slot i
         self._abort_rids: set[str] = set()
         self._abort_all = False
         self._commits: deque[tuple[int, bool, asyncio.AbstractEventLoop, asyncio.Future]] = deque()
+        self._draft_commits: deque[tuple[int, asyncio.AbstractEventLoop, asyncio.Future]] = deque()
         self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._pause_requested = self._paused = self._closed = False
         self._thread: threading.Thread | None = None
-        self._hidden: dict[str, torch.Tensor] = {}
-        self._counters = dict.fromkeys(
-            ("tokens_generated", "decode_steps", "prefill_tokens", "weight_updates",
-             "requests_finished", "requests_aborted", "requests_failed"), 0)
-        self._occupancy: deque[float] = deque(maxlen=256)
-        self._rate: deque[tuple[float, int]] = deque(maxlen=512)
+
+    def _build_spec(self, draft: Any, cfg: SpeculativeConfig, draft_version: int) -> Any:
+        from miles.engines.spec.decoder import SpecDecoder
+        from miles.engines.spec.drafters import make_drafter
+        from miles.engines.spec.graphs import RoundGraphs, VerifyGraphs
+        from miles.models.draft import check_compatible
+
+        check_compatible(draft, self.model.config)
+        drafter = make_drafter(draft, self.model, self.config, version=draft_version)
+        spec = SpecDecoder(self.runner, drafter, cfg)
+        if self.runner.graphs is not None:  # dense model on CUDA with graphs on
+            self.runner.verify_graphs = VerifyGraphs(self.runner, cfg.speculative_num_steps + 1)
+            spec.round_graphs = RoundGraphs(spec, cfg.speculative_num_steps)
+        return spec
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, config: EngineConfig | None = None,
+                        version: int = 0) -> EmbeddedEngine:
+        """An engine over a local HF checkpoint directory (+ its tokenizer.json if any)."""
+        config = config or EngineConfig()
+        model = load_pretrained(path, dtype=config.torch_dtype(), device=config.device)
+        tokenizer = load_tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
+        return cls(model, config=config, tokenizer=tokenizer, version=version)
 
     # ---- public API ------------------------------------------------------------------
     @property
     def version(self) -> int:
-        return self._version
+        return self.stepper.version
 
     def start(self) -> None:
         with self._cv:
@@ -106,7 +149,7 @@ class EmbeddedEngine:
         loop = asyncio.get_running_loop()
         req = Request(request, loop, loop.create_future())
         with self._cv:
-            if any(r.rid == request.rid for r in (*self._waiting, *self._running)):
+            if any(r.rid == request.rid for r in (*self._waiting, *self.stepper.running)):
                 return GenerateOutput(rid=request.rid, finish_reason="error",
                                       error=f"request id {request.rid!r} is already in flight")
             self._waiting.append(req)
@@ -123,7 +166,7 @@ class EmbeddedEngine:
             for r in self._waiting:
                 if rid is None or r.rid == rid:
                     r.aborted = True
-                    self._counters["requests_aborted"] += 1
+                    self.stats_.counters["requests_aborted"] += 1
                     r.resolve()
                 else:
                     keep.append(r)
@@ -160,8 +203,8 @@ class EmbeddedEngine:
     async def commit_weights(self, version: int, *, keep_kv_cache: bool | None = None) -> None:
         """Swap the staged tensors in between two decode steps; ``version`` flips after all."""
         keep = self.config.keep_kv_cache_on_update if keep_kv_cache is None else keep_kv_cache
-        if version < self._version:
-            raise ValueError(f"weight version {version} is older than the engine's {self._version}")
+        if version < self.version:
+            raise ValueError(f"weight version {version} is older than the engine's {self.version}")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._cv:
@@ -180,34 +223,86 @@ class EmbeddedEngine:
         await asyncio.to_thread(self.stage_weights, named_tensors)
         await self.commit_weights(version, keep_kv_cache=keep_kv_cache)
 
+    # ---- the draft (speculative decoding) ----------------------------------------------
+    @property
+    def draft_version(self) -> int:
+        """Version of the draft's weights (-1 without a draft); independent of ``version``."""
+        return self.spec.drafter.version if self.spec is not None else -1
+
+    def stage_draft_weights(self, named_tensors: NamedTensors) -> int:
+        """Validate and stage draft tensors (their own names) while decoding continues."""
+        if self.spec is None:
+            raise RuntimeError("this engine has no draft model (speculative decoding is off)")
+        with self._stage_lock:
+            return self.spec.drafter.stager.stage(named_tensors)
+
+    async def commit_draft_weights(self, version: int) -> None:
+        """Swap the staged draft tensors in between two steps; the policy version is untouched."""
+        if self.spec is None:
+            raise RuntimeError("this engine has no draft model (speculative decoding is off)")
+        if version < self.draft_version:
+            raise ValueError(f"draft version {version} is older than the engine's {self.draft_version}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cv:
+            idle = self._thread is None
+            if not idle:
+                self._draft_commits.append((version, loop, fut))
+                self._cv.notify()
+        if idle:
+            self._commit_draft(version)
+            return
+        await fut
+
+    async def update_draft_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        await asyncio.to_thread(self.stage_draft_weights, named_tensors)
+        await self.commit_draft_weights(version)
+
+    def spec_stats(self) -> dict[int, dict[str, float]]:
+        """Per policy version: acceptance rate, mean accepted length, rounds (speculation)."""
+        if self.spec is None:
+            return {}
+        return {v: s.as_dict() for v, s in sorted(self.spec.controller.by_version.items())}
+
     def pop_hidden_states(self, rid: str) -> torch.Tensor | None:
         return self._hidden.pop(rid, None)
 
     def progress(self, rid: str) -> int | None:
         """Tokens generated so far by an in-flight request (None if not in flight)."""
         with self._cv:
-            for r in (*self._running, *self._waiting):
+            for r in (*self.stepper.running, *self._waiting):
                 if r.rid == rid:
                     return len(r.output_ids)
         return None
 
+    def snapshot(self, rid: str) -> tuple[list[int], list[float], list[int]] | None:
+        """(output_ids, logprobs, versions) an in-flight request has so far (None if not in
+        flight); for streaming. Copies taken while the stepping thread may be appending, so
+        cut to the shortest of the three."""
+        with self._cv:
+            for r in (*self.stepper.running, *self._waiting):
+                if r.rid == rid:
+                    ids, lps, vs = list(r.output_ids), list(r.logprobs), list(r.versions)
+                    n = min(len(ids), len(lps), len(vs))
+                    return ids[:n], lps[:n], vs[:n]
+        return None
+
     def stats(self) -> dict[str, float]:
-        now = time.monotonic()
-        rate = 0.0
-        recent = [(t, n) for t, n in self._rate if now - t <= 10.0]
-        if len(recent) >= 2 and recent[-1][0] > recent[0][0]:
-            rate = (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
-        occ = sum(self._occupancy) / len(self._occupancy) if self._occupancy else 0.0
-        out = {f"engine/{k}": float(v) for k, v in self._counters.items()}
+        st = self.stats_
+        out = {f"engine/{k}": float(v) for k, v in st.counters.items()}
+        occ = list(st.occupancy)
         out.update({
-            "rollout/tokens_generated": float(self._counters["tokens_generated"]),
-            "rollout/tokens_per_s": rate,
-            "engine/batch_occupancy": occ,
-            "engine/num_running": float(len(self._running)),
+            "rollout/tokens_generated": float(st.counters["tokens_generated"]),
+            "rollout/tokens_per_s": st.tokens_per_s(),
+            "engine/batch_occupancy": sum(occ) / len(occ) if occ else 0.0,
+            "engine/num_running": float(len(self.stepper.running)),
             "engine/num_waiting": float(len(self._waiting)),
-            "engine/version": float(self._version),
+            "engine/version": float(self.version),
             "engine/kv_cache_bytes": float(self.runner.cache.nbytes),
         })
+        if self.spec is not None:
+            out.update(self.spec.controller.stats(self.version))
+            out["spec/draft_version"] = float(self.draft_version)
         return out
 
     async def close(self) -> None:
@@ -246,32 +341,41 @@ class EmbeddedEngine:
                 with self._cv:
                     while not self._has_work():
                         self._cv.wait()
-                    if self._closed and not self._running and not self._waiting:
+                    if self._closed and not self._waiting and not self.stepper.running:
+                        self.stepper.drain()
                         return
                 self._control()
                 if self._paused:
                     continue
                 try:
-                    self._admit()
-                    if self._running:
-                        self._decode()
+                    new = self._take_waiting()
+                    if new or any(r.needs_prefill for r in self.stepper.running):
+                        self.stepper.admit(new)
+                    if self.stepper.running:
+                        self.stepper.decode()
+                    else:
+                        self.stepper.drain()
                 except Exception as exc:  # keep serving: fail what was in the step
                     log.exception("engine step failed")
-                    self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                    self.stepper.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
 
     def _has_work(self) -> bool:
-        if self._closed or self._commits or self._abort_all or self._abort_rids:
+        if self._closed or self._commits or self._draft_commits or self._abort_all or self._abort_rids:
             return True
         if self._pause_requested != self._paused:
             return True
-        return not self._paused and bool(self._waiting or self._running)
+        return not self._paused and (bool(self._waiting) or self.stepper.busy)
 
     def _control(self) -> None:
         with self._cv:
             aborts, abort_all = self._abort_rids, self._abort_all
             self._abort_rids, self._abort_all = set(), False
             commits, self._commits = self._commits, deque()
-            if self._pause_requested and not self._paused:
+            draft_commits, self._draft_commits = self._draft_commits, deque()
+            pause = self._pause_requested and not self._paused
+            if pause or aborts or abort_all or commits or draft_commits:
+                self.stepper.drain()  # act on a settled state
+            if pause:
                 self._paused = True
                 for loop, fut in self._pause_waiters:
                     _set_soon(loop, fut, None)
@@ -284,116 +388,55 @@ class EmbeddedEngine:
                 _set_soon(loop, fut, None)
             except Exception as exc:
                 _set_soon(loop, fut, exc)
-        for r in list(self._running):
+        for version, loop, fut in draft_commits:
+            try:
+                self._commit_draft(version)
+                _set_soon(loop, fut, None)
+            except Exception as exc:
+                _set_soon(loop, fut, exc)
+        for r in list(self.stepper.running):
             if abort_all or r.rid in aborts:
                 r.aborted = True
-                self._release(r)
+                self.stepper.release(r)
 
     def _commit(self, version: int, keep_kv_cache: bool) -> None:
         with self._stage_lock:
             self.stager.apply()
-        self._version = version
-        self._counters["weight_updates"] += 1
+        self.stepper.version = version
+        self.stats_.counters["weight_updates"] += 1
         if not keep_kv_cache:
-            for r in self._running:
+            for r in self.stepper.running:
                 r.needs_prefill = True
 
-    def _admit(self) -> None:
-        """Prefill: in-flight requests whose cache must be recomputed, then waiting ones."""
-        rows: list[Request] = [r for r in self._running if r.needs_prefill]
-        budget = self.config.max_prefill_tokens
-        longest = max((len(r.context) for r in rows), default=0)
+    def _commit_draft(self, version: int) -> None:
+        with self._stage_lock:
+            self.spec.drafter.stager.apply()
+        self.spec.drafter.version = version
+        self.spec.drafter.weights_changed(self.stepper.running)
+        self.stats_.counters["draft_updates"] += 1
+
+    def _take_waiting(self) -> list[Request]:
+        """Waiting requests that fit the free slots and the prefill token budget."""
+        recompute = [r for r in self.stepper.running if r.needs_prefill]
+        longest = max((len(r.context) for r in recompute), default=0)
+        rows, new = len(recompute), []
+        free = self.config.max_batch_size - len(self.stepper.running)
         with self._cv:
-            while self._waiting and len(self._running) < self.config.max_batch_size:
+            while self._waiting and len(new) < free:
                 nxt = self._waiting[0]
                 new_longest = max(longest, len(nxt.context))
-                if rows and new_longest * (len(rows) + 1) > budget:
+                if rows and new_longest * (rows + 1) > self.config.max_prefill_tokens:
                     break
-                self._waiting.popleft()
-                nxt.slot = len(self._running)
-                self._running.append(nxt)
-                rows.append(nxt)
-                longest = new_longest
-        if rows:
-            self._prefill(rows)
+                new.append(self._waiting.popleft())
+                rows, longest = rows + 1, new_longest
+        return new
 
-    def _prefill(self, rows: list[Request]) -> None:
-        # A fresh request prefills its whole context and samples; a recomputed one
-        # re-prefills all but its pending last token and samples nothing.
-        seqs = [r.context if r.kv_len == 0 else r.context[:-1] for r in rows]
-        fresh = [r.kv_len == 0 for r in rows]
-        want_hidden = any(r.hidden is not None for r in rows)
-        want_routing = any(r.routed is not None for r in rows)
-        out = self.runner.prefill([r.slot for r in rows], seqs, logits=any(fresh),
-                                  hidden=want_hidden, routing=want_routing)
-        self._counters["prefill_tokens"] += sum(len(s) for s in seqs)
-        for i, (r, seq) in enumerate(zip(rows, seqs)):
-            r.needs_prefill = False
-            r.kv_len = len(seq)
-            if r.hidden is not None and fresh[i]:
-                r.hidden.append(out.hidden[i, : len(seq)])
-        sample_rows = [i for i, f in enumerate(fresh) if f]
-        if sample_rows:
-            idx = torch.tensor(sample_rows, device=self.device)
-            routing = None if out.routing is None else out.routing[idx, [len(seqs[i]) - 1 for i in sample_rows]]
-            sub = StepOut(out.logits[idx], None, routing)
-            self._sample_and_append([rows[i] for i in sample_rows], sub)
-
-    def _decode(self) -> None:
-        reqs = list(self._running)
-        out = self.runner.decode([r.context[-1] for r in reqs], [r.kv_len for r in reqs])
-        for i, r in enumerate(reqs):
-            r.kv_len += 1
-            if r.hidden is not None:
-                r.hidden.append(out.hidden[i][None])
-        self._counters["decode_steps"] += 1
-        self._occupancy.append(len(reqs) / self.config.max_batch_size)
-        self._sample_and_append(reqs, out)
-
-    def _sample_and_append(self, reqs: list[Request], out: StepOut) -> None:
-        batch = SamplingBatch.build([r.sampling for r in reqs], [r.response_position for r in reqs])
-        tokens, logprobs = sample(out.logits, batch, self._gen)
-        finite = torch.isfinite(out.logits).all(dim=-1)
-        host = torch.stack([tokens.double(), logprobs.double(), finite.double()]).cpu().tolist()
-        routing = out.routing.cpu().tolist() if any(r.routed is not None for r in reqs) else None
-        version, max_len = self._version, self.config.max_seq_len
-        for i, r in enumerate(reqs):
-            if not host[2][i]:
-                r.fail(f"non-finite logits at response position {r.response_position}")
-            else:
-                r.append(int(host[0][i]), host[1][i], version, eos_ids=self.eos_ids,
-                         max_seq_len=max_len, tokenizer=self.tokenizer)
-                if r.routed is not None and routing is not None:
-                    r.routed.append(routing[i])
-        self._counters["tokens_generated"] += len(reqs)
-        self._rate.append((time.monotonic(), self._counters["tokens_generated"]))
-        for r in reqs:
-            if r.finish is not None:
-                self._release(r)
-
-    def _release(self, req: Request) -> None:
-        """Hand a request back and keep slots 0..n-1 dense (the last one fills the hole)."""
-        slot = req.slot
-        if req.finish == "error":  # non-finite K/V must not linger (0 · NaN poisons attention)
-            self.runner.cache.clear_slot(slot)
-        last = self._running.pop()
-        if last is not req:
-            self._running[slot] = last
-            self.runner.cache.move_slot(last.slot, slot, last.kv_len)
-            last.slot = slot
-        req.slot = -1
-        key = {"error": "requests_failed", "abort": "requests_aborted"}.get(req.finish or "abort")
-        self._counters[key or "requests_finished"] += 1
+    def _done(self, req: Request) -> None:
         if req.hidden is not None:
             hidden = req.hidden_states()
             if hidden is not None:
                 self._hidden[req.rid] = hidden
         req.resolve()
-
-    def _fail_all(self, message: str) -> None:
-        for r in list(self._running):
-            r.fail(message)
-            self._release(r)
 
 
 def _set_soon(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any) -> None:

@@ -19,8 +19,15 @@ Backends (see ``miles.models.layers.AttentionBackend``):
   axis, so K and V are each read once and never repeated; ``mode="sdpa"`` hands the same
   views and mask to ``scaled_dot_product_attention``.
 
-A speculative verify step (later issue) is one more backend: k new tokens per row, causal
-among themselves, same cache reads.
+- ``VerifyAttention``: T new tokens per row at ``starts[b] .. starts[b] + T - 1`` (a
+  speculative verify step, or a draft model catching up): writes their K/V there, then each
+  attends over ``[0, its position]`` of the row's slot — causal among the new tokens, same
+  cache reads as decode. Positions past a row's accepted context hold K/V of rejected draft
+  tokens; they are never read (every read is masked to ``<= position``) before a later step
+  writes them again, so rolling back a rejection is only bookkeeping (``kv_len``).
+
+Caches built for speculation have ``max_seq_len + headroom`` positions so that the draft
+tokens of a row near the end of its context still have somewhere to go.
 """
 
 from __future__ import annotations
@@ -36,12 +43,13 @@ from miles.models.config import ModelConfig
 
 class KVCache:
     def __init__(self, config: ModelConfig, num_slots: int, max_seq_len: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        shape = (config.num_hidden_layers, num_slots, config.num_key_value_heads, max_seq_len,
+                 device: torch.device, dtype: torch.dtype, *, headroom: int = 0) -> None:
+        shape = (config.num_hidden_layers, num_slots, config.num_key_value_heads, max_seq_len + headroom,
                  config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        self.length = max_seq_len + headroom  # positions per slot
 
     @property
     def nbytes(self) -> int:
@@ -101,3 +109,35 @@ class DecodeAttention:
             scores = scores.float().masked_fill(~self.mask, float("-inf"))
             out = torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
         return out.reshape(n, H, 1, D)
+
+
+class VerifyAttention:
+    """T query tokens per row at ``starts[b] + t``; rows ``0..n-1`` are slots ``0..n-1``."""
+
+    def __init__(self, cache: KVCache, starts: Tensor, T: int, length: int, mode: str = "sdpa") -> None:
+        self.cache, self.length, self.mode = cache, length, mode
+        n = starts.shape[0]
+        dev = starts.device
+        self.positions = starts[:, None] + torch.arange(T, device=dev)[None, :]  # [n, T]
+        self.rows = torch.arange(n, device=dev)[:, None]
+        # [n, 1, T, L]: key j is visible to query t of row b iff j <= starts[b] + t.
+        self.mask = (torch.arange(length, device=dev)[None, None, :] <= self.positions[:, :, None])[:, None]
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        n, H, T, D = q.shape
+        KV = k.shape[1]
+        kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        kc[self.rows, :, self.positions] = k.transpose(1, 2)  # [n, T, KV, D]
+        vc[self.rows, :, self.positions] = v.transpose(1, 2)
+        keys = kc[:n, :, : self.length]  # views: [n, KV, L, D]
+        values = vc[:n, :, : self.length]
+        G = H // KV
+        qg = q.reshape(n, KV, G * T, D)  # (group, token) rows per KV head
+        mask = self.mask.expand(n, G, T, self.length).reshape(n, 1, G * T, self.length)
+        if self.mode == "sdpa":
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
+        else:
+            scores = torch.matmul(qg, keys.transpose(-1, -2)) * (1.0 / math.sqrt(D))
+            scores = scores.float().masked_fill(~mask, float("-inf"))
+            out = torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
+        return out.reshape(n, H, T, D)

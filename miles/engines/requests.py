@@ -36,8 +36,12 @@ class Request:
         self.hidden: list[Tensor] | None = [] if req.return_hidden_states else None
         self.budget = req.sampling.max_new_tokens - req.num_prefix_tokens
         self.slot: int = -1
-        self.kv_len = 0
+        self.kv_len = 0  # context tokens whose K/V are in the slot
+        self.issued = 0  # tokens sampled so far, including one still on the device
         self.needs_prefill = True
+        self.draft_len = 0  # entries in the draft's cache (speculative decoding; spec/drafters.py)
+        self.spec_rounds = 0  # verify steps this request took part in
+        self.spec_accepted = 0  # draft tokens accepted over them
         self.aborted = False
         self.finish: FinishReason | None = None
         self.matched_stop: int | str | None = None
@@ -86,12 +90,16 @@ class Request:
             matched_stop=self.matched_stop,
             error=self.error,
             routed_experts=self.routed,
+            spec_verify_count=self.spec_rounds,
+            spec_accepted_tokens=self.spec_accepted,
         )
 
     def hidden_states(self) -> Tensor | None:
         if not self.hidden:
             return None
-        return torch.cat([h.reshape(-1, h.shape[-1]) for h in self.hidden]).float().cpu()
+        rows = torch.cat([h.reshape(-1, h.shape[-1]) for h in self.hidden])
+        # A launch-ahead step may have run once more after the last token: drop its row.
+        return rows[: len(self.context) - 1].float().cpu()
 
     def resolve(self) -> None:
         """Hand the output to the awaiting coroutine (called from the stepping thread)."""

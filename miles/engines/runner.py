@@ -2,8 +2,10 @@
 
 Everything here runs on the engine's stepping thread under ``torch.no_grad``. Inputs arrive
 as host lists; outputs are device tensors that the sampler consumes. The step is split into
-``prefill`` and ``decode`` calls (plus sampling in the engine), so a speculative
-draft/verify step can be added beside ``decode`` without touching the rest.
+``prefill``, ``decode`` and ``verify`` calls (plus sampling in the engine); ``verify`` runs T
+tokens per row against the cache in one forward (a speculative verify step, or a draft
+model catching up on several tokens). A runner built with ``headroom`` > 0 has that many
+spare cache positions past ``max_seq_len`` for draft tokens.
 
 CUDA graphs (dense models on CUDA only): the decode forward for a batch padded up to a
 bucket size ``nb`` and a context bucket ``L`` is captured once, lazily, into a shared memory
@@ -18,12 +20,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from miles.engines.config import EngineConfig
-from miles.engines.kv_cache import DecodeAttention, KVCache, PrefillAttention
+from miles.engines.kv_cache import DecodeAttention, KVCache, PrefillAttention, VerifyAttention
 from miles.models.model import CausalLM
 
 log = logging.getLogger(__name__)
@@ -39,18 +42,19 @@ class StepOut:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, config: EngineConfig) -> None:
+    def __init__(self, model: CausalLM, config: EngineConfig, *, headroom: int = 0) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype()
         self.model = model
         self.is_moe = model.config.is_moe
         self.cache = KVCache(model.config, config.max_batch_size, config.max_seq_len,
-                             self.device, self.dtype)
-        model.rotary.reserve(config.max_seq_len, self.device)
+                             self.device, self.dtype, headroom=headroom)
+        model.rotary.reserve(self.cache.length, self.device)
+        self.verify_graphs: Any = None  # set by the speculative decoder on CUDA
         self.block = config.block()
         use_graphs = config.cuda_graphs and self.device.type == "cuda" and not self.is_moe
-        self.graphs = _DecodeGraphs(self) if use_graphs else None
+        self.graphs = DecodeGraphs(self) if use_graphs else None
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -61,7 +65,7 @@ class ModelRunner:
     def context_bucket(self, longest: int) -> int:
         """Rounded-up number of cache positions a decode step reads (≤ max_seq_len)."""
         b = self.block
-        return min(-(-longest // b) * b, self.config.max_seq_len)
+        return min(-(-longest // b) * b, self.cache.length)
 
     # ---- prefill -----------------------------------------------------------------------
     def prefill(self, slots: list[int], seqs: list[list[int]], *, logits: bool,
@@ -80,14 +84,25 @@ class ModelRunner:
         return StepOut(None if out.logits is None else out.logits[:, 0], out.hidden, out.routing)
 
     # ---- decode ------------------------------------------------------------------------
-    def decode(self, tokens: list[int], positions: list[int]) -> StepOut:
-        """One token per running request; request i occupies slot i (i < n)."""
+    def decode(self, tokens: Tensor | list[int], positions: list[int]) -> StepOut:
+        """One token per running request (host list, or device tensor from the previous
+        step's samples); request i occupies slot i (i < n)."""
         L = self.context_bucket(max(positions) + 1)
         if self.graphs is not None:
             out = self.graphs.run(tokens, positions, L)
             if out is not None:
                 return out
-        return self.decode_eager(self._tensor(tokens), self._tensor(positions), L)
+        if not isinstance(tokens, Tensor):
+            tokens = self._tensor(tokens)
+        return self.decode_eager(tokens, self._tensor(positions), L)
+
+    def decode_at(self, tokens: Tensor, positions: Tensor, L: int) -> StepOut:
+        """``decode`` with device-side positions and a context bucket the caller knows."""
+        if self.graphs is not None:
+            out = self.graphs.run(tokens, positions, L)
+            if out is not None:
+                return out
+        return self.decode_eager(tokens, positions, L)
 
     def decode_eager(self, tokens: Tensor, positions: Tensor, L: int) -> StepOut:
         backend = DecodeAttention(self.cache, positions, L, self.config.decode_attention)
@@ -96,8 +111,38 @@ class ModelRunner:
         routing = None if out.routing is None else out.routing[:, 0]
         return StepOut(out.logits[:, 0], out.hidden[:, 0], routing)
 
+    # ---- verify (several tokens per row) -------------------------------------------
+    def verify(self, tokens: Tensor, starts: list[int] | Tensor, *, L: int | None = None,
+               logits_index: Tensor | None = None, logits: bool = True) -> StepOut:
+        """``tokens`` [n, T] at positions ``starts[i] .. starts[i] + T - 1`` of slot i (a host
+        list, or a device tensor with the context bucket ``L``). Returns logits [n, T, V] (or
+        [n, V] at ``logits_index``), hidden [n, T, H] and routing [n, T, L_moe, k] (MoE)."""
+        T = tokens.shape[1]
+        if L is None:
+            L = self.context_bucket(max(starts) + T)
+        graphs = self.verify_graphs
+        if graphs is not None and logits and logits_index is None:
+            out = graphs.run(tokens, starts, L)
+            if out is not None:
+                return out
+        if not isinstance(starts, Tensor):
+            starts = self._tensor(starts)
+        return self.verify_eager(tokens, starts, L, logits_index=logits_index, logits=logits)
 
-class _DecodeGraphs:
+    def verify_eager(self, tokens: Tensor, starts: Tensor, L: int, *, logits_index: Tensor | None = None,
+                     logits: bool = True) -> StepOut:
+        T = tokens.shape[1]
+        backend = VerifyAttention(self.cache, starts, T, L, self.config.decode_attention)
+        out = self.model(tokens, backend.positions, kv_cache=backend, return_hidden=True,
+                         return_logits=logits, logits_index=logits_index,
+                         return_routing=self.is_moe, check_inputs=False)
+        lg = out.logits if out.logits is None or logits_index is None else out.logits[:, 0]
+        return StepOut(lg, out.hidden, out.routing)
+
+
+class DecodeGraphs:
+    """Decode-step CUDA graphs keyed by (batch bucket, context bucket), captured lazily."""
+
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         cap = runner.config.max_batch_size
@@ -108,8 +153,8 @@ class _DecodeGraphs:
         cfg = runner.model.config
         self.logits = torch.zeros(cap, cfg.vocab_size, dtype=torch.float32, device=dev)
         self.hidden = torch.zeros(cap, cfg.hidden_size, dtype=runner.dtype, device=dev)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], Any] = {}  # (batch bucket, context bucket) → graph
+        self.pool: Any = None
         self.failed = False
 
     def _step(self, nb: int, L: int) -> None:
@@ -117,14 +162,22 @@ class _DecodeGraphs:
         self.logits[:nb].copy_(out.logits)
         self.hidden[:nb].copy_(out.hidden)
 
-    def run(self, tokens: list[int], positions: list[int], L: int) -> StepOut | None:
+    def run(self, tokens: Tensor | list[int], positions: list[int] | Tensor, L: int) -> StepOut | None:
         if self.failed:
             return None
-        n = len(tokens)
+        n = len(positions)
         nb = next(b for b in self.buckets if b >= n)
         pad = nb - n
-        self.tokens[:nb].copy_(self.runner._tensor(tokens + [0] * pad))
-        self.positions[:nb].copy_(self.runner._tensor(positions + [0] * pad))
+        if isinstance(tokens, Tensor):
+            self.tokens[:n].copy_(tokens)
+            self.tokens[n:nb].zero_()
+        else:
+            self.tokens[:nb].copy_(self.runner._tensor(tokens + [0] * pad))
+        if isinstance(positions, Tensor):
+            self.positions[:n].copy_(positions)
+            self.positions[n:nb].zero_()
+        else:
+            self.positions[:nb].copy_(self.runner._tensor(positions + [0] * pad))
         graph = self.graphs.get((nb, L))
         if graph is None:
             try:
@@ -136,7 +189,9 @@ class _DecodeGraphs:
         graph.replay()
         return StepOut(self.logits[:n], self.hidden[:n], None)
 
-    def _capture(self, nb: int, L: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, nb: int, L: int) -> Any:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -144,7 +199,8 @@ class _DecodeGraphs:
                 self._step(nb, L)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA work on other threads (weight staging, the caller) may go on.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self._step(nb, L)
         self.graphs[(nb, L)] = graph
         return graph

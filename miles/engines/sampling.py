@@ -21,6 +21,7 @@ batch. Rows without a seed draw ``u`` from the engine's torch.Generator.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +71,33 @@ def counter_uniform(keys: Tensor, vocab: int) -> Tensor:
     return (_lsr(z, 40).float() + 0.5) * (1.0 / (1 << 24))
 
 
+_fast_uniform: Any = None  # a torch.compile'd counter_uniform, once ``compile_counter_uniform`` vouched for it
+
+
+def hashed_uniform(keys: Tensor, vocab: int) -> Tensor:
+    """``counter_uniform``, through the compiled copy when there is one: on CUDA its ~15
+    elementwise int64 passes over [rows, vocab] fuse into one kernel (integer arithmetic:
+    bitwise the same numbers)."""
+    fn = _fast_uniform
+    return counter_uniform(keys, vocab) if fn is None or keys.device.type != "cuda" else fn(keys, vocab)
+
+
+def compile_counter_uniform(device: torch.device) -> bool:
+    """Compile ``counter_uniform`` for CUDA and keep it only if it reproduces the eager one
+    bitwise on a probe (any failure: stay eager). Returns whether the compiled copy is used."""
+    global _fast_uniform
+    if _fast_uniform is not None or device.type != "cuda":
+        return _fast_uniform is not None
+    try:
+        fn = torch.compile(counter_uniform, dynamic=True, fullgraph=True)
+        keys = torch.tensor([row_key(1, 2), row_key(3, 4), -5], dtype=torch.int64, device=device)
+        if torch.equal(fn(keys, 1000), counter_uniform(keys, 1000)):
+            _fast_uniform = fn
+    except Exception:  # an optimisation only
+        _fast_uniform = None
+    return _fast_uniform is not None
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling parameters of one batch, built on the host from SamplingParams."""
@@ -105,54 +133,62 @@ def truncate(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return torch.full_like(logits, float("-inf")).scatter(-1, order, kept)
 
 
+def to_device(data: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small host list → device tensor without a blocking copy on CUDA (pinned staging)."""
+    t = torch.tensor(data, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 def sample(logits: Tensor, batch: SamplingBatch, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
     """Sample one token per row of ``logits`` [n, V] (float32). Returns (tokens, logprobs)."""
     n, V = logits.shape
     dev = logits.device
     greedy = [t <= GREEDY_EPS for t in batch.temperature]
+    if all(greedy):
+        return _greedy(logits)
+    if not any(greedy):
+        return _sampled(logits, batch, range(n), generator)
     tokens = torch.empty(n, dtype=torch.long, device=dev)
     logprobs = torch.empty(n, dtype=torch.float32, device=dev)
     g_rows = [i for i in range(n) if greedy[i]]
     s_rows = [i for i in range(n) if not greedy[i]]
-    if g_rows:
-        idx = torch.tensor(g_rows, device=dev) if len(g_rows) < n else None
-        lg = logits if idx is None else logits[idx]
-        tok = lg.argmax(dim=-1)
-        lp = F.log_softmax(lg, dim=-1).gather(-1, tok[:, None])[:, 0]
-        _put(tokens, logprobs, idx, tok, lp)
-    if s_rows:
-        idx = torch.tensor(s_rows, device=dev) if len(s_rows) < n else None
-        lg = logits if idx is None else logits[idx]
-        temp = torch.tensor([batch.temperature[i] for i in s_rows], device=dev, dtype=torch.float32)
-        scaled = lg / temp[:, None]
-        if any(batch.top_k[i] > 0 or batch.top_p[i] < 1.0 for i in s_rows):
-            top_k = torch.tensor([batch.top_k[i] for i in s_rows], device=dev)
-            top_p = torch.tensor([batch.top_p[i] for i in s_rows], device=dev, dtype=torch.float32)
-            scaled = truncate(scaled, top_k, top_p)
-        logp = F.log_softmax(scaled, dim=-1)
-        u = _uniforms([batch.keys[i] for i in s_rows], V, dev, generator)
-        tok = (logp - torch.log(-torch.log(u))).argmax(dim=-1)
-        _put(tokens, logprobs, idx, tok, logp.gather(-1, tok[:, None])[:, 0])
+    g_idx, s_idx = to_device(g_rows, torch.long, dev), to_device(s_rows, torch.long, dev)
+    tokens[g_idx], logprobs[g_idx] = _greedy(logits[g_idx])
+    tokens[s_idx], logprobs[s_idx] = _sampled(logits[s_idx], batch, s_rows, generator)
     return tokens, logprobs
 
 
-def _put(tokens: Tensor, logprobs: Tensor, idx: Tensor | None, tok: Tensor, lp: Tensor) -> None:
-    if idx is None:
-        tokens.copy_(tok)
-        logprobs.copy_(lp)
-    else:
-        tokens[idx] = tok
-        logprobs[idx] = lp
+def _greedy(logits: Tensor) -> tuple[Tensor, Tensor]:
+    tok = logits.argmax(dim=-1)
+    return tok, logits.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+
+
+def _sampled(logits: Tensor, batch: SamplingBatch, rows: Any, generator: torch.Generator | None
+             ) -> tuple[Tensor, Tensor]:
+    dev = logits.device
+    rows = list(rows)
+    temps = [batch.temperature[i] for i in rows]
+    scaled = logits if all(t == 1.0 for t in temps) else logits / to_device(temps, torch.float32, dev)[:, None]
+    if any(batch.top_k[i] > 0 or batch.top_p[i] < 1.0 for i in rows):
+        top_k = to_device([batch.top_k[i] for i in rows], torch.long, dev)
+        top_p = to_device([batch.top_p[i] for i in rows], torch.float32, dev)
+        scaled = truncate(scaled, top_k, top_p)
+    # Gumbel-max: argmax(scaled + g) ~ softmax(scaled); -inf (truncated) never wins.
+    u = _uniforms([batch.keys[i] for i in rows], logits.shape[1], dev, generator)
+    tok = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
+    logprob = scaled.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)
+    return tok, logprob
 
 
 def _uniforms(keys: list[int | None], V: int, dev: torch.device, gen: torch.Generator | None) -> Tensor:
     seeded = [i for i, k in enumerate(keys) if k is not None]
     if not seeded:
         return torch.rand(len(keys), V, device=dev, generator=gen)
-    key_t = torch.tensor([keys[i] for i in seeded], device=dev, dtype=torch.int64)
-    hashed = counter_uniform(key_t, V)
+    hashed = hashed_uniform(to_device([keys[i] for i in seeded], torch.int64, dev), V)
     if len(seeded) == len(keys):
         return hashed
     u = torch.rand(len(keys), V, device=dev, generator=gen)
-    u[torch.tensor(seeded, device=dev)] = hashed
+    u[to_device(seeded, torch.long, dev)] = hashed
     return u

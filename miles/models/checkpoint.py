@@ -107,6 +107,15 @@ def load_pretrained(
     return model.eval()
 
 
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor with storage of its own (safetensors refuses shared storage, which
+    fused projections create)."""
+    t = t.contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
 def save_pretrained(
     model: CausalLM,
     path: str | Path,
@@ -119,7 +128,7 @@ def save_pretrained(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {
-        k: v.detach().to("cpu").contiguous()
+        k: _owned(v.detach().to("cpu"))
         for k, v in model.state_dict().items()
         if not (model.config.tie_word_embeddings and k == "lm_head.weight")
     }

@@ -21,7 +21,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from miles.models.config import ModelConfig
+from miles.models.fused import FastPath, layer_args
 from miles.models.layers import (
+    MLP,
+    Attention,
     AttentionBackend,
     DecoderLayer,
     FullAttention,
@@ -77,6 +80,22 @@ class CausalLM(nn.Module):
                 p.zero_()
             else:
                 p.normal_(0.0, std, generator=generator)
+
+    def fuse_projections(self, fast: FastPath | None = None) -> None:
+        """Inference only (the engine calls it): q/k/v and gate/up as single GEMMs and the
+        layers on the fast path (``miles.models.fused``; pass a compiled FastPath to use
+        torch.compile). Parameters become views of the fused tensors, so names,
+        ``state_dict`` and in-place weight updates are unchanged. Call after
+        ``.to(device, dtype)`` and with grads off."""
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP)) and not (
+                getattr(module, "qkv", None) is not None or getattr(module, "gate_up", None) is not None
+            ):
+                module.fuse()
+        fast = fast or FastPath()
+        for layer in self.model.layers:
+            layer.fast_args = layer_args(layer)
+            layer.fast = fast
 
     @property
     def device(self) -> torch.device:

@@ -1,1 +1,28 @@
-"""miles.scheduler"""
+"""miles.scheduler: admission under the staleness budget (``staleness``).
+
+The driver loop that uses it lives with the runtime; everything here is plain Python.
+"""
+
+from miles.scheduler.staleness import (
+    MODES,
+    Scheduler,
+    SchedulerConfig,
+    admission,
+    is_doomed,
+    loss_version_stats,
+    mask_stale_tokens,
+    mode_staleness,
+    within_bound,
+)
+
+__all__ = [
+    "MODES",
+    "Scheduler",
+    "SchedulerConfig",
+    "admission",
+    "is_doomed",
+    "loss_version_stats",
+    "mask_stale_tokens",
+    "mode_staleness",
+    "within_bound",
+]

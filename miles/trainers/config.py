@@ -13,7 +13,7 @@ from typing import Literal
 import msgspec
 
 DecayStyle = Literal["constant", "cosine", "linear"]
-Dtype = Literal["float32", "bfloat16"]
+Dtype = Literal["auto", "float32", "bfloat16"]
 
 
 class TrainerConfigError(ValueError):
@@ -45,11 +45,15 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     num_steps_per_rollout: int = 1  # optimizer steps per train_step (PPO mini-batches)
 
     # --- numerics and placement ----------------------------------------------------------
-    dtype: Dtype = "float32"  # compute dtype; parameters and AdamW state stay float32
+    # compute dtype ("auto": float32 on the CPU, bfloat16 on CUDA, as the engine's --dtype);
+    # parameters and AdamW state stay float32
+    dtype: Dtype = "auto"
     device: str = "cpu"
     seed: int = 0
     rollout_temperature: float = 1.0  # logits are divided by it, as the engine samples
-    compile: bool = False  # torch.compile each decoder layer (GPU throughput)
+    # torch.compile each decoder layer (GPU throughput); shares --compile with the engine,
+    # where None means "auto" — for the trainer None means off
+    compile: bool | None = None
     gradient_checkpointing: bool = False  # recompute decoder layers in backward
     fsdp: bool | None = None  # None → FSDP2 when torch.distributed has > 1 rank
 
@@ -78,7 +82,8 @@ def validate(cfg: TrainerConfig) -> None:
     """Raise TrainerConfigError naming the first bad field."""
     _check(cfg.lr_decay_style in ("constant", "cosine", "linear"), "lr_decay_style",
            f"{cfg.lr_decay_style!r} is not one of ['constant', 'cosine', 'linear']")
-    _check(cfg.dtype in ("float32", "bfloat16"), "dtype", f"{cfg.dtype!r} is not one of ['float32', 'bfloat16']")
+    _check(cfg.dtype in ("auto", "float32", "bfloat16"), "dtype",
+           f"{cfg.dtype!r} is not one of ['auto', 'float32', 'bfloat16']")
     _check(_num(cfg.lr) and cfg.lr >= 0, "lr", f"must be >= 0, got {cfg.lr!r}")
     _check(_num(cfg.min_lr) and 0 <= cfg.min_lr <= cfg.lr, "min_lr", f"must be in [0, lr], got {cfg.min_lr!r}")
     for field in ("lr_warmup_steps",):

@@ -45,7 +45,9 @@ class NonFiniteError(FloatingPointError):
     """Too many consecutive optimizer steps had a non-finite loss or gradient."""
 
 
-def _dtype(name: str) -> torch.dtype:
+def _dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
@@ -83,7 +85,7 @@ class EmbeddedTrainer:
             raise ValueError(f"TrainerConfig.device={config.device!r} but CUDA is not available")
         self.config, self.algo = config, algo
         self.device = torch.device(config.device)
-        self.compute_dtype = _dtype(config.dtype)
+        self.compute_dtype = _dtype(config.dtype, config.device)
         torch.manual_seed(config.seed)
         self.model = model.to(device=self.device, dtype=torch.float32)
         self.model.train()

@@ -60,3 +60,15 @@ def test_codecs_round_trip() -> None:
 def test_finish_to_status() -> None:
     assert T.finish_to_status("length") is T.Status.TRUNCATED
     assert T.Status.ABORTED.finished and not T.Status.PARTIAL.finished
+
+
+def test_multi_turn_trajectory_with_routed_experts_round_trips() -> None:
+    t = _traj(routed_experts=[])
+    t.append([3, 4], [-0.1, -0.2], 0)  # model turn
+    t.append([8, 9, 10], [0.0] * 3, 1, kind="env")  # tool output: no loss
+    t.append([5], [-0.3], 1)  # model turn under a newer policy
+    t.routed_experts = [[[0, 1]], [[2, 3]], [[0, 0]], [[0, 0]], [[0, 0]], [[1, 2]]]
+    t.validate(current_version=1)
+    assert [s.kind for s in t.segments] == ["model", "env", "model"]
+    assert t.loss_versions() == [0, 0, 1] and t.num_loss_tokens == 3
+    assert T.decode(T.encode(t)) == t and T.from_json(T.to_json(t)) == t

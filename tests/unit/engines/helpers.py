@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from miles.engines import EmbeddedEngine, EngineConfig
-from miles.models import CausalLM, Tokenizer, build_tiny_tokenizer, tiny_config
+from miles.models import CausalLM, Tokenizer, tiny_config
 
 
 def make_model(seed: int = 0, **overrides: Any) -> CausalLM:

@@ -51,7 +51,7 @@ def test_bad_requests_error_while_others_are_served() -> None:
     assert dup.finish_reason == "error" and "already in flight" in dup.error
 
 
-def test_non_finite_logits_fail_only_that_request() -> None:
+def test_non_finite_logits_fail_only_that_request(overlap: bool) -> None:
     model = make_model(seed=2)
     poison = 200
     with torch.no_grad():
@@ -59,12 +59,14 @@ def test_non_finite_logits_fail_only_that_request() -> None:
     reference = make_model(seed=2)
 
     async def go():
-        engine = make_engine(model, max_batch_size=4)
-        tasks = [asyncio.create_task(_gen(engine, f"ok{i}", [5 + i, 9, 11])) for i in range(3)]
+        engine = make_engine(model, max_batch_size=4, overlap=overlap)
+        # Seeded, so that whether a request samples the poisoned token itself is fixed.
+        sp = [SamplingParams(max_new_tokens=16, seed=s, ignore_eos=True) for s in range(7)]
+        tasks = [asyncio.create_task(_gen(engine, f"ok{i}", [5 + i, 9, 11], sp[i])) for i in range(3)]
         tasks.append(asyncio.create_task(_gen(engine, "nan", [5, poison] + list(range(6, 16)))))
         outs = await asyncio.gather(*tasks)
         # The poisoned request's slot is reused afterwards: later requests must be clean.
-        later = await asyncio.gather(*(_gen(engine, f"later{i}", [7, 8 + i]) for i in range(4)))
+        later = await asyncio.gather(*(_gen(engine, f"later{i}", [7, 8 + i], sp[3 + i]) for i in range(4)))
         await engine.close()
         return outs, later
 
@@ -79,9 +81,9 @@ def test_non_finite_logits_fail_only_that_request() -> None:
         assert (lp - torch.tensor(out.logprobs)).abs().max() < 1e-5
 
 
-def test_step_exception_fails_running_requests_and_engine_recovers(monkeypatch) -> None:
+def test_step_exception_fails_running_requests_and_engine_recovers(monkeypatch, overlap: bool) -> None:
     async def go():
-        engine = make_engine()
+        engine = make_engine(overlap=overlap)
         real = engine.runner.decode
         calls = {"n": 0}
 

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from miles.engines import WeightError
-from miles.models import token_logprobs
+from miles.engines import EmbeddedEngine, EngineConfig, WeightError
+from miles.models import save_pretrained, token_logprobs
 from miles.protocols import RolloutEngine
 from miles.types import GenerateRequest, SamplingParams
 
@@ -29,12 +29,28 @@ def test_engine_satisfies_protocol() -> None:
     assert isinstance(make_engine(), RolloutEngine)
 
 
-def test_abort_then_resume_reproduces_uninterrupted_run() -> None:
+def test_from_pretrained_uses_checkpoint_and_tokenizer(tmp_path, tokenizer) -> None:
+    save_pretrained(make_model(seed=9), tmp_path, tokenizer=tokenizer)
+    engine = EmbeddedEngine.from_pretrained(tmp_path, config=EngineConfig(max_batch_size=2, max_seq_len=64),
+                                            version=3)
+    assert engine.version == 3 and engine.tokenizer.eos_token_id == 1
+
+    async def go():
+        out = await engine.generate(GenerateRequest(rid="t", input_ids=tokenizer.encode("hi"), sampling=SamplingParams(
+            max_new_tokens=20, temperature=0.0, ignore_eos=True, stop=["\x00never"])))
+        await engine.close()
+        return out
+
+    out = run(go)
+    assert len(out.output_ids) == 20 and out.versions == [3] * 20
+
+
+def test_abort_then_resume_reproduces_uninterrupted_run(overlap: bool) -> None:
     model = make_model(seed=1)
     prompt, other = prompts(2, seed=3)
 
     async def go():
-        engine = make_engine(model)
+        engine = make_engine(model, overlap=overlap)
         full = await engine.generate(GenerateRequest(rid="full", input_ids=prompt, sampling=SEEDED))
         # Interrupted run, with another request sharing the batch (composition differs).
         noise = asyncio.create_task(engine.generate(GenerateRequest(
@@ -83,14 +99,14 @@ def test_abort_queued_all_and_idempotent() -> None:
 
 
 @pytest.mark.parametrize("keep_kv_cache", [False, True])
-def test_weight_update_mid_generation_records_versions(keep_kv_cache: bool) -> None:
+def test_weight_update_mid_generation_records_versions(keep_kv_cache: bool, overlap: bool) -> None:
     old, new = make_model(seed=1), make_model(seed=2)
     new_weights = {k: v.clone() for k, v in new.state_dict().items()}
     prompt = prompts(1, seed=4)[0]
     sp = SamplingParams(max_new_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
 
     async def go():
-        engine = make_engine(copy.deepcopy(old))  # the engine updates its model in place
+        engine = make_engine(copy.deepcopy(old), overlap=overlap)  # updates its model in place
         task = asyncio.create_task(engine.generate(GenerateRequest(rid="a", input_ids=prompt, sampling=sp)))
         await _wait_progress(engine, "a", 8)
         await engine.pause()
@@ -146,12 +162,12 @@ async def _commit(engine, version):
     await engine.commit_weights(version)
 
 
-def test_stop_rules(tokenizer) -> None:
+def test_stop_rules(tokenizer, overlap: bool) -> None:
     model = make_model(seed=5)
     prompt = tokenizer.encode("abc")
 
     async def go():
-        engine = make_engine(model, tokenizer=tokenizer, max_seq_len=64)
+        engine = make_engine(model, tokenizer=tokenizer, max_seq_len=64, overlap=overlap)
         greedy = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
         ref = await engine.generate(GenerateRequest(rid="ref", input_ids=prompt, sampling=greedy))
         stop_tok = ref.output_ids[5]

@@ -1,0 +1,176 @@
+"""When to speculate, and with how many draft tokens: measured, per batch size.
+
+Speculation pays when a round's expected tokens per second beats plain decoding's:
+
+    rate(plain) = 1 / t_plain(b)            rate(k) = τ(α, k) / t_round(b, k)
+    τ(α, k)     = (1 - α^(k+1)) / (1 - α)   (expected tokens a row emits per round)
+
+where ``b`` is the batch size rounded up to a power of two, ``t_plain`` / ``t_round`` are
+medians of the last few measured wall times of a plain decode step / of a whole round
+(draft + verify + accept + bookkeeping) at that size — medians, because a step that the
+OS or another process interrupted must not flip the decision — and α is the measured
+per-token acceptance probability (decayed counts of accepted drafts over accepted +
+first rejections, so a row that accepts all k contributes no rejection). The rule:
+
+1. never speculate above ``--speculative-max-batch-size`` (0 = no cap);
+2. without ``--speculative-adaptive``: always a round of ``k = --speculative-num-steps``;
+3. otherwise, at each batch size, first measure every option (plain, k = 1..k_max) 3 times;
+   then take the option with the best predicted rate; every ``--speculative-probe-interval``
+   steps run the least recently measured option once, so a draft that improves (online
+   training) or a policy that drifts away from it is noticed.
+
+Why this shape: where decode is memory-bound (small batches) a verify step of k + 1 tokens
+per row costs about one plain step, so any decent acceptance wins; as the batch grows the
+step becomes compute-bound, a verify costs up to (k + 1)× a plain step and the measured
+t_round / t_plain ratio switches speculation off by itself — as it does when α is low
+(a draft the policy has moved away from) or when the draft is expensive relative to the
+policy (tiny CPU models, where per-op overhead makes a draft step cost a sizable fraction
+of a policy step). Everything is measured on the running engine, so no device model is
+assumed; the cost is a few exploratory steps per batch size.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+from miles.engines.spec.config import SpeculativeConfig
+
+WARMUP = 3  # measurements of each option before the rule trusts them
+WINDOW = 9  # recent timings per option whose median the rule uses
+DECAY = 0.98  # per-round decay of the acceptance counts
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """τ: tokens a row emits per round when each draft is accepted with probability α."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def bucket(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass
+class VersionStats:
+    rounds: int = 0  # row-rounds (each request in each verify step)
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "spec/accept_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "spec/accept_len": self.emitted / self.rounds if self.rounds else 0.0,
+            "spec/rounds": float(self.rounds),
+            "spec/drafted": float(self.drafted),
+            "spec/accepted": float(self.accepted),
+        }
+
+
+@dataclass
+class _Timings:
+    recent: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
+    count: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
+    last: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, key: tuple[int, int], seconds: float, step: int) -> None:
+        self.recent.setdefault(key, deque(maxlen=WINDOW)).append(seconds)
+        self.count[key] += 1
+        self.last[key] = step
+
+    def median(self, key: tuple[int, int]) -> float | None:
+        window = self.recent.get(key)
+        return statistics.median(window) if window else None
+
+
+class SpecController:
+    """Picks plain decoding (0) or a round of k drafts for each engine step."""
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.k_max = cfg.speculative_num_steps
+        self.adaptive = cfg.speculative_adaptive
+        self.cap = cfg.speculative_max_batch_size
+        self.probe = cfg.speculative_probe_interval
+        self.timings = _Timings()
+        self.acc, self.rej = 1.0, 1.0  # decayed counts (a weak prior of α = 0.5)
+        self.steps = 0
+        self.by_version: dict[int, VersionStats] = defaultdict(VersionStats)
+        self.spec_tokens = self.plain_tokens = 0
+        self.spec_s = self.plain_s = 0.0
+        self.chosen: dict[int, int] = defaultdict(int)
+
+    @property
+    def alpha(self) -> float:
+        return self.acc / (self.acc + self.rej)
+
+    def options(self) -> list[int]:
+        return [0, *range(1, self.k_max + 1)] if self.adaptive else [self.k_max]
+
+    def choose(self, batch: int) -> int:
+        self.steps += 1
+        k = self._choose(batch)
+        self.chosen[k] += 1
+        return k
+
+    def _choose(self, batch: int) -> int:
+        if self.cap and batch > self.cap:
+            return 0
+        if not self.adaptive:
+            return self.k_max
+        b, t = bucket(batch), self.timings
+        opts = self.options()
+        for o in opts:
+            if t.count[(b, o)] < WARMUP:
+                return o
+        if self.steps % self.probe == 0:
+            return min(opts, key=lambda o: t.last[(b, o)])
+        return max(opts, key=lambda o: self.rate(b, o))
+
+    def rate(self, b: int, option: int) -> float:
+        """Predicted tokens per second per row of ``option`` at batch bucket ``b``."""
+        seconds = self.timings.median((b, option))
+        if not seconds:
+            return 0.0
+        return (1.0 if option == 0 else expected_tokens(self.alpha, option)) / seconds
+
+    def observe_plain(self, batch: int, seconds: float, tokens: int) -> None:
+        self.timings.add((bucket(batch), 0), seconds, self.steps)
+        self.plain_tokens += tokens
+        self.plain_s += seconds
+
+    def observe_round(self, batch: int, k: int, seconds: float, version: int, *, rows: int,
+                      drafted: int, accepted: int, rejections: int, emitted: int) -> None:
+        self.timings.add((bucket(batch), k), seconds, self.steps)
+        self.acc = DECAY * self.acc + accepted
+        self.rej = DECAY * self.rej + rejections
+        vs = self.by_version[version]
+        vs.rounds += rows
+        vs.drafted += drafted
+        vs.accepted += accepted
+        vs.emitted += emitted
+        self.spec_tokens += emitted
+        self.spec_s += seconds
+
+    def stats(self, version: int) -> dict[str, float]:
+        out = self.by_version[version].as_dict() if version in self.by_version else VersionStats().as_dict()
+        total = VersionStats()
+        for vs in self.by_version.values():
+            total.rounds += vs.rounds
+            total.drafted += vs.drafted
+            total.accepted += vs.accepted
+            total.emitted += vs.emitted
+        tot = total.as_dict()
+        steps = max(sum(self.chosen.values()), 1)
+        out.update({
+            "spec/accept_rate_total": tot["spec/accept_rate"],
+            "spec/accept_len_total": tot["spec/accept_len"],
+            "spec/alpha": self.alpha,
+            "spec/spec_step_frac": 1.0 - self.chosen[0] / steps,
+            "spec/k_mean": sum(k * c for k, c in self.chosen.items()) / steps,
+            "spec/tokens_per_s_spec": self.spec_tokens / self.spec_s if self.spec_s else 0.0,
+            "spec/tokens_per_s_plain": self.plain_tokens / self.plain_s if self.plain_s else 0.0,
+        })
+        return out

@@ -1,0 +1,141 @@
+"""SpecDecoder: one speculative round for the whole running batch, on the stepping thread.
+
+A round (``Stepper`` calls ``run``, after ``drain``; requests are in slots 0..n-1):
+
+1. the drafter catches up on each row's pending entries and proposes k tokens per row
+   (``drafters.py``; draft draws per ``sampling.py``);
+2. the policy verifies ``[last token, d_1..d_k]`` of every row in ONE forward against its
+   KV cache (``ModelRunner.verify``: T = k + 1 queries per row, causal among themselves);
+3. ``sampling.verify`` accepts a prefix of each row's drafts and adds the correction or
+   bonus token — rows accept different numbers, which continuous batching absorbs: each
+   row's ``kv_len`` advances by what it emitted, and the K/V of its rejected drafts stay
+   past ``kv_len``, masked and later overwritten (no copy, no cache surgery);
+4. one host read-back of (tokens, log-probs, accepted counts, finiteness).
+
+Steps 1-3 are ``core``: a function of device tensors only (``RoundIO`` + ``RoundParams``),
+with no host round trip. On CUDA, when every row is seeded (or greedy) and has at most
+k + 1 pending draft entries, the whole core is replayed from a CUDA graph
+(``graphs.RoundGraphs``); otherwise it runs eagerly (the policy's verify and the draft
+LM's steps still replay their own graphs).
+
+The stepper then appends the tokens with the policy's log-probs and the current policy
+version, applies stop rules token by token, and reports the round to the controller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from miles.engines.requests import Request
+from miles.engines.runner import ModelRunner
+from miles.engines.sampling import to_device
+from miles.engines.spec.config import SpeculativeConfig
+from miles.engines.spec.controller import SpecController
+from miles.engines.spec.drafters import CAPACITY, Drafter
+from miles.engines.spec.sampling import RoundParams, draft_noise, draft_pick, processed_logprobs, verify
+
+
+@dataclass
+class RoundIO:
+    """A round's per-row inputs on the device."""
+
+    last: Tensor  # [n] the last context token (the verify step's first input)
+    kv: Tensor  # [n] the policy's kv_len (where that token goes)
+    cu_tokens: Tensor  # [n, T] the drafter's pending entries, right-padded
+    cu_start: Tensor  # [n] the draft's draft_len (where they go)
+    cu_last: Tensor  # [n] index of each row's last real pending entry
+
+
+@dataclass
+class RoundResult:
+    tokens: list[list[float]]  # [n][k + 1]
+    logprobs: list[list[float]]
+    accepted: list[int]
+    finite: list[bool]
+    hidden: Tensor  # [n, k + 1, H] device (a view that the next round may overwrite)
+    routing: list | None  # [n][k + 1][L_moe][top_k] when some row records routing
+
+
+def pack(tokens: Tensor, logprobs: Tensor, accepted: Tensor, finite: Tensor) -> Tensor:
+    """[n, 2T + 2] float64: one device→host copy per round (token ids are exact in float64)."""
+    return torch.cat([tokens.double(), logprobs.double(), accepted[:, None].double(), finite[:, None].double()], 1)
+
+
+class SpecDecoder:
+    def __init__(self, runner: ModelRunner, drafter: Drafter, cfg: SpeculativeConfig) -> None:
+        self.runner, self.drafter, self.cfg = runner, drafter, cfg
+        self.mode = cfg.speculative_sampling
+        self.controller = SpecController(cfg)
+        self.device = runner.device
+        self.round_graphs = None  # graphs.RoundGraphs, set by the engine on CUDA
+
+    def plan(self, batch: int) -> int:
+        return self.controller.choose(batch)
+
+    def needs_flush(self, reqs: list[Request]) -> bool:
+        return any(self.drafter.pending(r) >= CAPACITY - 1 for r in reqs)
+
+    def context_bucket(self, reqs: list[Request], k: int) -> int:
+        """Cache positions every forward of the round reads (policy and draft)."""
+        return self.runner.context_bucket(max(r.kv_len for r in reqs) + k + 2)
+
+    def core(self, rp: RoundParams, io: RoundIO, k: int, L: int, generator: torch.Generator | None, *,
+             captured: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Draft k tokens per row, verify them in one policy forward, accept / correct.
+        Returns (packed results [n, 2k + 4], the policy's hidden states [n, k + 1, H], MoE
+        routing or None). ``captured``: running inside a round graph (no nested graphs)."""
+        d = self.drafter
+        logits, state = d.catch_up(io.cu_tokens, io.cu_start, io.cu_last, L)
+        noise = draft_noise(rp, k, logits.shape[-1], self.mode, generator)
+        tokens, logqs = [], []
+        for j in range(k):
+            if j:
+                logits, state = d.step(tokens[-1], io.kv + (d.step_offset + j), state, L, graphs=not captured)
+            logits = torch.where(torch.isfinite(logits), logits, 0.0)  # a broken draft stays a distribution
+            logq = processed_logprobs(logits, rp)
+            tokens.append(draft_pick(logq, None if noise is None else noise[j]))
+            logqs.append(logq)
+        draft = torch.stack(tokens, dim=1)
+        inputs = torch.cat([io.last[:, None], draft], dim=1)
+        if captured:
+            out = self.runner.verify_eager(inputs, io.kv, L)
+        else:
+            out = self.runner.verify(inputs, io.kv, L=L)
+        v = verify(out.logits, draft, torch.stack(logqs, dim=1), rp, self.mode, noise=noise, generator=generator)
+        return pack(v.tokens, v.logprobs, v.accepted, v.finite), out.hidden, out.routing
+
+    def run(self, reqs: list[Request], k: int, generator: torch.Generator | None) -> RoundResult:
+        d, n, T = self.drafter, len(reqs), k + 1
+        rp = RoundParams.build([r.sampling for r in reqs], [r.response_position for r in reqs], self.device)
+        entries = [d.entries(r) for r in reqs]  # empty only for an EAGLE row with a 1-token prompt
+        width = max(max(len(e) for e in entries), 1)
+        L = self.context_bucket(reqs, max(k, width))
+        graphs = self.round_graphs
+        use_graph = graphs is not None and rp.all_seeded and width <= T
+        host = [[r.context[-1] for r in reqs], [r.kv_len for r in reqs], [r.draft_len for r in reqs],
+                [max(len(e) - 1, 0) for e in entries]]
+        cu = [e + [0] * ((T if use_graph else width) - len(e)) for e in entries]
+        meta = to_device(host, torch.long, self.device)
+        io = RoundIO(last=meta[0], kv=meta[1], cu_tokens=to_device(cu, torch.long, self.device),
+                     cu_start=meta[2], cu_last=meta[3])
+        result = graphs.run(rp, io, k, L) if use_graph else None
+        if result is None:
+            result = self.core(rp, io, k, L, generator)
+        packed, hidden, routing = result
+        for r in reqs:
+            d.commit(r)
+        if d.needs_hidden:
+            d.after_verify(n, hidden)
+        routing = routing if routing is not None and any(r.routed is not None for r in reqs) else None
+        rows = packed.cpu().tolist()
+        return RoundResult(
+            tokens=[row[:T] for row in rows],
+            logprobs=[row[T : 2 * T] for row in rows],
+            accepted=[int(row[2 * T]) for row in rows],
+            finite=[bool(row[2 * T + 1]) for row in rows],
+            hidden=hidden,
+            routing=routing.cpu().tolist() if routing is not None else None,
+        )

@@ -1,0 +1,175 @@
+"""CUDA graphs for verify steps (T tokens per row), keyed by (batch bucket, context bucket, T).
+
+The same scheme as ``miles.engines.runner.DecodeGraphs``: static input buffers (tokens
+[cap, T_max], start positions [cap]) and static outputs (logits [cap, T_max, V], hidden
+[cap, T_max, H]), padding rows on free slots starting at position 0, one shared memory
+pool, lazy capture, and a fallback to eager verify (loudly) if a capture fails. Only the
+policy's verify forward (logits at every position) goes through here; a draft's catch-up
+(logits at one position per row) stays eager.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from miles.engines.runner import _BATCH_BUCKETS, StepOut
+
+log = logging.getLogger(__name__)
+
+
+class VerifyGraphs:
+    def __init__(self, runner: Any, max_tokens: int) -> None:
+        self.runner = runner
+        cap = runner.config.max_batch_size
+        self.buckets = [b for b in _BATCH_BUCKETS if b < cap] + [cap]
+        dev, cfg = runner.device, runner.model.config
+        self.tokens = torch.zeros(cap, max_tokens, dtype=torch.long, device=dev)
+        self.starts = torch.zeros(cap, dtype=torch.long, device=dev)
+        self.logits = torch.zeros(cap, max_tokens, cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.hidden = torch.zeros(cap, max_tokens, cfg.hidden_size, dtype=runner.dtype, device=dev)
+        self.graphs: dict[tuple[int, int, int], Any] = {}
+        self.pool: Any = None
+        self.failed = False
+
+    def _step(self, nb: int, L: int, T: int) -> None:
+        out = self.runner.verify_eager(self.tokens[:nb, :T], self.starts[:nb], L)
+        self.logits[:nb, :T].copy_(out.logits)
+        self.hidden[:nb, :T].copy_(out.hidden)
+
+    def run(self, tokens: Tensor, starts: list[int] | Tensor, L: int) -> StepOut | None:
+        if self.failed:
+            return None
+        n, T = tokens.shape
+        nb = next(b for b in self.buckets if b >= n)
+        self.tokens[:n, :T].copy_(tokens)
+        self.tokens[n:nb, :T].zero_()
+        if isinstance(starts, Tensor):
+            self.starts[:n].copy_(starts)
+            self.starts[n:nb].zero_()
+        else:
+            self.starts[:nb].copy_(self.runner._tensor(starts + [0] * (nb - n)))
+        graph = self.graphs.get((nb, L, T))
+        if graph is None:
+            try:
+                graph = self._capture(nb, L, T)
+            except Exception as exc:  # an optimisation: fall back, loudly
+                log.warning("verify CUDA graph capture failed (%s); verifying eagerly from now on", exc)
+                self.failed = True
+                return None
+        graph.replay()
+        return StepOut(self.logits[:n, :T], self.hidden[:n, :T], None)
+
+    def _capture(self, nb: int, L: int, T: int) -> Any:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(nb, L, T)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self._step(nb, L, T)
+        self.graphs[(nb, L, T)] = graph
+        return graph
+
+
+class RoundGraphs:
+    """A whole speculative round (catch-up, k draft steps, verify, accept) as one CUDA graph,
+    keyed by (batch bucket, context bucket, k, sampling flags).
+
+    Static inputs: the round's ``RoundParams`` tensors and ``RoundIO`` (catch-up width fixed
+    at k + 1, so a round graph only serves rows with at most k + 1 pending draft entries)
+    — every row seeded or greedy, since a graph cannot draw from the engine's generator.
+    Static outputs: the packed results and the policy's hidden states. Padding rows are
+    greedy rows on free slots at position 0. The drafter's ``after_verify`` runs after the
+    replay (outside the graph), so the capture's warm-up runs are idempotent: they write
+    the same K/V at the same positions as the replay that follows. Any capture failure
+    disables round graphs (rounds then run eagerly, still replaying the verify graph).
+    """
+
+    def __init__(self, decoder: Any, max_steps: int) -> None:
+        self.decoder = decoder
+        runner = decoder.runner
+        cap = runner.config.max_batch_size
+        self.buckets = [b for b in _BATCH_BUCKETS if b < cap] + [cap]
+        dev, T = runner.device, max_steps + 1
+        self.f = torch.zeros(2, cap, dtype=torch.float32, device=dev)  # temperature, top_p
+        self.i = torch.zeros(7 + 4, cap, dtype=torch.long, device=dev)  # top_k greedy seeded base last kv start | seeds
+        self.cu = torch.zeros(cap, T, dtype=torch.long, device=dev)
+        self.cu_last = torch.zeros(cap, dtype=torch.long, device=dev)
+        self.packed = torch.zeros(cap, 2 * T + 2, dtype=torch.float64, device=dev)
+        self.hidden = torch.zeros(cap, T, runner.model.config.hidden_size, dtype=runner.dtype, device=dev)
+        self.graphs: dict[tuple, Any] = {}
+        self.pool: Any = None
+        self.failed = False
+
+    def _views(self, nb: int, k: int, flags: tuple[bool, bool, bool]) -> tuple[Any, Any]:
+        from miles.engines.spec.decoder import RoundIO
+        from miles.engines.spec.sampling import RoundParams
+
+        f, i = self.f[:, :nb], self.i[:, :nb]
+        any_greedy, all_greedy, truncated = flags
+        rp = RoundParams(temperature=f[0], top_p=f[1], top_k=i[0], greedy=i[1].bool(), seeded=i[2].bool(),
+                         base=i[3], seeds=i[7:11], any_greedy=any_greedy, all_greedy=all_greedy, all_seeded=True,
+                         truncated=truncated)
+        io = RoundIO(last=i[4], kv=i[5], cu_tokens=self.cu[:nb, : k + 1], cu_start=i[6], cu_last=self.cu_last[:nb])
+        return rp, io
+
+    def _step(self, nb: int, L: int, k: int, flags: tuple[bool, bool, bool]) -> None:
+        rp, io = self._views(nb, k, flags)
+        packed, hidden, _ = self.decoder.core(rp, io, k, L, None, captured=True)
+        self.packed[:nb, : packed.shape[1]].copy_(packed)
+        self.hidden[:nb, : k + 1].copy_(hidden)
+
+    def run(self, rp: Any, io: Any, k: int, L: int) -> tuple[Tensor, Tensor, None] | None:
+        if self.failed:
+            return None
+        n = io.last.shape[0]
+        nb = next(b for b in self.buckets if b >= n)
+        self.f[0, :n].copy_(rp.temperature)
+        self.f[1, :n].copy_(rp.top_p)
+        for row, src in enumerate((rp.top_k, rp.greedy, rp.seeded, rp.base, io.last, io.kv, io.cu_start)):
+            self.i[row, :n].copy_(src)
+        self.i[7:11, :n].copy_(rp.seeds)
+        self.cu[:n, : k + 1].copy_(io.cu_tokens)
+        self.cu_last[:n].copy_(io.cu_last)
+        if nb > n:  # padding rows: greedy, at position 0 of free slots
+            self.f[:, n:nb].fill_(1.0)
+            self.i[:, n:nb].zero_()
+            self.i[0, n:nb].fill_(-1)
+            self.i[1, n:nb].fill_(1)
+            self.cu[n:nb].zero_()
+            self.cu_last[n:nb].zero_()
+        flags = (rp.any_greedy or nb > n, rp.all_greedy, rp.truncated)  # padding rows are greedy
+        key = (nb, L, k, self.decoder.mode, flags)
+        graph = self.graphs.get(key)
+        if graph is None:
+            try:
+                graph = self._capture(nb, L, k, flags)
+            except Exception as exc:  # an optimisation: fall back, loudly
+                log.warning("round CUDA graph capture failed (%s); speculative rounds run eagerly", exc)
+                self.failed = True
+                return None
+        graph.replay()
+        return self.packed[:n, : 2 * k + 4], self.hidden[:n, : k + 1], None
+
+    def _capture(self, nb: int, L: int, k: int, flags: tuple[bool, bool, bool]) -> Any:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(nb, L, k, flags)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self._step(nb, L, k, flags)
+        self.graphs[(nb, L, k, self.decoder.mode, flags)] = graph
+        return graph

@@ -1,0 +1,309 @@
+"""Stepper: what the engine's stepping thread does — prefill, decode, sample, hand results back.
+
+Only the stepping thread calls into a Stepper (see ``embedded.py`` for the threading model).
+It owns the requests in flight (request i holds KV slot i, kept dense by moving the last
+request into a freed slot) and the step that is on the device but not yet read back.
+
+One step = ``runner.decode`` → ``sample`` → an asynchronous copy of (token, log-prob,
+finite) to the host → ``_process`` (append, stop rules, release). With ``overlap`` (CUDA
+default) the host launches decode step k+1 — its input tokens gathered on the device from
+step k's samples — *before* it reads back and processes step k, so host bookkeeping runs
+while the device computes. A request that step k finished still occupies a row of step
+k+1; that row's token is discarded. Anything that needs a settled state — admitting or
+re-prefilling requests, aborts, weight commits, pause — calls ``drain`` first.
+
+With a ``SpecDecoder`` each step is either a plain decode step or, when its controller says
+so, a speculative round (``spec/decoder.py``): synchronous, up to k + 1 tokens per row, all
+of them carrying the policy's log-probs and the current policy version. Plain steps are
+timed for the controller; the drafter sees every prefill, slot move and plain step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from miles.engines.config import EngineConfig
+from miles.engines.requests import Request
+from miles.engines.runner import ModelRunner, StepOut
+from miles.engines.sampling import SamplingBatch, sample, to_device
+
+if TYPE_CHECKING:
+    from miles.engines.spec.decoder import SpecDecoder
+
+
+@dataclass
+class _InFlight:
+    reqs: list[Request]  # row i → request
+    tokens: Tensor  # [n] sampled ids on the device (next step's inputs)
+    host: Tensor  # [3, n] float64: token, log-prob, finite — on the host once ``event`` fired
+    routing: Tensor | None  # [n, L_moe, k] (host copy in flight)
+    event: Any  # torch.cuda.Event or None
+    version: int
+
+
+class EngineStats:
+    def __init__(self) -> None:
+        self.counters = dict.fromkeys(
+            ("tokens_generated", "decode_steps", "prefill_tokens", "weight_updates",
+             "requests_finished", "requests_aborted", "requests_failed", "spec_rounds",
+             "draft_updates"), 0)
+        self.occupancy: deque[float] = deque(maxlen=256)
+        self.rate: deque[tuple[float, int]] = deque(maxlen=512)
+
+    def tokens(self, n: int) -> None:
+        self.counters["tokens_generated"] += n
+        self.rate.append((time.monotonic(), self.counters["tokens_generated"]))
+
+    def tokens_per_s(self, window: float = 10.0) -> float:
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self.rate) if now - t <= window]
+        if len(recent) < 2 or recent[-1][0] <= recent[0][0]:
+            return 0.0
+        return (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
+
+
+class Stepper:
+    def __init__(self, runner: ModelRunner, config: EngineConfig, *, eos_ids: frozenset[int],
+                 tokenizer: Any, generator: torch.Generator, stats: EngineStats,
+                 on_done: Callable[[Request], None], spec: SpecDecoder | None = None) -> None:
+        self.runner, self.config, self.spec = runner, config, spec
+        self.eos_ids, self.tokenizer, self.generator = eos_ids, tokenizer, generator
+        self.stats, self.on_done = stats, on_done
+        self.device = runner.device
+        self.overlap = config.use_overlap()
+        self.running: list[Request] = []
+        self.inflight: _InFlight | None = None
+        self.version = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running) or self.inflight is not None
+
+    # ---- admission / prefill -----------------------------------------------------------
+    def admit(self, new: list[Request]) -> None:
+        """Re-prefill requests whose cache was invalidated and prefill ``new`` ones (sync)."""
+        self.drain()
+        rows = [r for r in self.running if r.needs_prefill]
+        for r in new:
+            r.slot = len(self.running)
+            self.running.append(r)
+            rows.append(r)
+        if rows:
+            self._prefill(rows)
+
+    def _prefill(self, rows: list[Request]) -> None:
+        if self.spec is not None:
+            return self._prefill_spec(rows)
+        # A fresh request prefills its whole context and samples its first token; a
+        # recomputed one re-prefills all but its pending last token and samples nothing.
+        seqs = [r.context if r.kv_len == 0 else r.context[:-1] for r in rows]
+        fresh = [i for i, r in enumerate(rows) if r.kv_len == 0]
+        out = self.runner.prefill([r.slot for r in rows], seqs, logits=bool(fresh),
+                                  hidden=any(r.hidden is not None for r in rows),
+                                  routing=any(r.routed is not None for r in rows))
+        self.stats.counters["prefill_tokens"] += sum(len(s) for s in seqs)
+        for i, (r, seq) in enumerate(zip(rows, seqs)):
+            r.needs_prefill = False
+            if r.kv_len == 0 and r.hidden is not None:
+                r.hidden.append(out.hidden[i, : len(seq)].clone())
+            r.kv_len = len(seq)
+        if fresh:
+            idx = to_device(fresh, torch.long, self.device)
+            last = to_device([len(seqs[i]) - 1 for i in fresh], torch.long, self.device)
+            routing = None if out.routing is None else out.routing[idx, last]
+            self._process(self._launch_sample([rows[i] for i in fresh], StepOut(out.logits[idx], None, routing)))
+
+    def _prefill_spec(self, rows: list[Request]) -> None:
+        """With speculation every row prefills all but its last context token and samples
+        nothing: every token then comes from a step (plain or a round), so a resumed request
+        restarts at a step boundary exactly as the uninterrupted one went on."""
+        drafter = self.spec.drafter
+        work = [r for r in rows if len(r.context) > 1]
+        fresh = [i for i, r in enumerate(work) if r.kv_len == 0]
+        if work:
+            seqs = [r.context[:-1] for r in work]
+            out = self.runner.prefill([r.slot for r in work], seqs, logits=False,
+                                      hidden=drafter.needs_hidden or any(r.hidden is not None for r in work))
+            self.stats.counters["prefill_tokens"] += sum(len(s) for s in seqs)
+            for i, r in enumerate(work):
+                if r.kv_len == 0 and r.hidden is not None:
+                    r.hidden.append(out.hidden[i, : len(seqs[i])].clone())
+            if fresh:  # a recomputed request keeps its draft cache
+                hidden = out.hidden[to_device(fresh, torch.long, self.device)] if drafter.needs_hidden else None
+                drafter.prefill([work[i] for i in fresh], [seqs[i] for i in fresh], hidden)
+        for r in rows:
+            r.needs_prefill = False
+            r.kv_len = len(r.context) - 1
+
+    # ---- decode ------------------------------------------------------------------------
+    def decode(self) -> None:
+        """Launch one decode step for every running request (then, with overlap, process
+        the previous step while this one runs) — or run one speculative round."""
+        if self.spec is not None:
+            k = self.spec.plan(len(self.running))
+            if k or self.spec.needs_flush(self.running):
+                self.drain()  # a settled state: every sampled token is in its context
+                if not self.running:
+                    return
+                if k:
+                    self._spec_round(k)
+                    return
+                self.spec.drafter.flush(list(self.running))
+        start = time.perf_counter()
+        prev = self.inflight  # stays in place if this launch raises (fail_all drains it)
+        reqs = list(self.running)
+        if prev is None:
+            tokens: Tensor | list[int] = [r.context[-1] for r in reqs]
+        else:
+            row = {id(r): i for i, r in enumerate(prev.reqs)}
+            tokens = prev.tokens[to_device([row[id(r)] for r in reqs], torch.long, self.device)]
+        top = self.config.max_seq_len - 1  # a finished-but-unprocessed row must stay in bounds
+        out = self.runner.decode(tokens, [min(r.kv_len, top) for r in reqs])
+        if self.spec is not None:
+            self.spec.drafter.record(reqs, out.hidden)
+        for i, r in enumerate(reqs):
+            r.kv_len += 1
+            if r.hidden is not None:
+                r.hidden.append(out.hidden[i : i + 1].clone())  # graph outputs are reused
+        self.stats.counters["decode_steps"] += 1
+        self.stats.occupancy.append(len(reqs) / self.config.max_batch_size)
+        self.inflight = self._launch_sample(reqs, out)
+        if prev is not None:
+            self._process(prev)
+        if not self.overlap:
+            self.drain()
+        if self.spec is not None:
+            self.spec.controller.observe_plain(len(reqs), time.perf_counter() - start, len(reqs))
+
+    def _spec_round(self, k: int) -> None:
+        start = time.perf_counter()
+        reqs = list(self.running)
+        res = self.spec.run(reqs, k, self.generator)
+        eos, max_len, tok = self.eos_ids, self.config.max_seq_len, self.tokenizer
+        done, total, drafted, accepted, rejections = [], 0, 0, 0, 0
+        for i, r in enumerate(reqs):
+            if not res.finite[i]:
+                r.fail(f"non-finite logits at response position {r.response_position}")
+                done.append(r)
+                continue
+            room = min(r.budget - len(r.output_ids), max_len - len(r.context))
+            k_eff = max(min(k, room - 1), 0)  # drafts that could have been kept
+            a = res.accepted[i]
+            emitted = 0
+            for j in range(a + 1):
+                r.append(int(res.tokens[i][j]), res.logprobs[i][j], self.version, eos_ids=eos,
+                         max_seq_len=max_len, tokenizer=tok)
+                if r.routed is not None and res.routing is not None:
+                    r.routed.append(res.routing[i][j])
+                emitted += 1
+                if r.finish is not None:
+                    break
+            if r.hidden is not None:
+                r.hidden.append(res.hidden[i, :emitted].clone())
+            r.kv_len += emitted  # the accepted drafts' K/V are in place; the last token is pending
+            r.issued += emitted
+            r.spec_rounds += 1
+            r.spec_accepted += min(a, k_eff)
+            total += emitted
+            drafted += k_eff
+            accepted += min(a, k_eff)
+            rejections += a < k_eff
+            if r.finish is not None:
+                done.append(r)
+        self.stats.tokens(total)
+        self.stats.counters["decode_steps"] += 1
+        self.stats.counters["spec_rounds"] += 1
+        self.stats.occupancy.append(len(reqs) / self.config.max_batch_size)
+        self.spec.controller.observe_round(len(reqs), k, time.perf_counter() - start, self.version, rows=len(reqs),
+                                           drafted=drafted, accepted=accepted, rejections=rejections, emitted=total)
+        for r in done:
+            self.release(r)
+
+    def drain(self) -> None:
+        """Read back and process the step in flight, if any."""
+        pending, self.inflight = self.inflight, None
+        if pending is not None:
+            self._process(pending)
+
+    def _launch_sample(self, reqs: list[Request], out: StepOut) -> _InFlight:
+        positions = []
+        for r in reqs:
+            positions.append(r.req.num_prefix_tokens + r.issued)
+            r.issued += 1
+        batch = SamplingBatch.build([r.sampling for r in reqs], positions)
+        tokens, logprobs = sample(out.logits, batch, self.generator)
+        finite = torch.isfinite(out.logits).all(dim=-1)
+        stacked = torch.stack([tokens.double(), logprobs.double(), finite.double()])
+        routing = out.routing if any(r.routed is not None for r in reqs) else None
+        event = None
+        if self.device.type == "cuda":
+            host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+            host.copy_(stacked, non_blocking=True)
+            if routing is not None:
+                routing = routing.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = stacked
+        return _InFlight(reqs, tokens, host, routing, event, self.version)
+
+    def _process(self, step: _InFlight) -> None:
+        if step.event is not None:
+            step.event.synchronize()
+        token, logprob, finite = step.host.tolist()
+        routing = step.routing.tolist() if step.routing is not None else None
+        eos, max_len, tok = self.eos_ids, self.config.max_seq_len, self.tokenizer
+        done, n = [], 0
+        for i, r in enumerate(step.reqs):
+            if r.finish is not None or r.slot < 0:
+                continue  # finished (or aborted) at an earlier step: this row is discarded
+            if not finite[i]:
+                r.fail(f"non-finite logits at response position {r.response_position}")
+            else:
+                r.append(int(token[i]), logprob[i], step.version, eos_ids=eos, max_seq_len=max_len,
+                         tokenizer=tok)
+                if r.routed is not None and routing is not None:
+                    r.routed.append(routing[i])
+                n += 1
+            if r.finish is not None:
+                done.append(r)
+        self.stats.tokens(n)
+        for r in done:
+            self.release(r)
+
+    # ---- leaving ---------------------------------------------------------------------
+    def release(self, req: Request) -> None:
+        """Hand a request back; the last running request moves into its slot."""
+        slot = req.slot
+        drafter = self.spec.drafter if self.spec is not None else None
+        if req.finish == "error":  # non-finite K/V must not linger (0 · NaN poisons attention)
+            self.runner.cache.clear_slot(slot)
+            if drafter is not None:
+                drafter.clear_slot(slot)
+        last = self.running.pop()
+        if last is not req:
+            self.running[slot] = last
+            self.runner.cache.move_slot(last.slot, slot, min(last.kv_len, self.config.max_seq_len))
+            if drafter is not None:
+                drafter.move_slot(last.slot, slot, min(last.kv_len + 1, self.config.max_seq_len))
+            last.slot = slot
+        req.slot = -1
+        key = {"error": "requests_failed", None: "requests_aborted"}.get(req.finish, "requests_finished")
+        self.stats.counters[key] += 1
+        self.on_done(req)
+
+    def fail_all(self, message: str) -> None:
+        try:  # keep what the last good step produced, if it can still be read back
+            self.drain()
+        except Exception:
+            self.inflight = None
+        for r in list(self.running):
+            r.fail(message)
+            self.release(r)

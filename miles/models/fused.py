@@ -1,0 +1,136 @@
+"""The inference fast path of a decoder layer: fused projections and pure step functions.
+
+``CausalLM.fuse_projections()`` (the engine calls it; inference only) stores each layer's
+q/k/v weights, and each MLP's gate/up weights, as views of one concatenated matrix, and
+switches the layers to the pure functions below. A layer then costs two calls around its
+attention backend:
+
+    q, k, v = attention_input(h, ...)            # norm → qkv GEMM → q/k-norm → RoPE
+    a = backend(layer, q, k, v)                   # KV-cache write + attention (engine's)
+    h = attention_output_mlp(h, a, ...)          # o_proj → residual → norm → SwiGLU → residual
+
+The functions take every weight as an argument, so one ``torch.compile``d copy serves all
+layers (``compile_fast_path``): Inductor fuses the elementwise work (RMSNorm, RoPE, SiLU·up,
+residuals) into a few kernels, which is what makes small-batch decode memory-bound instead
+of launch-bound. Attention stays outside the compiled region on purpose: it mutates the KV
+cache, which compiled graphs would treat as an input to copy. MoE layers use the compiled
+attention part and the eager expert dispatch (data-dependent shapes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' RMSNorm numerics: float32 statistics, cast back, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # bitwise equal in float32
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_qk(q: Tensor, k: Tensor, cos: Tensor, signed_sin: Tensor) -> tuple[Tensor, Tensor]:
+    """RoPE on q [B, T, H, D] and k [B, T, KV, D] together; returns [B, H, T, D], [B, KV, T, D].
+
+    HF's ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, written as
+    ``roll(x, D/2) * signed_sin`` where ``signed_sin = cat(-sin1, sin2)`` (``Rotary``): the
+    same products up to sign, so bitwise equal, in fewer kernels."""
+    H, KV = q.shape[2], k.shape[2]
+    qk = torch.cat((q, k), dim=2).transpose(1, 2)
+    qk = qk * cos + torch.roll(qk, qk.shape[-1] // 2, dims=-1) * signed_sin
+    return qk.split((H, KV), dim=1)
+
+
+def attention_input(h: Tensor, norm_w: Tensor, eps: float, qkv_w: Tensor, qkv_b: Tensor | None,
+                    q_norm_w: Tensor | None, k_norm_w: Tensor | None, cos: Tensor, sin: Tensor,
+                    H: int, KV: int, D: int) -> tuple[Tensor, Tensor, Tensor]:
+    x = rms_norm(h, norm_w, eps)
+    B, T = x.shape[0], x.shape[1]
+    q, k, v = F.linear(x, qkv_w, qkv_b).view(B, T, H + 2 * KV, D).split((H, KV, KV), dim=2)
+    if q_norm_w is not None:
+        q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+    q, k = rope_qk(q, k, cos, sin)
+    return q, k, v.transpose(1, 2)
+
+
+def attention_output(h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None) -> Tensor:
+    B, T = h.shape[0], h.shape[1]
+    return h + F.linear(attn.transpose(1, 2).reshape(B, T, -1), o_w, o_b)
+
+
+def attention_output_mlp(h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None, norm_w: Tensor,
+                         eps: float, gate_up_w: Tensor, down_w: Tensor) -> Tensor:
+    h = attention_output(h, attn, o_w, o_b)
+    gate, up = F.linear(rms_norm(h, norm_w, eps), gate_up_w).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, down_w)
+
+
+class FastPath:
+    """The step functions a fused layer calls (plain, or compiled by ``compile_fast_path``)."""
+
+    def __init__(self, wrap: Any = None) -> None:
+        wrap = wrap or (lambda fn: fn)
+        self.attention_input = wrap(attention_input)
+        self.attention_output = wrap(attention_output)
+        self.attention_output_mlp = wrap(attention_output_mlp)
+
+
+_COMPILED: dict[tuple, FastPath] = {}
+
+
+def compile_fast_path(**compile_kwargs: Any) -> FastPath:
+    """One compiled copy of each step function, shared by all layers and all models in the
+    process (dynamic shapes, so batch and sequence length changes do not recompile)."""
+    kw = {"dynamic": True, "fullgraph": True, **compile_kwargs}
+    key = tuple(sorted(kw.items()))
+    if key not in _COMPILED:
+        _COMPILED[key] = FastPath(lambda fn: torch.compile(fn, **kw))
+    return _COMPILED[key]
+
+
+def fuse_linears(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
+    """Concatenate the weights (and biases) of ``linears`` into one tensor and make each
+    module's parameters views of it, so in-place weight updates reach the fused copy and
+    ``state_dict`` keeps the HF names. Inference only: gradients would not reach the views."""
+    if any(p.requires_grad for lin in linears for p in lin.parameters()):
+        raise RuntimeError("fusing projections is for inference: freeze the parameters first")
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    for lin, view in zip(linears, weight.split([lin.out_features for lin in linears])):
+        lin.weight = nn.Parameter(view, requires_grad=False)
+    bias = None
+    if linears[0].bias is not None:
+        bias = torch.cat([lin.bias.detach() for lin in linears])
+        for lin, view in zip(linears, bias.split([lin.out_features for lin in linears])):
+            lin.bias = nn.Parameter(view, requires_grad=False)
+    return weight, bias
+
+
+def layer_args(layer: Any) -> tuple[tuple, tuple | None]:
+    """The tensors and sizes a fused layer passes to its step functions, gathered once
+    (in-place weight updates keep them valid; re-assigning a Parameter would not)."""
+    attn, norm, post = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+    qn = attn.q_norm.weight if attn.q_norm is not None else None
+    kn = attn.k_norm.weight if attn.k_norm is not None else None
+    first = (norm.weight, norm.eps, *attn.qkv, qn, kn)
+    sizes = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    o = (attn.o_proj.weight, attn.o_proj.bias)
+    second = None if layer.is_moe else (*o, post.weight, post.eps, layer.mlp.gate_up[0], layer.mlp.down_proj.weight)
+    return (first, sizes, o), second
+
+
+def fused_layer_forward(layer: Any, fast: FastPath, h: Tensor, cos: Tensor, sin: Tensor,
+                        backend: Any, routing: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """DecoderLayer.forward for a fused layer (same math as the module path)."""
+    (first, sizes, o), second = layer.fast_args
+    q, k, v = fast.attention_input(h, *first, cos, sin, *sizes)
+    a = backend(layer.self_attn.layer_idx, q, k, v)
+    if second is None:  # MoE: experts stay eager
+        h = fast.attention_output(h, a, *o)
+        y, idx = layer.mlp(layer.post_attention_layernorm(h), routing)
+        return h + y, idx
+    return fast.attention_output_mlp(h, a, *second), None

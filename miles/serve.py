@@ -1,0 +1,131 @@
+"""``miles serve``: run the embedded engine as an HTTP server speaking SGLang's protocol.
+
+    miles serve --hf-checkpoint DIR [--host 127.0.0.1] [--port 30000] [--max-batch-size N]
+                [--max-seq-len N] [--device cpu|cuda] [--dtype auto] [--weight-version V] ...
+
+Flags are ``ServeConfig``'s and ``EngineConfig``'s field names (``_`` → ``-``), plus the
+SGLang spellings ``--model-path`` (= ``--hf-checkpoint``) and ``--random-seed`` (= ``--seed``),
+so a launcher that starts ``python -m sglang.launch_server --model-path … --port …`` can
+start ``python -m miles serve`` with the same flags. ``--port 0`` picks a free port. Once
+the server accepts connections it prints ``miles serve: listening on http://HOST:PORT``.
+SIGINT/SIGTERM abort in-flight requests and stop the server. docs/sglang.md has the
+endpoints and a deployment recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from miles.engines import EngineConfig
+from miles.serving.server import ServeConfig, Server
+
+_ALIASES = {"hf_checkpoint": ["--model-path"], "seed": ["--random-seed"]}
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    group = parser.add_argument_group(title)
+    for info in msgspec.structs.fields(cls):
+        tp = info.type
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+            tp = next(a for a in args if a is not type(None))
+        flags = ["--" + info.name.replace("_", "-"), *_ALIASES.get(info.name, [])]
+        kwargs: dict[str, Any] = {"dest": info.name, "default": argparse.SUPPRESS,
+                                  "help": f"default: {info.default!r}"}
+        if tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = tp if tp in (int, float, str) else str
+        group.add_argument(*flags, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="miles serve", description=__doc__.split("\n\n")[0])
+    _add_fields(parser, ServeConfig, "server")
+    _add_fields(parser, EngineConfig, "engine")
+    parser.add_argument("--log-level", default="warning", help="logging level (default: warning)")
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> tuple[ServeConfig, EngineConfig, str]:
+    ns = vars(build_parser().parse_args(list(argv)))
+    log_level = ns.pop("log_level")
+    serve_names = {f.name for f in msgspec.structs.fields(ServeConfig)}
+    serve = {k: v for k, v in ns.items() if k in serve_names}
+    engine = {k: v for k, v in ns.items() if k not in serve_names}
+    return ServeConfig(**serve), EngineConfig(**engine), log_level
+
+
+def build_server(serve: ServeConfig, engine_cfg: EngineConfig, *, explicit_seq_len: bool) -> Server:
+    """Load the checkpoint (and its tokenizer, if it has one) and start the engine."""
+    from miles.engines import EmbeddedEngine
+    from miles.models import load_config, load_pretrained, load_tokenizer
+
+    if not serve.hf_checkpoint:
+        raise ValueError("--hf-checkpoint (or --model-path) is required")
+    path = Path(serve.hf_checkpoint)
+    if engine_cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {engine_cfg.device}: CUDA is not available on this machine")
+    max_pos = load_config(path).max_position_embeddings
+    if not explicit_seq_len:  # the default context, capped by what the model supports
+        engine_cfg = msgspec.structs.replace(engine_cfg, max_seq_len=min(engine_cfg.max_seq_len, max_pos))
+    tokenizer = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
+    model = load_pretrained(path, device=engine_cfg.device, dtype=engine_cfg.torch_dtype())
+    engine = EmbeddedEngine(model, config=engine_cfg, tokenizer=tokenizer, version=serve.weight_version)
+    engine.start()
+    return Server(engine, config=serve, tokenizer=tokenizer)
+
+
+async def run(server: Server, *, stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (or SIGINT/SIGTERM), then shut down cleanly."""
+    from aiohttp import web
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, server.config.host, server.config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        print(f"miles serve: listening on http://{host}:{port} (model {server.config.hf_checkpoint}, "
+              f"weight_version {server.engine.version})", flush=True)
+        await stop.wait()
+    finally:
+        await server.close()
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    serve, engine_cfg, log_level = parse_args(argv)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    explicit = any(a == "--max-seq-len" or a.startswith("--max-seq-len=") for a in argv)
+    try:
+        server = build_server(serve, engine_cfg, explicit_seq_len=explicit)
+    except (OSError, ValueError) as exc:  # missing/bad checkpoint or flags: one line, status 2
+        print(f"miles serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(run(server))
+    except OSError as exc:  # e.g. the port is taken
+        print(f"miles serve: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

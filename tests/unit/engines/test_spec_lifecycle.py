@@ -1,0 +1,236 @@
+"""Speculation through the engine's life cycle: abort + resume, policy weight updates in the
+middle of a generation (per-token versions), draft weight updates in the middle of a
+generation (draft version only), the drafters' cache bookkeeping across plain steps,
+rounds and flushes, and the rule that switches speculation on and off."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+
+import pytest
+import torch
+
+from miles.engines import WeightError
+from miles.engines.spec import SpeculativeConfig
+from miles.engines.spec.controller import SpecController, expected_tokens
+from miles.models import token_logprobs
+from miles.types import GenerateRequest, SamplingParams
+
+from .helpers import make_model, prompts, run
+from .spec_helpers import full_logprobs, generate_all, noisy_copy, spec_engine
+
+SEEDED = SamplingParams(max_new_tokens=160, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+
+
+async def _wait_progress(engine, rid: str, at_least: int, task: asyncio.Task) -> int:
+    """Poll until ``rid`` has ``at_least`` tokens (fail, rather than hang, if it finished)."""
+    while (n := engine.progress(rid)) is None or n < at_least:
+        assert not task.done(), f"{rid} finished before the test could interrupt it (a loaded machine?)"
+        await asyncio.sleep(0.0005)
+    return n
+
+
+@pytest.mark.parametrize("mode", ["coupled", "rejection"])
+@pytest.mark.parametrize("kind", ["draft", "eagle"])
+def test_abort_then_resume_reproduces(kind: str, mode: str) -> None:
+    """Every token comes from a step, aborts land between steps, and the draws are keyed by
+    (seed, position): with a fixed k a resumed request continues exactly as before."""
+    policy = make_model(seed=1)
+    prompt, other = prompts(2, seed=3)
+
+    async def go():
+        engine = spec_engine(policy, kind, mode=mode)
+        full = await engine.generate(GenerateRequest(rid="full", input_ids=prompt, sampling=SEEDED))
+        noise = asyncio.create_task(engine.generate(GenerateRequest(
+            rid="other", input_ids=other, sampling=SamplingParams(max_new_tokens=80, ignore_eos=True))))
+        task = asyncio.create_task(engine.generate(GenerateRequest(rid="a", input_ids=prompt, sampling=SEEDED)))
+        await _wait_progress(engine, "a", 10, task)
+        await engine.abort("a")
+        part = await task
+        rest = await engine.generate(GenerateRequest(rid="a2", input_ids=prompt + part.output_ids,
+                                                     sampling=SEEDED, num_prefix_tokens=len(part.output_ids)))
+        await noise
+        await engine.close()
+        return full, part, rest
+
+    full, part, rest = run(go)
+    assert part.finish_reason == "abort" and 10 <= len(part.output_ids) < 160
+    assert part.output_ids + rest.output_ids == full.output_ids
+    assert max(abs(a - b) for a, b in zip(part.logprobs + rest.logprobs, full.logprobs)) < 1e-5
+
+
+@pytest.mark.parametrize("keep_kv_cache", [False, True])
+@pytest.mark.parametrize("kind", ["draft", "eagle"])
+def test_policy_update_mid_generation_records_versions(kind: str, keep_kv_cache: bool) -> None:
+    old, new = make_model(seed=1), make_model(seed=2)
+    new_weights = {k: v.clone() for k, v in new.state_dict().items()}
+    prompt = prompts(1, seed=4)[0]
+    sp = SamplingParams(max_new_tokens=120, temperature=1.0, seed=3, ignore_eos=True)
+
+    async def go():
+        engine = spec_engine(old, kind)
+        task = asyncio.create_task(engine.generate(GenerateRequest(rid="a", input_ids=prompt, sampling=sp)))
+        await _wait_progress(engine, "a", 8, task)
+        await engine.pause()
+        k = engine.progress("a")
+        await engine.update_weights(new_weights.items(), version=1, keep_kv_cache=keep_kv_cache)
+        await engine.resume()
+        out = await task
+        await engine.close()
+        return k, out, engine
+
+    k, out, engine = run(go)
+    assert out.versions == [0] * k + [1] * (120 - k)
+    assert engine.draft_version == 0  # a policy update leaves the draft alone
+    lp_old = full_logprobs(old, prompt, out)
+    lp_new = full_logprobs(new, prompt, out)
+    got = torch.tensor(out.logprobs)
+    assert (got[:k] - lp_old[:k]).abs().max() < 1e-5
+    if not keep_kv_cache:  # recomputed context: exactly the new policy's log-probs
+        assert (got[k:] - lp_new[k:]).abs().max() < 1e-5
+    assert set(engine.spec_stats()) == {0, 1}  # acceptance is tracked per policy version
+
+
+def test_draft_update_mid_generation_changes_only_the_draft() -> None:
+    policy = make_model(seed=5)
+    prompt = prompts(1, seed=6)[0]
+    sp = SamplingParams(max_new_tokens=200, temperature=1.0, seed=9, ignore_eos=True)
+    bad_draft = noisy_copy(policy, 0.4, seed=2)  # same shape as the policy, mostly wrong
+    exact = {k: v.clone() for k, v in policy.state_dict().items()}
+
+    async def go():
+        engine = spec_engine(policy, "draft", draft=bad_draft, k=4)
+        task = asyncio.create_task(engine.generate(GenerateRequest(rid="a", input_ids=prompt, sampling=sp)))
+        await _wait_progress(engine, "a", 30, task)
+        await engine.pause()
+        before = engine.stats()
+        with pytest.raises(WeightError, match="not a parameter"):
+            engine.stage_draft_weights([("model.nope", torch.zeros(1))])
+        await engine.update_draft_weights(exact.items(), version=1)
+        assert engine.draft_version == 1 and engine.version == 0
+        await engine.resume()
+        out = await task
+        after = engine.stats()
+        await engine.close()
+        return out, before, after
+
+    out, before, after = run(go)
+    assert out.versions == [0] * 200
+    assert (torch.tensor(out.logprobs) - full_logprobs(policy, prompt, out)).abs().max() < 1e-5
+    rate_before = before["spec/accepted"] / before["spec/drafted"]
+    rate_after = (after["spec/accepted"] - before["spec/accepted"]) / (after["spec/drafted"] - before["spec/drafted"])
+    assert rate_before < 0.8 and rate_after > 0.99
+    assert after["spec/draft_version"] == 1.0 and after["engine/draft_updates"] == 1.0
+
+
+def _schedule(engine, pattern):
+    """Replace the controller's choice with a fixed cycle of options (0 = plain step)."""
+    cycle = itertools.cycle(pattern)
+    engine.spec.plan = lambda n: next(cycle)
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle"])
+def test_drafter_cache_follows_plain_steps_rounds_and_flushes(kind: str) -> None:
+    """The draft's logits at each catch-up equal a full, cache-free forward of the draft over
+    the true context — after plain steps (and the flushes they force), rounds, slot moves."""
+    policy = make_model(seed=7)
+    engine = spec_engine(policy, kind, max_batch_size=3)
+    _schedule(engine, [3, 2] + [0] * 35)  # two rounds, then 35 plain steps (> one flush)
+    drafter = engine.spec.drafter
+    ref_draft = copy.deepcopy(drafter.model)
+    seen: list[tuple[list[list[int]], torch.Tensor]] = []
+    inner = drafter.catch_up
+
+    def spy(*args):
+        logits, state = inner(*args)  # called on the stepping thread, rows = the running batch
+        seen.append(([list(r.context) for r in engine.stepper.running], logits.clone()))
+        return logits, state
+
+    drafter.catch_up = spy
+    ps = prompts(5, seed=8)
+    sps = [SamplingParams(max_new_tokens=60 + 25 * (i % 3), seed=i, ignore_eos=True) for i in range(5)]
+    generate_all(engine, [GenerateRequest(rid=str(i), input_ids=p, sampling=s) for i, (p, s) in enumerate(zip(ps, sps))])
+    assert len(seen) > 4
+    worst = 0.0
+    for contexts, logits in seen:
+        for ctx, row in zip(contexts, logits):
+            worst = max(worst, (row - _reference_draft_logits(kind, ref_draft, policy, ctx)).abs().max().item())
+    assert worst < 1e-4
+
+
+def _reference_draft_logits(kind: str, draft, policy, ctx: list[int]) -> torch.Tensor:
+    ids = torch.tensor([ctx])
+    with torch.no_grad():
+        if kind == "draft":
+            return draft(ids).logits[0, -1]
+        h = policy(ids, return_hidden=True).hidden  # entries i = (h_i, x_{i+1}), i < len - 1
+        feats = draft(h[:, :-1], ids[:, 1:], policy.model.embed_tokens)
+        return policy.lm_head(feats[0, -1]).float()
+
+
+def test_batch_size_cap_switches_speculation_off() -> None:
+    policy = make_model(seed=9)
+    engine = spec_engine(policy, "draft", spec={"speculative_max_batch_size": 2})
+    sizes: list[tuple[int, int]] = []
+    plan = engine.spec.plan
+    engine.spec.plan = lambda n: sizes.append((n, k := plan(n))) or k
+    ps = prompts(6, seed=10)
+    sps = [SamplingParams(max_new_tokens=10 + 12 * i, seed=i, ignore_eos=True) for i in range(6)]
+    generate_all(engine, [GenerateRequest(rid=str(i), input_ids=p, sampling=s) for i, (p, s) in enumerate(zip(ps, sps))])
+    assert all(k == 0 for n, k in sizes if n > 2)
+    assert any(k > 0 for n, k in sizes if n <= 2)
+
+
+def test_controller_rule() -> None:
+    cfg = SpeculativeConfig(speculative_algorithm="draft", speculative_num_steps=3, speculative_probe_interval=10)
+    c = SpecController(cfg)
+    alpha = 0.8  # a round costs 1 + 0.2 k plain steps; drafts are accepted 80% of the time
+
+    def step() -> int:
+        k = c.choose(8)
+        if k == 0:
+            c.observe_plain(8, 1.0, 8)
+        else:
+            a = int(8 * alpha * k)
+            c.observe_round(8, k, 1.0 + 0.2 * k, 0, rows=8, drafted=8 * k, accepted=a,
+                            rejections=8 if alpha < 1 else 0, emitted=8 + a)
+        return k
+
+    assert sorted(step() for _ in range(12)) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]  # warm-up: 3 each
+    picks = [step() for _ in range(40)]
+    best = max((1, 2, 3), key=lambda k: c.rate(8, k))
+    assert c.rate(8, best) > c.rate(8, 0)
+    assert picks[-20:].count(best) >= 17  # the best option, apart from a probe every 10 steps
+    alpha = 0.0  # the draft stops being accepted: plain decoding wins
+    late = [step() for _ in range(200)][-30:]
+    assert late.count(0) >= 26
+    assert c.choose(1) in (0, 1, 2, 3)  # an unmeasured batch size starts its own warm-up
+    capped = SpecController(SpeculativeConfig(speculative_algorithm="draft", speculative_max_batch_size=4))
+    assert capped.choose(5) == 0
+    fixed = SpecController(SpeculativeConfig(speculative_algorithm="draft", speculative_adaptive=False,
+                                             speculative_num_steps=5))
+    assert {fixed.choose(n) for n in (1, 7, 64)} == {5}
+    assert expected_tokens(1.0, 3) == 4 and abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+
+
+def test_plain_logprobs_unchanged_by_attached_draft() -> None:
+    """A request decoded by plain steps only (speculation off by the rule) is unaffected."""
+    policy = make_model(seed=11)
+    engine = spec_engine(policy, "eagle")
+    _schedule(engine, [0])
+    p = prompts(1, seed=12)[0]
+    out = generate_all(engine, [GenerateRequest(rid="x", input_ids=p, sampling=SEEDED)])[0]
+    assert out.spec_verify_count == 0
+    assert (torch.tensor(out.logprobs) - token_logprobs_from(policy, p, out)).abs().max() < 1e-5
+
+
+def token_logprobs_from(policy, prompt, out) -> torch.Tensor:
+    from miles.engines.sampling import truncate
+
+    ids = torch.tensor([prompt + out.output_ids])
+    with torch.no_grad():
+        logits = policy(ids).logits[0, len(prompt) - 1 : -1]
+    kept = truncate(logits, torch.full((len(out.output_ids),), -1), torch.full((len(out.output_ids),), 0.9))
+    return token_logprobs(kept, torch.tensor(out.output_ids))

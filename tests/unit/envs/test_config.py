@@ -1,0 +1,60 @@
+"""EnvConfig flags, validation rules, and the factory's choice of generate function."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles.actors.factory import build_generate_fn
+from miles.config import ConfigError, build_parser, default_config, resolve
+from miles.envs import EnvConfig, EnvRollout
+from miles.models import build_tiny_tokenizer
+from miles.rollout import generate_single_turn
+
+
+def test_flags_parse_into_the_env_section() -> None:
+    ns = build_parser().parse_args(["--env-path", "a.b:E", "--env-kwargs", '{"n": 3, "name": "x"}', "--max-turns", "4",
+                                    "--env-stop", "</call>", "STOP", "--env-turn-template", "raw"])
+    values = {k: v for k, v in vars(ns).items() if k != "config"}
+    c = resolve(values, check=False)
+    assert c.env == EnvConfig(env_path="a.b:E", env_kwargs={"n": 3, "name": "x"}, max_turns=4,
+                              env_stop=["</call>", "STOP"], env_turn_template="raw")
+    ns = build_parser().parse_args(["--env-kwargs", "n=3,name=x,flag=true"])
+    assert ns.env_kwargs == {"n": 3, "name": "x", "flag": True}
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"max_turns": 0}, "max_turns must be >= 1"),
+    ({"turn_timeout_s": 0}, "turn_timeout_s must be > 0"),
+    ({"max_turn_tokens": 0}, "max_turn_tokens must be >= 1"),
+    ({"env_turn_template": "<obs>"}, "must be 'chat', 'raw' or a format string"),
+    ({"env_reward": "mean"}, "--env-reward"),
+])
+def test_bad_values_are_config_errors(values, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        default_config(**values)
+
+
+def _checked(tmp_path, **flat):
+    (tmp_path / "ck").mkdir(exist_ok=True)
+    (tmp_path / "ck" / "config.json").write_text("{}")
+    (tmp_path / "d.jsonl").write_text('{"input": "x"}\n')
+    return resolve({"hf_checkpoint": str(tmp_path / "ck"), "prompt_data": str(tmp_path / "d.jsonl"), **flat})
+
+
+def test_cross_field_rules(tmp_path) -> None:
+    _checked(tmp_path, env_path="pkg.mod:Env")  # the env's rewards are enough
+    with pytest.raises(ConfigError, match="both choose the generate function"):
+        _checked(tmp_path, env_path="pkg.mod:Env", custom_generate_function_path="pkg.mod:gen")
+    with pytest.raises(ConfigError, match="--env-reward none leaves the reward to --custom-rm-path"):
+        _checked(tmp_path, env_path="pkg.mod:Env", env_reward="none")
+    with pytest.raises(ConfigError, match="file missing.py not found"):
+        _checked(tmp_path, env_path="missing.py:Env")
+    with pytest.raises(ConfigError, match="no reward"):
+        _checked(tmp_path)
+
+
+def test_factory_picks_the_env_rollout() -> None:
+    tok = build_tiny_tokenizer()
+    fn = build_generate_fn(default_config(env_path="tests.unit.envs.helpers:CountdownEnv", env_kwargs={"turns": 2}), tok)
+    assert isinstance(fn, EnvRollout) and fn.make_env().turns == 2
+    assert build_generate_fn(default_config(), tok) is generate_single_turn

@@ -1,0 +1,137 @@
+"""`miles train` bad input: one clear message naming the problem, exit 2, no finished-looking
+outputs. These fail before Ray starts, so they are unit tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.cli import main
+from miles.config import ConfigError, default_config, parse_args
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    from miles.models import CausalLM, build_tiny_tokenizer, save_pretrained, tiny_config
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("ckpt")
+    save_pretrained(CausalLM(tiny_config()), path, tokenizer=build_tiny_tokenizer())
+    return path
+
+
+@pytest.fixture()
+def files(tmp_path, ckpt) -> dict[str, Path]:
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"input": f"q{i}", "label": "a"}) for i in range(4)) + "\n")
+    rm = tmp_path / "rm.py"
+    rm.write_text("def reward(s):\n    return 1.0\n")
+    return {"data": data, "rm": rm, "ckpt": ckpt, "out": tmp_path / "out"}
+
+
+def _argv(f: dict[str, Path], *extra: str) -> list[str]:
+    return ["train", "--hf-checkpoint", str(f["ckpt"]), "--prompt-data", str(f["data"]),
+            "--custom-rm-path", f"{f['rm']}:reward", "--output-dir", str(f["out"]), *extra]
+
+
+def _fails(argv: list[str], capsys, needle: str) -> str:
+    code: object
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert needle in err, err
+    return err
+
+
+def test_missing_checkpoint(files, capsys, tmp_path) -> None:
+    argv = _argv(files)
+    argv[argv.index("--hf-checkpoint") + 1] = str(tmp_path / "nope")
+    _fails(argv, capsys, "--hf-checkpoint")
+    assert not files["out"].exists()
+
+
+def test_missing_data_file(files, capsys, tmp_path) -> None:
+    argv = _argv(files)
+    argv[argv.index("--prompt-data") + 1] = str(tmp_path / "missing.jsonl")
+    _fails(argv, capsys, "--prompt-data")
+    assert not files["out"].exists()
+
+
+def test_jsonl_without_input_key(files, capsys) -> None:
+    files["data"].write_text(json.dumps({"question": "x"}) + "\n")
+    err = _fails(_argv(files), capsys, "missing_input_key")
+    assert "no usable rows" in err
+    assert not (files["out"] / "summary.json").exists()
+
+
+def test_bad_line_fails_with_flag(files, capsys) -> None:
+    files["data"].write_text(json.dumps({"input": "ok"}) + "\n{not json\n")
+    _fails(_argv(files, "--on-bad-data", "fail"), capsys, ":2: malformed_json")
+
+
+def test_malformed_yaml(files, capsys, tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout-batch-size: [1, 2\n")
+    _fails(_argv(files, "--config", str(bad)), capsys, "malformed YAML")
+
+
+def test_unknown_flag(files, capsys) -> None:
+    _fails(_argv(files, "--no-such-flag", "3"), capsys, "--no-such-flag")
+
+
+def test_unknown_yaml_key(files, capsys, tmp_path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("rollout-batchsize: 3\n")
+    _fails(_argv(files, "--config", str(cfg)), capsys, "--rollout-batchsize")
+
+
+def test_bad_choice_and_type(files, capsys) -> None:
+    _fails(_argv(files, "--advantage-estimator", "nope"), capsys, "--advantage-estimator")
+    _fails(_argv(files, "--rollout-batch-size", "x"), capsys, "--rollout-batch-size")
+
+
+def test_incompatible_flags(files, capsys) -> None:
+    err = _fails(_argv(files, "--mode", "sync", "--over-sampling-batch-size", "64", "--rollout-batch-size", "32"),
+                 capsys, "--partial-rollout")
+    assert "invalid configuration" in err
+    _fails(_argv(files, "--n-samples-per-prompt", "1"), capsys, "--n-samples-per-prompt >= 2")
+
+
+def test_yaml_then_flags_precedence(files, tmp_path) -> None:
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("rollout:\n  n-samples-per-prompt: 8\nrollout-max-response-len: 7\nlr: 0.5\n")
+    cfg = parse_args(_argv(files, "--config", str(cfg_file), "--lr", "0.25")[1:])
+    assert cfg.rollout.n_samples_per_prompt == 8 and cfg.buffer.n_samples_per_prompt == 8
+    assert cfg.rollout.rollout_max_response_len == 7
+    assert cfg.trainer.lr == 0.25
+
+
+def test_shared_fields_agree() -> None:
+    cfg = default_config(seed=7, max_staleness=3)
+    assert cfg.run.seed == cfg.engine.seed == cfg.trainer.seed == 7
+    assert cfg.scheduler.max_staleness == cfg.buffer.max_staleness == 3
+    assert cfg.engine.dtype == cfg.trainer.dtype
+    with pytest.raises(ConfigError, match="--max-staleness"):
+        default_config(max_staleness="many")
+
+
+def test_config_dump_round_trip(tmp_path) -> None:
+    cfg = default_config(lr=3e-4, mode="sync", rollout_stop=["\n"])
+    cfg.dump(tmp_path / "c.yaml")
+    from miles.config import load_yaml, resolve
+
+    again = resolve(load_yaml(tmp_path / "c.yaml"), check=False)
+    assert again.to_dict() == cfg.to_dict()
+
+
+def test_bad_function_path(files, capsys) -> None:
+    argv = _argv(files)
+    argv[argv.index("--custom-rm-path") + 1] = f"{files['rm']}:nope"
+    _fails(argv, capsys, "has no attribute 'nope'")
+    assert not files["out"].exists()

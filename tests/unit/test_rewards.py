@@ -1,0 +1,81 @@
+"""RewardRunner: sync/async/slime-style functions; raise, hang, NaN and garbage → FAILED."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from miles.rewards import RewardRunner, check_reward
+from miles.types import Status, Trajectory
+
+
+def _t(i: int = 0, label: str = "a") -> Trajectory:
+    return Trajectory(id=f"t{i}", prompt_id="p", group_id="g", response="a b", label=label)
+
+
+def _score(runner: RewardRunner, trajs: list[Trajectory]) -> list[Trajectory]:
+    return asyncio.run(runner.score_many(trajs))
+
+
+def test_sync_async_and_slime_signatures() -> None:
+    async def async_fn(sample):
+        return {"acc": 1.0, "fmt": 0.5}
+
+    def slime_fn(args, sample):
+        return float(args["bonus"])
+
+    (a,) = _score(RewardRunner(lambda s: float(s.label == "a")), [_t()])
+    (b,) = _score(RewardRunner(async_fn), [_t()])
+    (c,) = _score(RewardRunner(slime_fn, args={"bonus": 2}), [_t()])
+    assert (a.reward, b.reward, c.reward) == (1.0, {"acc": 1.0, "fmt": 0.5}, 2.0)
+
+
+@pytest.mark.parametrize(
+    ("fn", "reason"),
+    [
+        (lambda s: 1 / 0, "reward_error: ZeroDivisionError"),
+        (lambda s: float("nan"), "reward_invalid"),
+        (lambda s: "high", "reward_invalid"),
+        (lambda s: None, "reward_invalid"),
+        (lambda s: {"a": float("inf")}, "reward_invalid"),
+    ],
+)
+def test_bad_rewards_fail_the_sample(fn, reason) -> None:
+    runner = RewardRunner(fn)
+    (t,) = _score(runner, [_t()])
+    assert t.status is Status.FAILED and t.finish_reason.startswith(reason) and t.reward is None
+    assert runner.stats()[f"reward/{reason.split(':')[0]}"] == 1
+
+
+def test_hanging_sync_calls_do_not_starve_others() -> None:
+    """Twenty calls hang far past the timeout; the good ones still finish promptly."""
+
+    def fn(sample):
+        if sample.label == "hang":
+            time.sleep(5)
+        return 1.0
+
+    runner = RewardRunner(fn, timeout_s=0.3)
+    trajs = [_t(i, "hang") for i in range(20)] + [_t(100 + i) for i in range(20)]
+    start = time.monotonic()
+    out = _score(runner, trajs)
+    assert time.monotonic() - start < 3.0
+    assert [t.status for t in out[:20]] == [Status.FAILED] * 20
+    assert all(t.finish_reason.startswith("reward_timeout") for t in out[:20])
+    assert all(t.reward == 1.0 for t in out[20:])
+
+
+def test_async_timeout() -> None:
+    async def slow(sample):
+        await asyncio.sleep(10)
+
+    (t,) = _score(RewardRunner(slow, timeout_s=0.05), [_t()])
+    assert t.finish_reason.startswith("reward_timeout")
+
+
+def test_check_reward_accepts_ints_and_dicts() -> None:
+    assert check_reward(1) == 1.0 and check_reward({"x": 2}) == {"x": 2.0}
+    with pytest.raises(ValueError):
+        check_reward(True)

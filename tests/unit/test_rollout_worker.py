@@ -1,0 +1,133 @@
+"""RolloutWorker in-process (no Ray): a real engine and buffer; abort parks PARTIAL work that
+resumes to the full length budget; drain vs in-place weight updates."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from miles.actors.rollout_worker import RolloutWorker
+from miles.buffers import BufferConfig, ReplayBuffer
+from miles.engines import EmbeddedEngine, EngineConfig
+from miles.models import CausalLM, build_tiny_tokenizer, tiny_config
+from miles.rollout import GenerateContext, generate_single_turn
+from miles.types import PromptSample, SamplingParams, Status, Trajectory
+from miles.weights import pack_all
+
+
+def _worker(partial: bool, max_len: int = 40) -> tuple[RolloutWorker, ReplayBuffer, CausalLM]:
+    torch.manual_seed(0)
+    model = CausalLM(tiny_config())
+    model.reset_parameters()
+    source = CausalLM(tiny_config())
+    source.load_state_dict(model.state_dict())
+    tok = build_tiny_tokenizer()
+    engine = EmbeddedEngine(model, config=EngineConfig(max_batch_size=8, max_seq_len=128), tokenizer=tok)
+    engine.start()
+    buf = ReplayBuffer(BufferConfig(max_staleness=8, n_samples_per_prompt=2))
+    ctx = GenerateContext(engine=engine, tokenizer=tok, max_response_len=max_len, seed=1,
+                          sampling=SamplingParams(ignore_eos=True))
+    worker = RolloutWorker("w0", engine=engine, context=ctx, generate_fn=generate_single_turn, buffer=buf,
+                           local_reward=None, partial_rollout=partial, max_inflight=4)
+    return worker, buf, source
+
+
+def _prompts(n: int) -> list[PromptSample]:
+    tok = build_tiny_tokenizer()
+    return [PromptSample(prompt_id=f"p{i}", prompt=f"q{i}", prompt_tokens=tok.encode(f"q{i}")) for i in range(n)]
+
+
+def test_request_budget_counts_from_the_prompt() -> None:
+    ctx = GenerateContext(engine=None, tokenizer=None, sampling=SamplingParams(), max_response_len=10)  # type: ignore[arg-type]
+    t = Trajectory(id="t", prompt_id="p", group_id="g", prompt_tokens=[1, 2])
+    t.append([3, 4, 5], [0.0] * 3, 0)
+    req = ctx.request_for(t)
+    assert (req.num_prefix_tokens, req.sampling.max_new_tokens, req.input_ids) == (3, 10, [1, 2, 3, 4, 5])
+    assert ctx.request_for(t, max_new_tokens=4).sampling.max_new_tokens == 7
+    assert ctx.request_for(t).sampling.seed == ctx.request_for(t).sampling.seed  # resume redraws the same
+
+
+def test_abort_parks_partial_and_resume_reaches_full_length() -> None:
+    async def scenario() -> list[Trajectory]:
+        worker, buf, source = _worker(partial=True)
+        buf.add_prompts(_prompts(2))
+        run = asyncio.create_task(worker.run())
+        while worker.engine.stats().get("rollout/tokens_generated", 0) < 8:
+            await asyncio.sleep(0.01)
+        assert await worker.abort_inflight(hold_until_version=1) > 0
+        await asyncio.sleep(0.1)
+        assert buf.ledger().partial > 0  # parked, and not re-leased before version 1
+        assert buf.ledger().in_flight == 0
+        buf.set_version(1)
+        await worker.receive_weights(1, pack_all(source.state_dict().items(), version=1, bucket_bytes=1 << 20))
+        got: list[list[Trajectory]] = []
+        while not got:
+            got = buf.get_batch(2, 1)
+            await asyncio.sleep(0.02)
+        await worker.stop()
+        await run
+        await worker.engine.close()
+        return [t for g in got for t in g]
+
+    trajs = asyncio.run(scenario())
+    assert all(len(t.response_tokens) == 40 and t.status is Status.TRUNCATED for t in trajs)
+    assert any(t.num_segments >= 2 for t in trajs)
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_weight_update_in_place_or_drained(partial: bool) -> None:
+    async def scenario() -> list[Trajectory]:
+        worker, buf, source = _worker(partial=partial, max_len=60)
+        buf.add_prompts(_prompts(2))
+        run = asyncio.create_task(worker.run())
+        while worker.engine.stats().get("rollout/tokens_generated", 0) < 10:
+            await asyncio.sleep(0.01)
+        with torch.no_grad():
+            for p in source.parameters():
+                p.add_(0.01)
+        buf.set_version(1)
+        buckets = pack_all(source.state_dict().items(), version=1, bucket_bytes=1 << 16)
+        assert await worker.receive_weights(1, buckets) == 1
+        got: list[list[Trajectory]] = []
+        while not got:
+            got = buf.get_batch(2, 1)
+            await asyncio.sleep(0.02)
+        await worker.stop()
+        await run
+        await worker.engine.close()
+        return [t for g in got for t in g]
+
+    trajs = asyncio.run(scenario())
+    spans = {tuple(sorted(set(t.versions))) for t in trajs}
+    if partial:
+        assert (0, 1) in spans  # generations continued on the new weights
+    else:
+        assert spans == {(0,)}  # drained: every trajectory from one version
+
+
+def test_a_refused_put_drops_only_that_trajectory() -> None:
+    """A lease that expired while the worker held it: the buffer refuses that one put, the
+    rest of the batch lands, and the worker keeps running."""
+
+    async def scenario() -> tuple[RolloutWorker, ReplayBuffer]:
+        worker, buf, _ = _worker(partial=True, max_len=8)
+        buf.add_prompts(_prompts(1))
+        a, b = buf.lease("w0", 2)
+        buf.release_worker("w0")  # as if the lease expired: both go back to the queue
+        (b2,) = buf.lease("w0", 1)  # b is leased again; a is not
+        for t in (a, b2):
+            t.append([5], [-0.1], 0)
+            t.status = Status.COMPLETED
+            t.reward = 1.0
+        worker._outbox = [a, b2]
+        await worker._flush()
+        await worker.engine.close()
+        return worker, buf
+
+    worker, buf = asyncio.run(scenario())
+    assert worker.counters["refused_puts"] == 1 and "not leased" in worker.last_refusal
+    led = buf.ledger()
+    assert (led.waiting, led.queued) == (1, 1)
+    led.check()
