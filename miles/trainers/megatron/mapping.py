@@ -74,9 +74,6 @@ def check_supported(model: ModelConfig, cfg: MegatronConfig) -> None:
         if size % tp:
             raise MegatronConfigError("tensor_model_parallel_size", f"intermediate_size {size} is not divisible by {tp}")
     if model.is_moe:
-        if ep > 1 and cfg.moe_token_dispatcher_type != "alltoall":
-            raise MegatronConfigError("moe_token_dispatcher_type", "--expert-model-parallel-size > 1 needs "
-                                      "'alltoall' (data-parallel ranks' micro-batches differ in length)")
         if model.num_experts % ep:
             raise MegatronConfigError("expert_model_parallel_size",
                                       f"num_experts {model.num_experts} is not divisible by {ep}")
@@ -91,6 +88,9 @@ def check_supported(model: ModelConfig, cfg: MegatronConfig) -> None:
 def check_trainable(model: ModelConfig, cfg: MegatronConfig) -> None:
     """What training (not just building / converting) additionally needs."""
     check_supported(model, cfg)
+    if model.is_moe and cfg.expert_model_parallel_size > 1 and cfg.moe_token_dispatcher_type != "alltoall":
+        raise MegatronConfigError("moe_token_dispatcher_type", "--expert-model-parallel-size > 1 needs "
+                                  "'alltoall' (data-parallel ranks' micro-batches differ in length)")
     if model.is_moe and cfg.tensor_model_parallel_size > 1 and not cfg.sequence_parallel:
         # megatron-core's MoELayer refuses to train with TP > 1 unless sequence parallelism is on
         raise MegatronConfigError("sequence_parallel", "a MoE model with --tensor-model-parallel-size > 1 "

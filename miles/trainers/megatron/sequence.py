@@ -112,7 +112,8 @@ def vocab_parallel_logprobs(
     ``[vocab_start, vocab_start + W.shape[0])``; rows ≥ ``vocab_size`` are padding), in float32,
     and the entropy ("metric": no gradient; "grad": differentiable)."""
     h = copy_to_group(h, group)
-    logits = (h @ weight.t()).float() / temperature
+    logits = h @ weight.t()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # fp32 (fp64 in checks)
     shard = weight.shape[0]
     valid = torch.arange(vocab_start, vocab_start + shard, device=h.device) < vocab_size
     logits = logits.masked_fill(~valid, float("-inf"))
