@@ -72,7 +72,8 @@ def check_supported(model: ModelConfig, cfg: MegatronConfig) -> None:
     ffn = [model.intermediate_size] if any(not model.is_moe_layer(i) for i in range(model.num_hidden_layers)) else []
     for size in ffn:
         if size % tp:
-            raise MegatronConfigError("tensor_model_parallel_size", f"intermediate_size {size} is not divisible by {tp}")
+            raise MegatronConfigError("tensor_model_parallel_size",
+                                      f"intermediate_size {size} is not divisible by {tp}")
     if model.is_moe:
         if model.num_experts % ep:
             raise MegatronConfigError("expert_model_parallel_size",

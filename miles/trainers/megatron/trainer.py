@@ -11,11 +11,12 @@ under bf16, global grad-norm clipping) and the micro-batch schedule
 (``get_forward_backward_func``: 1F1B across pipeline stages).
 
 Every rank runs every method (SPMD): each gets the same groups, and data-parallel rank d trains
-rows d, d + dp, ... of each mini-batch. The loss of a micro-batch is normalised by the counts
-of the *whole* mini-batch, and the TransformerConfig sets ``calculate_per_token_loss`` so the
-schedule does not rescale it and DDP sums (not averages) gradients over data-parallel ranks:
-the summed gradient is exactly the single-process gradient of the mini-batch loss. Metrics are
-combined over data-parallel ranks and sent from the last pipeline stage to every rank.
+rows d, d + dp, ... of each mini-batch sorted by length. The loss of a micro-batch is
+normalised by the counts of the *whole* mini-batch, and the TransformerConfig sets
+``calculate_per_token_loss`` so the schedule does not rescale it and DDP sums (not averages)
+gradients over data-parallel ranks: the summed gradient is exactly the single-process gradient
+of the mini-batch loss. Metrics are combined over data-parallel ranks and sent from the last
+pipeline stage to every rank.
 
 CUDA only: megatron-core's forward places tensors on the current CUDA device.
 """
@@ -218,7 +219,8 @@ class MegatronTrainer:
         logp = self._no_grad_logprobs(self.ddp, self.replay, batch).cpu()
         return [logp[i, :n].tolist() for i, n in enumerate(batch.resp_lens)]
 
-    def export_weights(self, bucket_bytes: int, *, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
+    def export_weights(self, bucket_bytes: int, *,
+                       dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
         """Full HF-named tensors in buckets of at most ``bucket_bytes`` (a larger tensor is a
         bucket of its own); collective: every rank must iterate it to the end."""
         if bucket_bytes <= 0:
@@ -254,9 +256,11 @@ class MegatronTrainer:
         zero-weight placeholders to the largest count over data-parallel ranks: expert-parallel
         all-to-alls are collective per forward, so every rank must run as many micro-batches
         (and a rank left without rows still needs one step for DDP and the schedule)."""
-        mine = list(rows)[self.layout.dp_rank::self.layout.dp]
+        by_length = sorted(rows, key=lambda r: -batch.seq_lens[r])  # dealt round-robin: balanced ranks
+        mine = by_length[self.layout.dp_rank::self.layout.dp]
         if need_loss:
-            mine = [r for r in mine if batch.resp_lens[r] and bool(batch.loss_mask[r].any())]
+            has_loss = (batch.loss_mask > 0).any(dim=1).tolist()
+            mine = [r for r in mine if has_loss[r]]
         plan = plan_micro_batches(mine, batch.seq_lens, micro_batch_size=self.config.micro_batch_size,
                                   max_tokens=self.config.max_tokens_per_micro_batch)
         count = max(len(plan), 1)

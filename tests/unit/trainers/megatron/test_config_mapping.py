@@ -176,6 +176,27 @@ def test_missing_megatron_core_names_the_extra(monkeypatch: pytest.MonkeyPatch) 
 def test_build_needs_a_checkpoint() -> None:
     from miles.config import default_config
     from miles.trainers.megatron import build_megatron_trainer
+    from miles.trainers.megatron.launch import megatron_section
 
+    cfg = default_config()
+    assert megatron_section(cfg) == MegatronConfig()  # defaults while the section is not registered
     with pytest.raises(ValueError, match="--hf-checkpoint"):
-        build_megatron_trainer(default_config())
+        build_megatron_trainer(cfg)
+
+
+def test_flags_parse_once_the_section_is_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MegatronConfig`` as the ``megatron`` section of the run config: its fields become
+    ``--tensor-model-parallel-size`` ... without colliding with any other section's flag."""
+    from miles.config import parse_args
+    from miles.sections import SECTIONS
+    from miles.trainers.megatron.launch import megatron_section
+
+    monkeypatch.setitem(SECTIONS, "megatron", MegatronConfig)
+    monkeypatch.setattr("miles.validation.check_config", lambda cfg: None)  # run-level checks: not ours
+    cfg = parse_args(["--train-backend", "megatron", "--tensor-model-parallel-size", "2",
+                      "--expert-model-parallel-size", "4", "--sequence-parallel", "--transformer-impl", "local"])
+    m = megatron_section(cfg)
+    assert (m.tensor_model_parallel_size, m.expert_model_parallel_size, m.sequence_parallel) == (2, 4, True)
+    assert cfg.run.train_backend == "megatron"
+    with pytest.raises(Exception, match="tensor-model-parallel-size"):
+        parse_args(["--tensor-model-parallel-size", "0"])

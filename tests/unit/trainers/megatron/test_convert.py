@@ -121,7 +121,8 @@ def test_names_of_both_layer_specs() -> None:
     dense_te = {s.name for s in param_specs(tiny_config(), Naming(te=True))}
     assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in dense_te
     spec = next(s for s in param_specs(cfg) if s.expert == 5 and "fc2" in s.name)
-    assert spec.local_name(layer_offset=0, expert_offset=4) == "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"
+    local = spec.local_name(layer_offset=0, expert_offset=4)
+    assert local == "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"
 
 
 def test_every_hf_tensor_is_covered_once() -> None:

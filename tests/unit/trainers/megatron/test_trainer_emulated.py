@@ -4,7 +4,7 @@ The trainer runs megatron-core's real DDP, optimizer (AdamW, fp32) and micro-bat
 in spawned processes where ``cuda_on_cpu.install(full=True)`` redirects megatron's CUDA
 placements to the CPU. In float32 both trainers start from the same weights and must agree
 step for step (log-probs, loss, grad norm, metric names) — single process (dense; MoE with
-rollout routing replay), and two ranks as DP=2, TP=2, EP=2 (+replay) and PP=2 (tied
+rollout routing replay and a reference-model KL), and two ranks as DP=2, TP=2, EP=2 (+replay) and PP=2 (tied
 embeddings). Also: checkpoint state round trip, export, bad input, non-finite skipping.
 GPU numerics (bf16, NCCL) are in tests/gpu/test_megatron_gpu.py.
 """
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow
 TOL = 1e-4
 
 
-def _pair(mkw: dict, *, moe: bool = False, replay: bool = False, tied: bool = False, **tkw: Any) -> tuple[Any, Any, Any]:
+def _pair(mkw: dict, *, moe: bool = False, replay: bool = False, tied: bool = False, kl_coef: float = 0.0,
+          **tkw: Any) -> tuple[Any, Any, Any]:
     import torch
 
     from miles.algorithms import AlgorithmConfig
@@ -38,10 +39,11 @@ def _pair(mkw: dict, *, moe: bool = False, replay: bool = False, tied: bool = Fa
     ref = CausalLM(cfg)
     kw = dict(lr=1e-3, dtype="float32", micro_batch_size=3, weight_decay=0.1, num_steps_per_rollout=2,
               use_rollout_routing_replay=replay, **tkw)
-    algo = AlgorithmConfig(use_tis=True)
+    algo = AlgorithmConfig(use_tis=True, kl_coef=kl_coef)
     mt = MegatronTrainer(cfg, config=TrainerConfig(device="cuda", **kw), algo=algo,
                          megatron=MegatronConfig(**mkw), weights=ref.state_dict())
-    et = EmbeddedTrainer(copy.deepcopy(ref), config=TrainerConfig(device="cpu", fsdp=False, **kw), algo=algo)
+    et = EmbeddedTrainer(copy.deepcopy(ref), config=TrainerConfig(device="cpu", fsdp=False, **kw), algo=algo,
+                         ref_model=copy.deepcopy(ref) if kl_coef > 0 else None)
     return cfg, mt, et
 
 
@@ -93,7 +95,6 @@ def _single(rank: int) -> dict[str, Any]:
     groups = _groups(cfg, False)
     out["dense"] = _compare(mt, et, groups)
     # checkpoint state: restore, then the next step repeats exactly
-    flat = [t for g in groups for t in g]
     set_behaviour(et, groups, shift=-0.05)
     state = copy.deepcopy(mt.state_dict())
     first = mt.train_step(groups)
@@ -117,10 +118,9 @@ def _single(rank: int) -> dict[str, Any]:
         mt.gpt.decoder.final_layernorm.weight.fill_(math.nan)
     m = mt.train_step(groups)
     out["nonfinite"] = (m["train/skipped_steps"], mt.optimizer_steps - steps_before, mt.version == version + 1)
-    # MoE with rollout routing replay
-    cfg, mt, et = _pair({"moe_token_dispatcher_type": "allgather"}, moe=True, replay=True)
+    # MoE with rollout routing replay, and a KL term against a reference model
+    cfg, mt, et = _pair({"moe_token_dispatcher_type": "allgather"}, moe=True, replay=True, kl_coef=0.1)
     out["moe_replay"] = _compare(mt, et, _groups(cfg, True))
-    del flat
     return out
 
 
