@@ -3,10 +3,11 @@
 The trainer runs megatron-core's real DDP, optimizer (AdamW, fp32) and micro-batch schedule
 in spawned processes where ``cuda_on_cpu.install(full=True)`` redirects megatron's CUDA
 placements to the CPU. In float32 both trainers start from the same weights and must agree
-step for step (log-probs, loss, grad norm, metric names) — single process (dense; MoE with
-rollout routing replay and a reference-model KL), and two ranks as DP=2, TP=2, EP=2 (+replay) and PP=2 (tied
-embeddings). Also: checkpoint state round trip, export, bad input, non-finite skipping.
-GPU numerics (bf16, NCCL) are in tests/gpu/test_megatron_gpu.py.
+step for step (log-probs, loss, grad norm, every metric): single process (dense; MoE with
+rollout routing replay, a reference-model KL and activation recomputation), and two ranks as
+DP=2 (also with the distributed optimizer), TP=2, EP=2 (+replay) and PP=2 (tied embeddings).
+Also: checkpoint state round trip, export, bad input, non-finite skipping. GPU numerics
+(bf16, NCCL) are in tests/gpu/test_megatron_gpu.py.
 """
 
 from __future__ import annotations
@@ -118,8 +119,9 @@ def _single(rank: int) -> dict[str, Any]:
         mt.gpt.decoder.final_layernorm.weight.fill_(math.nan)
     m = mt.train_step(groups)
     out["nonfinite"] = (m["train/skipped_steps"], mt.optimizer_steps - steps_before, mt.version == version + 1)
-    # MoE with rollout routing replay, and a KL term against a reference model
-    cfg, mt, et = _pair({"moe_token_dispatcher_type": "allgather"}, moe=True, replay=True, kl_coef=0.1)
+    # MoE with rollout routing replay, a KL term against a reference model, recomputation
+    cfg, mt, et = _pair({"moe_token_dispatcher_type": "allgather"}, moe=True, replay=True, kl_coef=0.1,
+                        gradient_checkpointing=True)
     out["moe_replay"] = _compare(mt, et, _groups(cfg, True))
     return out
 
@@ -137,6 +139,7 @@ def test_single_process_matches_the_embedded_trainer() -> None:
 
 LAYOUTS = [  # (name, MegatronConfig kwargs, moe + replay, tied)
     ("dp2", {"moe_token_dispatcher_type": "allgather"}, False, False),
+    ("dp2_distributed_optimizer", {"use_distributed_optimizer": True}, False, False),
     ("tp2", {"tensor_model_parallel_size": 2}, False, False),
     ("ep2_replay", {"expert_model_parallel_size": 2}, True, False),
     ("pp2_tied", {"pipeline_model_parallel_size": 2}, False, True),
@@ -163,3 +166,58 @@ def test_two_ranks_match_the_embedded_trainer() -> None:
         for name, w in per_layout.items():
             assert w["logp"] < TOL and w["loss"] < TOL and w["grad_norm"] < TOL, (rank, name, w)
             assert w["metrics"] < 1e-3, (rank, name, w)
+
+
+def _engine_round_trip(rank: int) -> dict[str, Any]:
+    """Rollouts from the embedded engine (CPU) → Megatron recomputes their log-probs → train →
+    export → engine update → the engine samples with the new version, and they agree again."""
+    import asyncio
+
+    from miles.engines import EmbeddedEngine, EngineConfig
+    from miles.types import GenerateRequest, SamplingParams, Trajectory
+    from tests.unit.trainers.megatron.cuda_on_cpu import install
+
+    install(full=True)
+    out: dict[str, Any] = {}
+    for moe in (False, True):
+        cfg, mt, et = _pair({"moe_token_dispatcher_type": "allgather"}, moe=moe, replay=moe,
+                            rollout_temperature=0.8)
+        engine = EmbeddedEngine(copy.deepcopy(et.model).eval(),
+                                config=EngineConfig(max_batch_size=8, max_seq_len=128, device="cpu", dtype="float32"))
+        prompts = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10], [9, 10]]
+
+        async def rollout() -> list[Trajectory]:
+            sp = SamplingParams(max_new_tokens=12, temperature=0.8, ignore_eos=True, seed=3)
+            outs = await asyncio.gather(*(engine.generate(GenerateRequest(
+                rid=f"r{i}", input_ids=p, sampling=sp, return_routed_experts=moe)) for i, p in enumerate(prompts)))
+            trajs = []
+            for i, (p, o) in enumerate(zip(prompts, outs)):
+                t = Trajectory(id=f"t{i}", prompt_id=f"p{i // 2}", group_id=f"g{i // 2}", prompt_tokens=p)
+                t.append(o.output_ids, o.logprobs, o.versions)
+                t.routed_experts, t.reward = o.routed_experts, float(i % 2)
+                trajs.append(t)
+            return trajs
+
+        def worst(trajs: list[Trajectory]) -> float:
+            got = mt.compute_logprobs(trajs)
+            return max(abs(a - b) for g, t in zip(got, trajs) for a, b in zip(g, t.logprobs))
+
+        async def go() -> tuple[float, float, set[int]]:
+            trajs = await rollout()
+            before = worst(trajs)
+            mt.train_step([trajs[:2], trajs[2:]])
+            for bucket in mt.export_weights(8_000):
+                await engine.update_weights(bucket, mt.version)
+            fresh = await rollout()
+            await engine.close()
+            return before, worst(fresh), {v for t in fresh for v in t.versions}
+
+        before, after, versions = asyncio.run(go())
+        out["moe" if moe else "dense"] = (before, after, versions == {mt.version})
+    return out
+
+
+def test_export_updates_the_embedded_engine() -> None:
+    (out,) = run_ranks(_engine_round_trip, 1, timeout=400)
+    for name, (before, after, versions_ok) in out.items():
+        assert before < 1e-5 and after < 1e-5 and versions_ok, (name, before, after)
