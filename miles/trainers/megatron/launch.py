@@ -42,7 +42,10 @@ def build_megatron_trainer(cfg: Any) -> Any:
     path = cfg.rollout.hf_checkpoint
     if not path:
         raise ValueError("--train-backend megatron needs --hf-checkpoint (a local HF checkpoint directory)")
-    trainer_cfg = msgspec.structs.replace(cfg.trainer, seed=cfg.run.seed)
+    # The backend is CUDA-only; ``--device`` is shared with the engine section, so a CPU engine
+    # next to a Megatron trainer leaves it at "cpu".
+    device = cfg.trainer.device if cfg.trainer.device.startswith("cuda") else "cuda"
+    trainer_cfg = msgspec.structs.replace(cfg.trainer, seed=cfg.run.seed, device=device)
     mcfg = megatron_section(cfg)
     world = max(1, cfg.run.actor_num_nodes) * max(1, cfg.run.actor_num_gpus_per_node)
     if world > 1 and "WORLD_SIZE" not in os.environ:

@@ -194,16 +194,18 @@ def _produce(unit: _Unit, params: dict[str, Tensor], own: Ownership, model: Mode
     tp_group = grp.get("etp" if first.expert is not None else "tp")
     shards = [local] if first.kind == REPLICATED else _gather(local, tp_group)
     if first.expert is None:
-        return [(n, t.to(dtype)) for n, t in shards_to_hf(first, shards, model)]
+        return [(n, t.to(dtype).contiguous()) for n, t in shards_to_hf(first, shards, model)]
     per_rank = _gather(torch.stack(shards), grp.get("ep"))  # [ep] × [etp, ...]
     for spec, stacked in zip(unit.specs, per_rank):
-        out += [(n, t.to(dtype)) for n, t in shards_to_hf(spec, list(stacked.unbind(0)), model)]
+        out += [(n, t.to(dtype).contiguous()) for n, t in shards_to_hf(spec, list(stacked.unbind(0)), model)]
     return out
 
 
 def export_hf(gpt: Any, model: ModelConfig, layout: Layout, naming: Naming, *,
               dtype: torch.dtype | None = None, grp: dict[str, Any] | None = None) -> Iterator[tuple[str, Tensor]]:
-    """Every HF tensor of the model, full (not sharded), on every rank; collective."""
+    """Every HF tensor of the model, full (not sharded) and contiguous, on every rank; collective.
+    Without ``dtype`` a replicated tensor may share storage with the live parameter: consume
+    the tensors before the next train step (as with the embedded trainer)."""
     params = {n: p for n, p in gpt.named_parameters()}
     own = ownership(gpt, model, layout)
     dtype = dtype or next(iter(params.values())).dtype
