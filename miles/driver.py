@@ -237,8 +237,12 @@ class Driver:
         stats = await self.actors.buffer.stats.remote()
         totals: dict[str, float] = {}
         for ws in self.worker_stats.values():
-            for key in ("rollout/tokens", "rollout/busy_s", "rollout/partial", "rollout/drain_s", "rollout/swap_s"):
+            for key in ("rollout/tokens", "rollout/busy_s", "rollout/partial", "rollout/drain_s", "rollout/swap_s",
+                        "rollout/stage_s"):
                 totals[key] = totals.get(key, 0.0) + ws.get(key, 0.0)
+            if "engine/swap_pause_s_max" in ws:  # the longest decode pause a weight swap caused
+                totals["engine/swap_pause_s_max"] = max(totals.get("engine/swap_pause_s_max", 0.0),
+                                                        ws["engine/swap_pause_s_max"])
         up = max((ws.get("rollout/uptime_s", 0.0) for ws in self.worker_stats.values()), default=0.0)
         if up:
             totals["rollout/tokens_per_s"] = totals.get("rollout/tokens", 0.0) / up

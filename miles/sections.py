@@ -95,6 +95,7 @@ def _sections() -> dict[str, type[Any]]:
     from miles.engines.spec import SpeculativeConfig
     from miles.scheduler import SchedulerConfig
     from miles.trainers import TrainerConfig
+    from miles.transports.config import WeightsConfig
 
     return {
         "run": RunConfig,
@@ -108,6 +109,7 @@ def _sections() -> dict[str, type[Any]]:
         "sglang": SGLangConfig,
         "env": EnvConfig,
         "speculative": SpeculativeConfig,
+        "weights": WeightsConfig,
     }
 
 

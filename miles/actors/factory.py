@@ -185,6 +185,18 @@ def build_rollout_worker(cfg: MilesConfig, worker_id: str, *, buffer: Any, rewar
     }
 
 
+def build_weight_sender(cfg: MilesConfig) -> tuple[Any, torch.dtype | None]:
+    """The trainer's weight sender for ``--weight-transport`` (``auto`` resolved), and the
+    dtype weights travel in: the embedded engines' dtype (half the bytes of the trainer's
+    float32 on GPUs), or the trainer's own for SGLang (its server casts on load)."""
+    from miles.transports import make_sender, resolve_transport
+
+    dtype = cfg.engine.torch_dtype() if cfg.run.rollout_backend == "embedded" else None
+    sender = make_sender(resolve_transport(cfg), device=cfg.trainer.device, dtype=dtype, use_ray=True,
+                         timeout_s=cfg.weights.weight_transport_timeout_s)
+    return sender, dtype
+
+
 def build_policy_trainer(cfg: MilesConfig) -> Any:
     from miles.models import load_pretrained
     from miles.trainers import EmbeddedTrainer
