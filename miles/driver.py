@@ -64,6 +64,7 @@ class Driver:
         self.step = 0
         self.admit_s = 0.0
         self.trainer_rss_mb = 0.0
+        self.trainer_weights: dict[str, float] = {}  # the trainer's weight-transport counters
         # Admission (data cursor + buffer) and checkpoint snapshots must not interleave, or a
         # checkpoint could hold a cursor past prompts its buffer never received.
         self.admission_lock = asyncio.Lock()
@@ -172,6 +173,7 @@ class Driver:
             try:
                 pong = await asyncio.wait_for(self.actors.trainer.ping.remote(), timeout * 6)
                 self.trainer_rss_mb = pong.get("mem/trainer_rss_mb", 0.0)
+                self.trainer_weights = {k: v for k, v in pong.items() if k.startswith("weights/")}
             except Exception as exc:
                 self._fail(f"PolicyTrainer died or stopped answering ({type(exc).__name__}){self._checkpoint_note()}")
 
@@ -234,7 +236,9 @@ class Driver:
         return None
 
     async def _rollout_and_buffer_stats(self) -> dict[str, float]:
-        stats = await self.actors.buffer.stats.remote()
+        stats, delivery = await asyncio.gather(self.actors.buffer.stats.remote(),
+                                               self.actors.broadcaster.stats.remote())
+        stats.update(delivery)  # weights/...: delivery times, resyncs, update size
         totals: dict[str, float] = {}
         for ws in self.worker_stats.values():
             for key in ("rollout/tokens", "rollout/busy_s", "rollout/partial", "rollout/drain_s", "rollout/swap_s",
@@ -260,6 +264,7 @@ class Driver:
                 print(f"[miles] DraftTrainer not answering ({type(exc).__name__})", flush=True)
         stats["mem/worker_rss_mb"] = max((ws.get("mem/worker_rss_mb", 0.0) for ws in self.worker_stats.values()), default=0.0)
         stats["mem/trainer_rss_mb"] = self.trainer_rss_mb
+        stats.update(self.trainer_weights)
         stats["mem/driver_rss_mb"] = rss_mb()
         return stats
 

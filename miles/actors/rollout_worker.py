@@ -200,6 +200,8 @@ class RolloutWorker:
                 await self.engine.commit_weights(version, keep_kv_cache=self.keep_kv_cache)
                 self.counters["swap_s"] += time.monotonic() - t0
                 self.counters["weight_updates"] += 1
+                key = f"weight_updates_{update.transport}"
+                self.counters[key] = self.counters.get(key, 0) + 1
             except BaseException:
                 self.inbox.discard_staged()
                 raise
