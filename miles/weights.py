@@ -95,10 +95,11 @@ def layout(tensors: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype | Non
 
 
 def pack_into(flat: torch.Tensor, tensors: Sequence[tuple[str, torch.Tensor]], metas: Sequence[TensorMeta]) -> None:
-    """Copy (and cast) each tensor into its slot of ``flat`` (uint8, any device)."""
-    for meta, (_, t) in zip(metas, tensors):
-        dst = flat[meta.offset : meta.offset + meta.nbytes].view(_DTYPES[meta.dtype]).view(meta.shape)
-        dst.copy_(t.detach())
+    """Copy (and cast) each tensor into its slot of ``flat`` (uint8, any device): one
+    multi-tensor copy (a few kernel launches on CUDA, not one per tensor)."""
+    dsts = [flat[m.offset : m.offset + m.nbytes].view(_DTYPES[m.dtype]).view(m.shape) for m in metas]
+    if dsts:
+        torch._foreach_copy_(dsts, [t.detach() for _, t in tensors])
 
 
 def pack(tensors: Sequence[tuple[str, torch.Tensor]], *, version: int, index: int, total: int,
@@ -107,7 +108,15 @@ def pack(tensors: Sequence[tuple[str, torch.Tensor]], *, version: int, index: in
     floating tensors are cast to ``dtype`` when given."""
     metas, size = layout(tensors, dtype)
     data = np.empty(size, dtype=np.uint8)
-    pack_into(torch.from_numpy(data), tensors, metas)
+    devices = {t.device for _, t in tensors}
+    if len(devices) == 1 and next(iter(devices)).type == "cuda":
+        # Pack on the GPU (one multi-tensor copy), then one device-to-host copy of the bucket
+        # instead of a synchronous small copy per tensor.
+        staging = torch.empty(size, dtype=torch.uint8, device=next(iter(devices)))
+        pack_into(staging, tensors, metas)
+        torch.from_numpy(data).copy_(staging)
+    else:
+        pack_into(torch.from_numpy(data), tensors, metas)
     return WeightBucket(version=version, index=index, total=total, metas=metas, data=data)
 
 

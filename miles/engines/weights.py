@@ -1,16 +1,18 @@
 """Staged weight updates: tensors land in a staging area while decoding goes on; a commit
 copies them into the parameters between two decode steps (the only pause), all or nothing.
 
-``stage`` validates every tensor of a call (known HF name, shape, finite values) before
-keeping any of them, so a bad bucket leaves the staging area as it was. A tensor is either
-copied to the engine's device and dtype (on CUDA on a side stream, so the copy overlaps
-decoding), or — with ``borrow=True``, when it already has the parameter's device and dtype —
-kept by reference: the transport's receive buffer *is* the staging area (an NCCL receive
-buffer, a mapped CUDA IPC buffer of the trainer, a zero-copy object-store view on the CPU),
-so no byte is copied twice. The finiteness check runs on the same side stream, one flag per
-tensor, read back once per call. ``stage`` returns when its copies are done, so the caller
-may reuse or release what it passed (borrowed tensors excepted: they stay referenced until
-the commit).
+``stage`` checks every tensor of a call (known HF name, shape) before keeping any of them,
+so a bad bucket leaves the staging area as it was. A tensor is either copied to the engine's
+device and dtype (on CUDA on a side stream, so the copy overlaps decoding) — then its values
+are checked for non-finite numbers right away — or, with ``borrow=True`` when it already has
+the parameter's device and dtype, kept by reference: the transport's receive buffer *is* the
+staging area (an NCCL receive buffer, a mapped CUDA IPC buffer of the trainer, a zero-copy
+object-store view on the CPU), so no byte is copied or read twice. Borrowed tensors are
+checked at the commit, in the same pass that would otherwise be a separate read (one
+multi-tensor norm per dtype, read back once; a non-finite norm is confirmed element-wise
+to name the tensor): a bad update is refused before any parameter changes and its version
+never flips. ``stage`` returns once its work on the device is done, so the caller may reuse
+or release what it passed (borrowed tensors excepted: they stay referenced until the commit).
 
 ``apply`` (the stepping thread, between steps) copies every staged tensor into its parameter
 with one multi-tensor copy per dtype and — on CUDA — waits for it, so the pause it causes is
@@ -38,6 +40,7 @@ class WeightStager:
         self.params: dict[str, Tensor] = dict(params)
         self.device, self.dtype = torch.device(device), dtype
         self.staged: dict[str, Tensor] = {}
+        self.unchecked: set[str] = set()  # borrowed, so not yet checked for non-finite values
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def stage(self, named_tensors: Any, *, borrow: bool = False) -> int:
@@ -52,13 +55,18 @@ class WeightStager:
         if not items:
             return 0
         if self.stream is None:
-            incoming = {name: self._take(name, t, borrow) for name, t in items}
-            bad = [name for name, t in incoming.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+            incoming = [(name, self._take(name, t, borrow)) for name, t in items]
+            bad = nonfinite([(n, t) for (n, t), (_, src) in zip(incoming, items) if t is not src])
         else:
             incoming, bad = self._stage_cuda(items, borrow)
         if bad:
             raise WeightError(f"weight update {bad[0]!r} holds non-finite values")
-        self.staged.update(incoming)
+        for (name, t), (_, src) in zip(incoming, items):
+            if t is src:
+                self.unchecked.add(name)
+            else:
+                self.unchecked.discard(name)
+            self.staged[name] = t
         return len(items)
 
     def _take(self, name: str, t: Tensor, borrow: bool) -> Tensor:
@@ -67,18 +75,15 @@ class WeightStager:
             return t
         return t.to(param.device, param.dtype, non_blocking=t.device.type == "cuda", copy=True)
 
-    def _stage_cuda(self, items: list[tuple[str, Tensor]], borrow: bool) -> tuple[dict[str, Tensor], list[str]]:
+    def _stage_cuda(self, items: list[tuple[str, Tensor]], borrow: bool) -> tuple[list[tuple[str, Tensor]], list[str]]:
         # Order after whatever produced the inputs on the caller's stream (an NCCL receive,
         # an IPC event wait); host inputs need no ordering.
         if any(t.is_cuda for _, t in items):
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            incoming = {name: self._take(name, t, borrow) for name, t in items}
-            floats = [(name, t) for name, t in incoming.items() if t.is_floating_point()]
-            flags = (torch.stack([torch.isfinite(t).all() for _, t in floats]).cpu()
-                     if floats else torch.ones(0, dtype=torch.bool))
-        self.stream.synchronize()  # the copies are done: the caller may release its inputs
-        bad = [name for (name, _), ok in zip(floats, flags.tolist()) if not ok]
+            incoming = [(name, self._take(name, t, borrow)) for name, t in items]
+            bad = nonfinite([(n, t) for (n, t), (_, src) in zip(incoming, items) if t is not src])
+        self.stream.synchronize()  # done on the device: the caller may release its inputs
         return incoming, bad
 
     @property
@@ -91,15 +96,20 @@ class WeightStager:
 
     def clear(self) -> None:
         self.staged.clear()
+        self.unchecked.clear()
 
     @torch.no_grad()
     def apply(self) -> int:
         """Copy every staged tensor into its parameter (stepping thread, between steps)."""
         staged, self.staged = self.staged, {}
+        unchecked, self.unchecked = self.unchecked, set()
         if not staged:
             return 0
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        bad = nonfinite([(n, staged[n]) for n in unchecked if n in staged])
+        if bad:  # refused before any parameter changes
+            raise WeightError(f"weight update {bad[0]!r} holds non-finite values")
         groups: dict[tuple[torch.dtype, torch.device], tuple[list[Tensor], list[Tensor]]] = {}
         for name, t in staged.items():
             param = self.params[name]
@@ -113,3 +123,19 @@ class WeightStager:
             # read them must be done by then — and the wait is the pause the swap costs.
             torch.cuda.current_stream(self.device).synchronize()
         return len(staged)
+
+
+def nonfinite(items: list[tuple[str, Tensor]]) -> list[str]:
+    """Names of the floating tensors holding a NaN or an infinity: one multi-tensor 2-norm
+    per (device, dtype) and one read-back; a non-finite norm (a bad value, or — never for
+    weights — an overflow) is then confirmed element by element."""
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor]]] = {}
+    for name, t in items:
+        if t.is_floating_point() and t.numel():
+            groups.setdefault((t.device, t.dtype), []).append((name, t))
+    bad = []
+    for group in groups.values():
+        norms = torch._foreach_norm([t for _, t in group], 2, dtype=torch.float32)
+        ok = torch.stack(norms).isfinite().tolist()
+        bad += [name for (name, t), good in zip(group, ok) if not good and not bool(torch.isfinite(t).all())]
+    return bad

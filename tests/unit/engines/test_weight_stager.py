@@ -36,13 +36,28 @@ def test_borrow_keeps_matching_tensors_and_copies_the_rest() -> None:
 def test_a_bad_tensor_leaves_the_staging_area_as_it_was() -> None:
     stager = WeightStager(_params(), torch.device("cpu"), torch.float32)
     stager.stage([("b", torch.ones(5))])
-    bad = torch.ones(4, 3)
+    bad = torch.ones(4, 3, dtype=torch.float64)
     bad[1, 2] = float("inf")
-    with pytest.raises(WeightError, match="'a' holds non-finite"):
+    with pytest.raises(WeightError, match="'a' holds non-finite"):  # copied: checked right away
         stager.stage([("b", torch.full((5,), 3.0)), ("a", bad)], borrow=True)
     with pytest.raises(WeightError, match="'b' has shape"):
         stager.stage([("b", torch.ones(6))])
     assert list(stager.staged) == ["b"] and torch.equal(stager.staged["b"], torch.ones(5))
+
+
+def test_a_borrowed_bad_tensor_is_refused_at_the_commit() -> None:
+    params = _params()
+    stager = WeightStager(params, torch.device("cpu"), torch.float32)
+    bad = torch.ones(4, 3)
+    bad[0, 0] = float("nan")
+    stager.stage([("b", torch.ones(5)), ("a", bad)], borrow=True)  # borrowed: not read yet
+    assert stager.unchecked == {"b", "a"}
+    with pytest.raises(WeightError, match="'a' holds non-finite"):
+        stager.apply()
+    assert torch.equal(params["b"], torch.zeros(5)) and stager.num_staged == 0  # nothing applied
+    stager.stage([("a", bad)], borrow=True)
+    stager.stage([("a", torch.ones(4, 3))])  # a copy replaces it: checked, no longer pending
+    assert stager.unchecked == set() and stager.apply() == 1
 
 
 def test_staging_runs_while_the_engine_decodes() -> None:
