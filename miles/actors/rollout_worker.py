@@ -74,8 +74,6 @@ class RolloutWorker:
         self._stopping = False
         self._draining = False
         self._hold_until_version = 0
-        self._weights_lock = asyncio.Lock()
-        self.inbox = WeightInbox(worker_id, engine)
         self._reward_rr = 0
         self._idle = asyncio.Event()
         self.counters: dict[str, float] = {
@@ -83,6 +81,8 @@ class RolloutWorker:
             "drain_s": 0.0, "swap_s": 0.0, "stage_s": 0.0, "busy_s": 0.0, "refused_puts": 0,
             "weight_resyncs": 0,
         }
+        self.inbox = WeightInbox(worker_id, engine, counters=self.counters, keep_kv_cache=keep_kv_cache,
+                                 drain=self._drain)
         self.last_refusal = ""
         self._started = time.monotonic()
 
@@ -177,37 +177,25 @@ class RolloutWorker:
     # ---- control ----------------------------------------------------------------------
     async def receive_weights(self, version: int, update: WeightUpdate | list[Any]) -> int:
         """Apply policy ``version``: stage every bucket (decoding goes on), drain unless
-        partial rollouts are on, commit — never half an update. ``update`` is a
-        ``WeightUpdate`` or a list of WeightBuckets / their ObjectRefs. Returns the engine's
-        version afterwards; older or repeated versions are ignored, and a changed-only
-        update the engine cannot build on leaves it as it was (the broadcaster resyncs)."""
-        update = as_update(version, update)
-        async with self._weights_lock:
-            t0 = time.monotonic()
-            outcome = await self.inbox.stage(update)
-            if outcome != "staged":
-                self.counters["weight_resyncs"] += outcome == "resync"
-                return self.engine.version
-            self.counters["stage_s"] += time.monotonic() - t0
-            try:
-                if not self.partial_rollout and self._inflight:
-                    t0 = time.monotonic()
-                    self._draining = True
-                    self._idle.clear()
-                    await self._idle.wait()
-                    self.counters["drain_s"] += time.monotonic() - t0
-                t0 = time.monotonic()
-                await self.engine.commit_weights(version, keep_kv_cache=self.keep_kv_cache)
-                self.counters["swap_s"] += time.monotonic() - t0
-                self.counters["weight_updates"] += 1
-                key = f"weight_updates_{update.transport}"
-                self.counters[key] = self.counters.get(key, 0) + 1
-            except BaseException:
-                self.inbox.discard_staged()
-                raise
-            finally:
+        partial rollouts are on, commit — never half an update (``WeightInbox``). ``update``
+        is a ``WeightUpdate`` or a list of WeightBuckets / their ObjectRefs. Returns the
+        engine's version afterwards; older or repeated versions are ignored, and a
+        changed-only update the engine cannot build on leaves it as it was (the broadcaster
+        resyncs)."""
+        try:
+            return await self.inbox.apply(as_update(version, update))
+        finally:
+            if not self.inbox.pending:
                 self._draining = False
-            return self.engine.version
+
+    async def _drain(self) -> None:
+        """Stop leasing and wait for in-flight generations (unless partial rollouts are on)."""
+        if self.partial_rollout or not self._inflight:
+            return
+        self._draining = True
+        self._idle.clear()
+        if self._inflight:
+            await self._idle.wait()
 
     async def join_weight_group(self, spec: GroupSpec, rank: int) -> bool:
         """Join the trainer's weight broadcast group as ``rank`` (called by the broadcaster;
@@ -242,6 +230,7 @@ class RolloutWorker:
         self._stopping = True
         await self.abort_inflight()
         await self._flush()
+        await self.inbox.settle(10.0)  # a weight update that was landing finishes (its drain is over)
         return self.stats()
 
     async def evaluate(self, prompts: list[PromptSample], n: int, *, id_prefix: str = "eval") -> list[Trajectory]:

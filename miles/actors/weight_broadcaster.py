@@ -6,7 +6,8 @@ never pass through here. The broadcaster pushes the update to every registered w
 without waiting for them to apply it (the trainer never blocks on rollouts), records which
 version each worker has applied and how long delivery took, and hands the newest version
 to a worker that (re)registers. A worker stages all buckets, then flips its version: never
-half an update. Deliveries to one worker are sequential, in version order.
+half an update. Deliveries to one worker are sequential, in version order (addressed
+updates are sent at once, in order: see ``_push``).
 
 Membership is the broadcaster's: ``plan_update`` tells the trainer, before each publish, who
 the workers are (the ranks of a distributed group, the addressees of IPC handles), whether
@@ -129,7 +130,11 @@ class WeightBroadcaster:
             self._resync()
 
     def _push(self, worker_id: str) -> None:
-        previous = self._pushes.get(worker_id)
+        # Deliveries to one worker are sequential — except updates addressed to members
+        # (a broadcast, IPC handles): those go out at once, in publish order, because the
+        # trainer's transfer waits for every rank; the worker stages them in arrival order
+        # and may stage the next while the previous waits for its drain.
+        previous = None if self.latest_update.addressed else self._pushes.get(worker_id)
         self._pushes[worker_id] = asyncio.ensure_future(
             self._deliver(worker_id, self.latest_version, self.latest_payload, self.latest_update, previous))
 

@@ -184,3 +184,39 @@ def test_as_update_checks_the_version() -> None:
     assert update.transport == "object_store" and update.full and update.num_tensors == 1
     with pytest.raises(ValueError, match="version 2 delivered as version 3"):
         as_update(3, update)
+
+
+def test_the_next_update_stages_while_the_previous_one_waits_for_its_drain() -> None:
+    """Without partial rollouts a commit waits for in-flight generations; the next version
+    must still stage meanwhile (a broadcast waits for every rank), and one swap then
+    applies the newest."""
+
+    async def go() -> tuple[list[int], RolloutWorker, Backend, list[tuple[int, int]]]:
+        backend = Backend()
+        worker = _worker("w0")
+        drained = asyncio.Event()
+        seen: list[tuple[int, int]] = []
+
+        async def drain() -> None:  # in-flight generations that finish when the test says so
+            await drained.wait()
+
+        worker.inbox.drain = drain
+        updates = []
+        for version in (1, 2):
+            backend.step()
+            plans = list(backend.export_weights(1 << 14))
+            updates.append(ObjectStoreSender(use_ray=False).prepare(version, plans))
+        first = asyncio.create_task(worker.receive_weights(1, updates[0]))
+        while worker.inbox.staged_version < 1:
+            await asyncio.sleep(0.001)
+        second = asyncio.create_task(worker.receive_weights(2, updates[1]))
+        while worker.inbox.staged_version < 2:  # staged while version 1 waits for the drain
+            await asyncio.sleep(0.001)
+        seen.append((worker.engine.version, worker.inbox.staged_version))
+        drained.set()
+        return list(await asyncio.gather(first, second)), worker, backend, seen
+
+    results, worker, backend, seen = asyncio.run(go())
+    assert seen == [(0, 2)] and results == [2, 2]
+    assert worker.counters["weight_updates"] == 1  # one swap applied both
+    assert _same(worker, backend)
