@@ -172,7 +172,7 @@ def bench_transport(kind: str, size: str, args: argparse.Namespace, ceilings: di
     named = random_weights(shapes, device)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     plans = list(plan_buckets(named, args.bucket_mb << 20))
-    buckets = len(plans)
+    buckets = 1 if kind == "cuda_ipc" else len(plans)  # CUDA IPC packs an update into one buffer
     sender, remote = open_pair(kind, device, args.timeout_s)
     try:
         remote.call("setup", shapes, "bfloat16")

@@ -26,7 +26,8 @@ Channels: the policy channel calls each worker's ``receive_weights``; a second b
 built with ``method="receive_draft_weights"`` is the DraftTrainer's draft channel (draft
 versions, applied without touching policy versions; payloads are bucket lists). ``latest()``
 serves pull-style consumers (the DraftTrainer's policy copy) that must not count as workers
-to wait for.
+to wait for; a pull of an update they cannot read (GPU transports, changed-only) asks
+for a full object-store republish.
 """
 
 from __future__ import annotations
@@ -204,9 +205,14 @@ class WeightBroadcaster:
     # ---- queries ------------------------------------------------------------------------
     def latest(self) -> tuple[int, list[Any]]:
         """The newest version and its bucket references, when it is a full object-store
-        update ((-1, []) before the first publish; (version, []) for other transports)."""
+        update ((-1, []) before the first publish). For other updates it returns
+        (version, []) and asks the trainer, once per version, to republish it through the
+        object store, so the next pull gets it."""
         update = self.latest_update
-        if update is None or not update.replayable:
+        if update is None:
+            return self.latest_version, []
+        if not update.replayable:
+            self._resync()
             return self.latest_version, []
         if isinstance(self.latest_payload, WeightUpdate):
             return self.latest_version, [b.ref for b in update.buckets]

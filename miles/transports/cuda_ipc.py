@@ -1,8 +1,10 @@
 """Colocated weights by CUDA IPC: the engine maps the trainer's GPU buffers; no host round trip.
 
-Sender (trainer, same GPU as the engines — ``--colocate``): each export bucket is packed into
-one GPU ``uint8`` buffer (cast to the engine's dtype in the same device copy), and for every
-addressed worker ``UntypedStorage._share_cuda_()`` yields an IPC handle. One share per
+Sender (trainer, same GPU as the engines — ``--colocate``): the whole update is packed into
+ONE GPU ``uint8`` buffer (cast to the engine's dtype in the same multi-tensor device copy;
+``--update-weight-buffer-size`` does not split it: the buffer lives until every engine has
+committed, so buckets would save no memory, and each handle costs the engine a mapping),
+and for every addressed worker ``UntypedStorage._share_cuda_()`` yields an IPC handle. One share per
 worker, because torch's cross-process reference counting gives each share one count that
 its consumer returns when it lets go; the share also records an interprocess event after
 the packing, which the consumer's stream waits on. Handles travel as plain data (bytes and
@@ -85,16 +87,16 @@ class CudaIpcSender:
     def prepare(self, version: int, plans: Sequence[NamedTensors], *, full: bool = True, base_version: int = -1,
                 members: Sequence[str] = ()) -> WeightUpdate:
         uuid = gpu_uuid(self.device)
-        buffers, buckets = [], []
+        tensors = [item for plan in plans for item in plan]
+        buckets = []
         with torch.cuda.device(self.device):
-            for plan in plans:
-                metas, size = layout(plan, self.dtype)
-                buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-                pack_into(buf, plan, metas)
-                handles = {w: share(buf) for w in members} if size else {}
-                buffers.append(buf)
-                buckets.append(IpcBucket(metas=metas, nbytes=size, gpu_uuid=uuid, handles=handles))
-        self.live[version] = buffers
+            metas, size = layout(tensors, self.dtype)
+            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+            pack_into(buf, tensors, metas)
+            if size:  # the share records the event the engines wait on: after the packing
+                buckets.append(IpcBucket(metas=metas, nbytes=size, gpu_uuid=uuid,
+                                         handles={w: share(buf) for w in members}))
+        self.live[version] = [buf]
         return WeightUpdate(version=version, transport="cuda_ipc", buckets=buckets, full=full,
                             base_version=base_version, members=list(members))
 
