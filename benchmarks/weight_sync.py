@@ -317,8 +317,9 @@ def machine(device: str) -> str:
     gpu = ""
     if device != "cpu" and torch.cuda.is_available():
         gpu = f", {torch.cuda.device_count()}× {torch.cuda.get_device_name(0)}"
-    return (f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs{gpu}), Python "
-            f"{platform.python_version()}, torch {torch.__version__}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs{gpu}, load average {load:.1f} "
+            f"at the end), Python {platform.python_version()}, torch {torch.__version__}")
 
 
 def main() -> None:

@@ -103,21 +103,23 @@ def pack_into(flat: torch.Tensor, tensors: Sequence[tuple[str, torch.Tensor]], m
 
 
 def pack(tensors: Sequence[tuple[str, torch.Tensor]], *, version: int, index: int, total: int,
-         dtype: torch.dtype | None = None) -> WeightBucket:
+         dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> WeightBucket:
     """Copy tensors (any device) into one host uint8 buffer, 16-byte aligned per tensor;
-    floating tensors are cast to ``dtype`` when given."""
+    floating tensors are cast to ``dtype`` when given. ``out``: a host uint8 tensor of at
+    least the bucket's size to pack into (a reused, possibly pinned, scratch buffer: the
+    bucket's data then aliases it)."""
     metas, size = layout(tensors, dtype)
-    data = np.empty(size, dtype=np.uint8)
+    flat = torch.from_numpy(np.empty(size, dtype=np.uint8)) if out is None else out[:size]
     devices = {t.device for _, t in tensors}
     if len(devices) == 1 and next(iter(devices)).type == "cuda":
         # Pack on the GPU (one multi-tensor copy), then one device-to-host copy of the bucket
         # instead of a synchronous small copy per tensor.
         staging = torch.empty(size, dtype=torch.uint8, device=next(iter(devices)))
         pack_into(staging, tensors, metas)
-        torch.from_numpy(data).copy_(staging)
+        flat.copy_(staging)
     else:
-        pack_into(torch.from_numpy(data), tensors, metas)
-    return WeightBucket(version=version, index=index, total=total, metas=metas, data=data)
+        pack_into(flat, tensors, metas)
+    return WeightBucket(version=version, index=index, total=total, metas=metas, data=flat.numpy())
 
 
 def views(flat: torch.Tensor, metas: Sequence[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
