@@ -2,7 +2,7 @@
 # The countdown example end to end: prompt data -> SFT warm-up (cached) -> held-out eval ->
 # asynchronous RL (miles train) -> held-out eval -> plot -> report.
 #
-#   bash examples/countdown/run.sh            # the full example (~4-5 min on 2 CPU cores)
+#   bash examples/countdown/run.sh            # the full example (~4 min on 2 idle CPU cores)
 #   bash examples/countdown/run.sh --smoke    # seconds of work: a tiny model, 2 RL steps (CI)
 #   bash examples/countdown/run.sh --lr 1e-4  # anything else is passed to `miles train`
 #

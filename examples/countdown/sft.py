@@ -20,12 +20,14 @@ with the same arguments, it is reused (``--force`` retrains).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +53,10 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     return CausalLM(config)
 
 
-def demos(rows: list[dict], rng: random.Random, tokenizer, slip_rate: float) -> list[tuple[list[int], int]]:
+def demos(rows: list[dict[str, Any]], rng: random.Random, tokenizer: Any,
+          slip_rate: float) -> list[tuple[list[int], int]]:
     """One noisy demonstration per row: (prompt + response + eos token ids, prompt length)."""
-    out = []
+    out: list[tuple[list[int], int]] = []
     for r in rows:
         p = tokenizer.encode(r["input"])
         resp = tokenizer.encode(task.noisy_answer(r["metadata"]["start"], rng, slip_rate)) + [tokenizer.eos_token_id]
@@ -64,7 +67,9 @@ def demos(rows: list[dict], rng: random.Random, tokenizer, slip_rate: float) -> 
 def batches(examples: list[tuple[list[int], int]], budget: int, rng: random.Random) -> list[list[int]]:
     """Indices grouped by similar length, each group ≤ ``budget`` padded tokens, shuffled."""
     order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
-    groups, cur, longest = [], [], 0
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
     for i in order:
         n = len(examples[i][0])
         if cur and max(longest, n) * (len(cur) + 1) > budget:
@@ -95,7 +100,7 @@ def train(args: argparse.Namespace) -> None:
     from miles.models import build_tiny_tokenizer, save_pretrained
 
     tokenizer = build_tiny_tokenizer()
-    rows = [json.loads(line) for line in open(args.data, encoding="utf-8") if line.strip()]
+    rows = [json.loads(line) for line in Path(args.data).read_text(encoding="utf-8").splitlines() if line.strip()]
     model = build_model(args).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     rng = random.Random(args.seed)
@@ -145,8 +150,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if not Path(args.data).is_file():
+        raise SystemExit(f"sft: --data {args.data}: file not found (write it with examples/countdown/task.py)")
     out = Path(args.out)
     recipe = {k: v for k, v in vars(args).items() if k not in ("out", "force", "log_every", "threads")}
+    recipe["data_sha256"] = hashlib.sha256(Path(args.data).read_bytes()).hexdigest()
     stamp = out / "sft_args.json"
     if not args.force and stamp.is_file() and json.loads(stamp.read_text()) == recipe \
             and (out / "model.safetensors").is_file():

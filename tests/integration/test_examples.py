@@ -127,6 +127,12 @@ def test_sft_is_cached_by_its_arguments(tmp_path: Path, capsys: pytest.CaptureFi
     assert weights.stat().st_mtime_ns == stamp
     sft.main(args[:-2] + ["--log-every", "2", "--seed", "3"])  # a different recipe retrains
     assert weights.stat().st_mtime_ns != stamp
+    stamp = weights.stat().st_mtime_ns
+    task.write_jsonl(data, task.train_starts(16, seed=2))  # so does different data
+    sft.main(args[:-2] + ["--log-every", "2", "--seed", "3"])
+    assert weights.stat().st_mtime_ns != stamp
+    with pytest.raises(SystemExit, match="not found"):
+        sft.main(["--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")])
 
 
 def test_countdown_example_smoke(tmp_path: Path) -> None:
