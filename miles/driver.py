@@ -221,6 +221,8 @@ class Driver:
                 await handle.ping.remote()
             except Exception as exc:
                 raise RunFailed(f"{name} failed to start: {_root_cause(exc)}") from None
+        if self.eval_data is not None and self.cfg.run.eval_interval and self.step == 0:
+            self.eval_tasks.append(asyncio.create_task(self._evaluate(0)))  # the starting point
 
     async def _until_stopped(self, ref: Any) -> Any:
         """Await ``ref`` unless the run is stopped first (then return None)."""
@@ -292,9 +294,14 @@ class Driver:
 
     async def _shutdown(self, status: str) -> dict[str, Any]:
         a = self.actors
+        if status == "completed" and self.eval_tasks:
+            # The evaluation due at the last step is part of the run's result: let it finish.
+            await asyncio.wait(self.eval_tasks, timeout=600)
         self.stop.set()
         for task in self.eval_tasks:
             task.cancel()
+        if status == "completed" and self.cfg.run.save_hf:
+            await a.trainer.export_hf.remote(self.cfg.run.save_hf, self.cfg.rollout.hf_checkpoint)
         stopped = await asyncio.gather(*(w.stop.remote() for w in a.workers.values()), return_exceptions=True)
         await asyncio.gather(*self.worker_runs.values(), return_exceptions=True)
         if a.draft_trainer is not None:
