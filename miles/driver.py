@@ -142,16 +142,20 @@ class Driver:
     async def _admit(self) -> None:
         """Keep the buffer supplied with prompts, within the staleness budget."""
         buffer, sched = self.actors.buffer, self.scheduler
+        seen, version = -1, sched.version
         while not self.stop.is_set():
-            t0 = time.monotonic()
+            # Long-poll: the buffer answers when its state changed (or after 50 ms, so that
+            # a new policy version — which opens budget — is seen promptly).
+            seen, ledger, room = await buffer.admission_state.remote(seen if version == sched.version else -1, 0.05)
+            version = sched.version
             async with self.admission_lock:
-                ledger, room = await asyncio.gather(buffer.ledger.remote(), buffer.prompt_room.remote())
+                t0 = time.perf_counter()
                 sched.observe(ledger)
                 n = sched.capacity(room)
-                if n > 0:
-                    await buffer.add_prompts.remote(self.dataset.next(n))
-            self.admit_s += time.monotonic() - t0
-            await asyncio.sleep(0.005 if n > 0 else 0.02)
+                prompts = self.dataset.next(n) if n > 0 else []
+                self.admit_s += time.perf_counter() - t0
+                if prompts:
+                    await buffer.add_prompts.remote(prompts)
 
     async def _watch(self) -> None:
         """Notice dead actors within ``--health-check-interval-s`` and recover."""
