@@ -17,7 +17,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for part in "$@"; do
     echo "=== $part $(date +%T)"
     case "$part" in
-        tests)    timeout 300 python3 -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tail -40 ;;
+        tests)    timeout 300 python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tail -40 ;;
+        profile)  timeout 200 python3 benchmarks/profile_decode.py --device cuda 2>&1 | tail -45 ;;
         engine)   timeout 300 python3 benchmarks/engine.py --device cuda --preset 0.5b ;;
         trainer)  timeout 300 python3 benchmarks/trainer.py --device cuda --preset 0.5b --compile ;;
         spec)     timeout 480 python3 benchmarks/speculative.py --device cuda --plot "$OUT/speculative_cuda.png" ;;
