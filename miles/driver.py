@@ -143,16 +143,20 @@ class Driver:
     async def _admit(self) -> None:
         """Keep the buffer supplied with prompts, within the staleness budget."""
         buffer, sched = self.actors.buffer, self.scheduler
+        seen, version = -1, sched.version
         while not self.stop.is_set():
-            t0 = time.monotonic()
+            # Long-poll: the buffer answers when its state changed (or after 50 ms, so that
+            # a new policy version — which opens budget — is seen promptly).
+            seen, ledger, room = await buffer.admission_state.remote(seen if version == sched.version else -1, 0.05)
+            version = sched.version
             async with self.admission_lock:
-                ledger, room = await asyncio.gather(buffer.ledger.remote(), buffer.prompt_room.remote())
+                t0 = time.perf_counter()
                 sched.observe(ledger)
                 n = sched.capacity(room)
-                if n > 0:
-                    await buffer.add_prompts.remote(self.dataset.next(n))
-            self.admit_s += time.monotonic() - t0
-            await asyncio.sleep(0.005 if n > 0 else 0.02)
+                prompts = self.dataset.next(n) if n > 0 else []
+                self.admit_s += time.perf_counter() - t0
+                if prompts:
+                    await buffer.add_prompts.remote(prompts)
 
     async def _watch(self) -> None:
         """Notice dead actors within ``--health-check-interval-s`` and recover."""
@@ -223,6 +227,8 @@ class Driver:
                 await handle.ping.remote()
             except Exception as exc:
                 raise RunFailed(f"{name} failed to start: {_root_cause(exc)}") from None
+        if self.eval_data is not None and self.cfg.run.eval_interval and self.step == 0:
+            self.eval_tasks.append(asyncio.create_task(self._evaluate(0)))  # the starting point
 
     async def _until_stopped(self, ref: Any) -> Any:
         """Await ``ref`` unless the run is stopped first (then return None)."""
@@ -301,9 +307,14 @@ class Driver:
 
     async def _shutdown(self, status: str) -> dict[str, Any]:
         a = self.actors
+        if status == "completed" and self.eval_tasks:
+            # The evaluation due at the last step is part of the run's result: let it finish.
+            await asyncio.wait(self.eval_tasks, timeout=600)
         self.stop.set()
         for task in self.eval_tasks:
             task.cancel()
+        if status == "completed" and self.cfg.run.save_hf:
+            await a.trainer.export_hf.remote(self.cfg.run.save_hf, self.cfg.rollout.hf_checkpoint)
         stopped = await asyncio.gather(*(w.stop.remote() for w in a.workers.values()), return_exceptions=True)
         await asyncio.gather(*self.worker_runs.values(), return_exceptions=True)
         if a.draft_trainer is not None:

@@ -37,6 +37,7 @@ class RunConfig(msgspec.Struct, kw_only=True):
     save_interval: int = 0
     keep_checkpoints: int = 3
     load: str | None = None
+    save_hf: str | None = None  # at the end, write the policy as a Hugging Face checkpoint dir
     # outputs and debugging
     dump_trajectories: bool = False
     save_debug_rollout_data: str | None = None

@@ -68,10 +68,14 @@ def _max_prompt_len(cfg: MilesConfig) -> int:
 def buffer_args(cfg: MilesConfig) -> dict[str, Any]:
     from miles.buffers import BufferConfig, drop_uniform_rewards  # noqa: F401 - named in docs
 
+    policy = cfg.buffer.stale_policy
+    if policy == "auto":
+        policy = "mask" if cfg.rollout.partial_rollout else "drop"
     config = msgspec.structs.replace(
         cfg.buffer,
         max_staleness=cfg.scheduler.staleness,
         n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+        stale_policy=policy,
     )
     filters = []
     if cfg.rollout.dynamic_sampling_filter_path:

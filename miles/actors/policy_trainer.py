@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from collections.abc import Sequence
 from typing import Any
+from pathlib import Path
 
 import torch
 
@@ -169,6 +171,22 @@ class PolicyTrainer:
         task = asyncio.ensure_future(release())
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+
+    def export_hf(self, path: str, base_checkpoint: str) -> str:
+        """Write the current policy as a Hugging Face checkpoint: the HF-named tensors the
+        broadcaster ships, plus config and tokenizer files copied from ``base_checkpoint``
+        (so ``--hf-checkpoint path`` and transformers both load it)."""
+        from safetensors.torch import save_file
+
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {name: t.detach().to("cpu").contiguous().clone()
+                   for bucket in self.backend.export_weights(1 << 30) for name, t in bucket}
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "miles_version": str(self.version)})
+        for f in Path(base_checkpoint).iterdir():
+            if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
+                shutil.copy2(f, out / f.name)
+        return str(out)
 
     def ping(self) -> dict[str, float]:
         out = {"train/version": float(self.backend.version), "perf/publish_s": self.last_publish_s,
