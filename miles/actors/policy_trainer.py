@@ -27,8 +27,8 @@ import logging
 import shutil
 import time
 from collections.abc import Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 
