@@ -64,6 +64,7 @@ class Driver:
         self.step = 0
         self.admit_s = 0.0
         self.trainer_rss_mb = 0.0
+        self.trainer_weights: dict[str, float] = {}  # the trainer's weight-transport counters
         # Admission (data cursor + buffer) and checkpoint snapshots must not interleave, or a
         # checkpoint could hold a cursor past prompts its buffer never received.
         self.admission_lock = asyncio.Lock()
@@ -142,16 +143,20 @@ class Driver:
     async def _admit(self) -> None:
         """Keep the buffer supplied with prompts, within the staleness budget."""
         buffer, sched = self.actors.buffer, self.scheduler
+        seen, version = -1, sched.version
         while not self.stop.is_set():
-            t0 = time.monotonic()
+            # Long-poll: the buffer answers when its state changed (or after 50 ms, so that
+            # a new policy version — which opens budget — is seen promptly).
+            seen, ledger, room = await buffer.admission_state.remote(seen if version == sched.version else -1, 0.05)
+            version = sched.version
             async with self.admission_lock:
-                ledger, room = await asyncio.gather(buffer.ledger.remote(), buffer.prompt_room.remote())
+                t0 = time.perf_counter()
                 sched.observe(ledger)
                 n = sched.capacity(room)
-                if n > 0:
-                    await buffer.add_prompts.remote(self.dataset.next(n))
-            self.admit_s += time.monotonic() - t0
-            await asyncio.sleep(0.005 if n > 0 else 0.02)
+                prompts = self.dataset.next(n) if n > 0 else []
+                self.admit_s += time.perf_counter() - t0
+                if prompts:
+                    await buffer.add_prompts.remote(prompts)
 
     async def _watch(self) -> None:
         """Notice dead actors within ``--health-check-interval-s`` and recover."""
@@ -172,6 +177,7 @@ class Driver:
             try:
                 pong = await asyncio.wait_for(self.actors.trainer.ping.remote(), timeout * 6)
                 self.trainer_rss_mb = pong.get("mem/trainer_rss_mb", 0.0)
+                self.trainer_weights = {k: v for k, v in pong.items() if k.startswith("weights/")}
             except Exception as exc:
                 self._fail(f"PolicyTrainer died or stopped answering ({type(exc).__name__}){self._checkpoint_note()}")
 
@@ -221,6 +227,8 @@ class Driver:
                 await handle.ping.remote()
             except Exception as exc:
                 raise RunFailed(f"{name} failed to start: {_root_cause(exc)}") from None
+        if self.eval_data is not None and self.cfg.run.eval_interval and self.step == 0:
+            self.eval_tasks.append(asyncio.create_task(self._evaluate(0)))  # the starting point
 
     async def _until_stopped(self, ref: Any) -> Any:
         """Await ``ref`` unless the run is stopped first (then return None)."""
@@ -234,11 +242,17 @@ class Driver:
         return None
 
     async def _rollout_and_buffer_stats(self) -> dict[str, float]:
-        stats = await self.actors.buffer.stats.remote()
+        stats, delivery = await asyncio.gather(self.actors.buffer.stats.remote(),
+                                               self.actors.broadcaster.stats.remote())
+        stats.update(delivery)  # weights/...: delivery times, resyncs, update size
         totals: dict[str, float] = {}
         for ws in self.worker_stats.values():
-            for key in ("rollout/tokens", "rollout/busy_s", "rollout/partial", "rollout/drain_s", "rollout/swap_s"):
+            for key in ("rollout/tokens", "rollout/busy_s", "rollout/partial", "rollout/drain_s", "rollout/swap_s",
+                        "rollout/stage_s"):
                 totals[key] = totals.get(key, 0.0) + ws.get(key, 0.0)
+            if "engine/swap_pause_s_max" in ws:  # the longest decode pause a weight swap caused
+                totals["engine/swap_pause_s_max"] = max(totals.get("engine/swap_pause_s_max", 0.0),
+                                                        ws["engine/swap_pause_s_max"])
         up = max((ws.get("rollout/uptime_s", 0.0) for ws in self.worker_stats.values()), default=0.0)
         if up:
             totals["rollout/tokens_per_s"] = totals.get("rollout/tokens", 0.0) / up
@@ -256,6 +270,7 @@ class Driver:
                 print(f"[miles] DraftTrainer not answering ({type(exc).__name__})", flush=True)
         stats["mem/worker_rss_mb"] = max((ws.get("mem/worker_rss_mb", 0.0) for ws in self.worker_stats.values()), default=0.0)
         stats["mem/trainer_rss_mb"] = self.trainer_rss_mb
+        stats.update(self.trainer_weights)
         stats["mem/driver_rss_mb"] = rss_mb()
         return stats
 
@@ -292,9 +307,14 @@ class Driver:
 
     async def _shutdown(self, status: str) -> dict[str, Any]:
         a = self.actors
+        if status == "completed" and self.eval_tasks:
+            # The evaluation due at the last step is part of the run's result: let it finish.
+            await asyncio.wait(self.eval_tasks, timeout=600)
         self.stop.set()
         for task in self.eval_tasks:
             task.cancel()
+        if status == "completed" and self.cfg.run.save_hf:
+            await a.trainer.export_hf.remote(self.cfg.run.save_hf, self.cfg.rollout.hf_checkpoint)
         stopped = await asyncio.gather(*(w.stop.remote() for w in a.workers.values()), return_exceptions=True)
         await asyncio.gather(*self.worker_runs.values(), return_exceptions=True)
         if a.draft_trainer is not None:

@@ -37,6 +37,7 @@ class RunConfig(msgspec.Struct, kw_only=True):
     save_interval: int = 0
     keep_checkpoints: int = 3
     load: str | None = None
+    save_hf: str | None = None  # at the end, write the policy as a Hugging Face checkpoint dir
     # outputs and debugging
     dump_trajectories: bool = False
     save_debug_rollout_data: str | None = None
@@ -95,6 +96,7 @@ def _sections() -> dict[str, type[Any]]:
     from miles.engines.spec import SpeculativeConfig
     from miles.scheduler import SchedulerConfig
     from miles.trainers import TrainerConfig
+    from miles.transports.config import WeightsConfig
 
     return {
         "run": RunConfig,
@@ -108,6 +110,7 @@ def _sections() -> dict[str, type[Any]]:
         "sglang": SGLangConfig,
         "env": EnvConfig,
         "speculative": SpeculativeConfig,
+        "weights": WeightsConfig,
     }
 
 

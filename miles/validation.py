@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from miles.transports.config import transport_problems
+
 _ESTIMATORS_NEEDING_GROUPS = {"grpo", "dr_grpo", "rloo"}
 
 
@@ -74,6 +76,7 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
         # timing; async modes train on whatever finished first.
         yield "--deterministic needs --mode sync without --over-sampling-batch-size"
     yield from _env_problems(cfg)
+    yield from transport_problems(cfg)
     spec = getattr(cfg, "speculative", None)
     if spec is not None and spec.draft_model_path and not (Path(spec.draft_model_path) / "config.json").is_file():
         yield f"--draft-model-path {spec.draft_model_path}: no config.json there"

@@ -2,9 +2,11 @@
 
 A bucket is one contiguous ``uint8`` buffer plus a list of ``TensorMeta`` (name, dtype,
 shape, byte offset): one object-store put per bucket, one NCCL broadcast per bucket, one
-CUDA IPC handle per bucket. Names are Hugging Face parameter names, so any engine (embedded
-or SGLang) can load them. Unpacking returns views into the buffer (no copy), which the
-engine then copies into its staging area.
+CUDA IPC handle per bucket (``miles.transports``). Names are Hugging Face parameter names,
+so any engine (embedded or SGLang) can load them. ``layout`` computes the metas without
+touching data (each tensor 16-byte aligned); ``pack`` fills a host (numpy) buffer,
+``pack_into`` a buffer on any device, both converting to the wire dtype in the same copy.
+Unpacking returns views into the buffer (no copy), which the engine stages.
 """
 
 from __future__ import annotations
@@ -75,20 +77,61 @@ def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -
         yield current
 
 
-def pack(tensors: Sequence[tuple[str, torch.Tensor]], *, version: int, index: int, total: int) -> WeightBucket:
-    """Copy tensors (any device) into one host uint8 buffer, 16-byte aligned per tensor."""
+def wire_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor travels in: ``dtype`` for floating tensors when given, else its own."""
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+
+def layout(tensors: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> tuple[list[TensorMeta], int]:
+    """Metas of a bucket holding ``tensors`` (floating ones cast to ``dtype``), and its size."""
     metas: list[TensorMeta] = []
     offset = 0
     for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
+        dt = wire_dtype(t, dtype)
+        nbytes = t.numel() * torch.empty((), dtype=dt).element_size()
+        metas.append(TensorMeta(name, dtype_name(dt), tuple(t.shape), offset, nbytes))
         offset += (nbytes + 15) // 16 * 16
-    data = np.empty(offset, dtype=np.uint8)
-    flat = torch.from_numpy(data)
-    for meta, (_, t) in zip(metas, tensors):
-        src = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        flat[meta.offset : meta.offset + meta.nbytes].copy_(src, non_blocking=False)
-    return WeightBucket(version=version, index=index, total=total, metas=metas, data=data)
+    return metas, offset
+
+
+def pack_into(flat: torch.Tensor, tensors: Sequence[tuple[str, torch.Tensor]], metas: Sequence[TensorMeta]) -> None:
+    """Copy (and cast) each tensor into its slot of ``flat`` (uint8, any device): one
+    multi-tensor copy (a few kernel launches on CUDA, not one per tensor)."""
+    dsts = [flat[m.offset : m.offset + m.nbytes].view(_DTYPES[m.dtype]).view(m.shape) for m in metas]
+    if dsts:
+        torch._foreach_copy_(dsts, [t.detach() for _, t in tensors])
+
+
+def pack(tensors: Sequence[tuple[str, torch.Tensor]], *, version: int, index: int, total: int,
+         dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> WeightBucket:
+    """Copy tensors (any device) into one host uint8 buffer, 16-byte aligned per tensor;
+    floating tensors are cast to ``dtype`` when given. ``out``: a host uint8 tensor of at
+    least the bucket's size to pack into (a reused, possibly pinned, scratch buffer: the
+    bucket's data then aliases it)."""
+    metas, size = layout(tensors, dtype)
+    flat = torch.from_numpy(np.empty(size, dtype=np.uint8)) if out is None else out[:size]
+    devices = {t.device for _, t in tensors}
+    if len(devices) == 1 and next(iter(devices)).type == "cuda":
+        # Pack on the GPU (one multi-tensor copy), then one device-to-host copy of the bucket
+        # instead of a synchronous small copy per tensor.
+        staging = torch.empty(size, dtype=torch.uint8, device=next(iter(devices)))
+        pack_into(staging, tensors, metas)
+        flat.copy_(staging)
+    else:
+        pack_into(flat, tensors, metas)
+    return WeightBucket(version=version, index=index, total=total, metas=metas, data=flat.numpy())
+
+
+def views(flat: torch.Tensor, metas: Sequence[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+    """(name, view) per meta into a flat uint8 buffer (any device); no copy."""
+    out = []
+    for meta in metas:
+        if meta.offset + meta.nbytes > flat.numel():
+            raise ValueError(f"tensor {meta.name!r} ends at byte {meta.offset + meta.nbytes}, "
+                             f"past the bucket's {flat.numel()} bytes")
+        raw = flat[meta.offset : meta.offset + meta.nbytes]
+        out.append((meta.name, raw.view(_DTYPES[meta.dtype]).reshape(meta.shape)))
+    return out
 
 
 def unpack(bucket: WeightBucket) -> list[tuple[str, torch.Tensor]]:
@@ -104,13 +147,10 @@ def unpack(bucket: WeightBucket) -> list[tuple[str, torch.Tensor]]:
             flat = torch.frombuffer(buf, dtype=torch.uint8) if buf.nbytes else torch.empty(0, dtype=torch.uint8)
     else:
         flat = torch.from_numpy(buf)
-    out = []
-    for meta in bucket.metas:
-        raw = flat[meta.offset : meta.offset + meta.nbytes]
-        out.append((meta.name, raw.view(_DTYPES[meta.dtype]).reshape(meta.shape)))
-    return out
+    return views(flat, bucket.metas)
 
 
-def pack_all(named: Iterable[tuple[str, torch.Tensor]], *, version: int, bucket_bytes: int) -> list[WeightBucket]:
+def pack_all(named: Iterable[tuple[str, torch.Tensor]], *, version: int, bucket_bytes: int,
+             dtype: torch.dtype | None = None) -> list[WeightBucket]:
     plans = list(plan_buckets(named, bucket_bytes))
-    return [pack(p, version=version, index=i, total=len(plans)) for i, p in enumerate(plans)]
+    return [pack(p, version=version, index=i, total=len(plans), dtype=dtype) for i, p in enumerate(plans)]

@@ -68,10 +68,14 @@ def _max_prompt_len(cfg: MilesConfig) -> int:
 def buffer_args(cfg: MilesConfig) -> dict[str, Any]:
     from miles.buffers import BufferConfig, drop_uniform_rewards  # noqa: F401 - named in docs
 
+    policy = cfg.buffer.stale_policy
+    if policy == "auto":
+        policy = "mask" if cfg.rollout.partial_rollout else "drop"
     config = msgspec.structs.replace(
         cfg.buffer,
         max_staleness=cfg.scheduler.staleness,
         n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+        stale_policy=policy,
     )
     filters = []
     if cfg.rollout.dynamic_sampling_filter_path:
@@ -183,6 +187,18 @@ def build_rollout_worker(cfg: MilesConfig, worker_id: str, *, buffer: Any, rewar
         "keep_kv_cache": cfg.engine.keep_kv_cache_on_update,
         "lease_timeout_s": cfg.buffer.lease_timeout_s,
     }
+
+
+def build_weight_sender(cfg: MilesConfig) -> tuple[Any, torch.dtype | None]:
+    """The trainer's weight sender for ``--weight-transport`` (``auto`` resolved), and the
+    dtype weights travel in: the embedded engines' dtype (half the bytes of the trainer's
+    float32 on GPUs), or the trainer's own for SGLang (its server casts on load)."""
+    from miles.transports import make_sender, resolve_transport
+
+    dtype = cfg.engine.torch_dtype() if cfg.run.rollout_backend == "embedded" else None
+    sender = make_sender(resolve_transport(cfg), device=cfg.trainer.device, dtype=dtype, use_ray=True,
+                         timeout_s=cfg.weights.weight_transport_timeout_s)
+    return sender, dtype
 
 
 def build_policy_trainer(cfg: MilesConfig) -> Any:

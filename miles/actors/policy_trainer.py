@@ -3,31 +3,67 @@
 The driver hands it whole groups from the buffer (as soon as a batch satisfies the
 staleness bound). The backend's step runs in a thread so the actor keeps answering health
 checks. ``publish`` exports HF-named weights in buckets of ``--update-weight-buffer-size``
-bytes, puts each into the object store (Ray) and gives the references to the broadcaster.
+bytes and sends them with its ``WeightSender`` (``miles.transports``: object store, NCCL /
+gloo broadcast, CUDA IPC):
+
+1. ask the broadcaster for the plan (who receives; rebuild the distributed group? must this
+   update be full?); rebuild the group if needed (members join while the trainer does);
+2. with ``--weight-update-changed-only``, keep only the tensors whose fingerprint changed;
+3. ``prepare`` (pack / put / share), hand the update to the broadcaster (it starts the
+   deliveries), then ``transfer`` (the broadcasts, while the workers receive);
+4. CUDA IPC buffers are freed once every addressee is done with them.
+
+If a GPU transport fails (a peer died mid-broadcast, a rendezvous timed out), the same
+version goes out through the object store instead and the next publish rebuilds the group.
+``republish`` (asked by the broadcaster for a worker that needs the newest version in full)
+sends the current version through the object store. Training, publishing and republishing
+hold one lock, so weights are never exported halfway through an optimizer step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import shutil
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from miles.actors.handles import Peer
 from miles.protocols import TrainerBackend
+from miles.transports import ChangeTracker, ObjectStoreSender, UpdatePlan, WeightUpdate
 from miles.types import Trajectory
 from miles.utils.proc import rss_mb
-from miles.weights import pack
+
+log = logging.getLogger(__name__)
 
 
 class PolicyTrainer:
     def __init__(self, backend: TrainerBackend, *, bucket_bytes: int, use_object_store: bool = False,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, sender: Any = None, changed_only: bool = False,
+                 wire_dtype: torch.dtype | None = None, release_timeout_s: float = 600.0) -> None:
         self.backend = backend
         self.deterministic = deterministic
         self.bucket_bytes = bucket_bytes
         self.use_object_store = use_object_store
+        self.sender = sender or ObjectStoreSender(use_ray=use_object_store, dtype=wire_dtype)
+        # Full object-store updates: when a GPU transport fails, for late joiners, and when
+        # there is nobody to address yet (a distinct instance: ``sender is self.fallback``
+        # means "falling back").
+        self.fallback = ObjectStoreSender(use_ray=use_object_store, dtype=wire_dtype)
+        self.tracker = ChangeTracker() if changed_only else None
+        self.release_timeout_s = release_timeout_s
+        self.published_version = -1
+        self.replayable_version = -1  # newest version published in full through the object store
         self.last_publish_s = 0.0
+        self.counters = {"publishes": 0, "fallbacks": 0, "republishes": 0, "bytes_sent": 0, "tensors_sent": 0}
+        self.last_error = ""
+        self._broadcaster: Peer | None = None
+        self._lock: asyncio.Lock | None = None
+        self._releases: set[asyncio.Task[None]] = set()
 
     @property
     def version(self) -> int:
@@ -36,6 +72,11 @@ class PolicyTrainer:
     def get_version(self) -> int:
         return self.backend.version
 
+    def _weights_lock(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
     async def train(self, groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
         start = time.monotonic()
         if self.deterministic:
@@ -43,34 +84,120 @@ class PolicyTrainer:
             # makes the gradient's summation order, hence the weights, reproducible.
             groups = sorted((sorted(g, key=lambda t: t.index_in_group) for g in groups),
                             key=lambda g: g[0].group_id)
-        metrics = await asyncio.to_thread(self.backend.train_step, groups)
+        async with self._weights_lock():
+            metrics = await asyncio.to_thread(self.backend.train_step, groups)
         metrics = dict(metrics)
         metrics["perf/train_step_s"] = time.monotonic() - start
         return metrics
 
     async def publish(self, broadcaster: Any) -> int:
-        """Export, pack and hand the current weights to the broadcaster; returns the version."""
-        start = time.monotonic()
-        version = self.backend.version
-        buckets = await asyncio.to_thread(self._pack_all, version)
-        if self.use_object_store:
-            import ray
-
-            buckets = [ray.put(b) for b in buckets]
-        await Peer(broadcaster).call("publish", version, buckets)
-        self.last_publish_s = time.monotonic() - start
+        """Send the current weights to the broadcaster's workers; returns the version."""
+        peer = self._broadcaster = Peer(broadcaster)
+        async with self._weights_lock():
+            start = time.monotonic()
+            version = self.backend.version
+            plan: UpdatePlan = await peer.call("plan_update", version)
+            sender = self.sender if plan.members else self.fallback  # nobody to address yet
+            try:
+                await self._send(peer, sender, version, plan)
+            except Exception as exc:
+                if sender.kind == "object_store":
+                    raise
+                self.counters["fallbacks"] += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"[:500]
+                log.warning("weight transport %s failed for version %d (%s); sending it through the "
+                            "object store", sender.kind, version, self.last_error)
+                sender.close()
+                await peer.call("group_failed")
+                await self._send(peer, self.fallback, version, plan, replace=True)
+            self.published_version = version
+            self.counters["publishes"] += 1
+            self.last_publish_s = time.monotonic() - start
         return version
 
-    def _pack_all(self, version: int) -> list[Any]:
+    async def republish(self, version: int) -> bool:
+        """Publish ``version`` again, in full, through the object store (for workers that
+        joined late or missed it). False when the weights have moved on or it already is."""
+        if self._broadcaster is None:
+            return False
+        async with self._weights_lock():
+            if version != self.published_version or version != self.backend.version:
+                return False  # trained further: the next publish reaches everyone
+            if version == self.replayable_version:
+                return False
+            plan = UpdatePlan(members=[], full=True, regroup=False)
+            await self._send(self._broadcaster, self.fallback, version, plan, replace=True)
+            self.counters["republishes"] += 1
+            return True
+
+    async def _send(self, peer: Peer, sender: Any, version: int, plan: UpdatePlan, *, replace: bool = False) -> None:
+        if sender.kind == "distributed" and (plan.regroup or not sender.ready):
+            spec = sender.new_spec(world_size=1 + len(plan.members))
+            await peer.call("form_group", spec, plan.members)
+            await asyncio.to_thread(sender.join, spec)
+        tracker = self.tracker
+        full = tracker is None or plan.full or tracker.version < 0 or sender is self.fallback
+        plans, prints = await asyncio.to_thread(self._export, full)
+        base = tracker.version if tracker is not None and not full else -1
+        members = plan.members if sender.kind != "object_store" else []
+        update: WeightUpdate = await asyncio.to_thread(sender.prepare, version, plans, full=full,
+                                                       base_version=base, members=members)
+        await peer.call("publish", version, update, replace)
+        try:
+            await asyncio.to_thread(sender.transfer, update)
+        finally:
+            if sender.kind == "cuda_ipc":
+                self._spawn_release(peer, sender, update)
+        if tracker is not None:
+            tracker.commit(version, prints)
+        if update.replayable:
+            self.replayable_version = version
+        self.counters["bytes_sent"] += update.nbytes
+        self.counters["tensors_sent"] += update.num_tensors
+
+    def _export(self, full: bool) -> tuple[list[Any], dict[str, Any]]:
         plans = list(self.backend.export_weights(self.bucket_bytes))
-        return [pack(p, version=version, index=i, total=len(plans)) for i, p in enumerate(plans)]
+        if self.tracker is None:
+            return plans, {}
+        return self.tracker.select(plans, full=full)
+
+    def _spawn_release(self, peer: Peer, sender: Any, update: WeightUpdate) -> None:
+        async def release() -> None:
+            try:
+                await peer.call("wait_delivered", update.version, update.members, self.release_timeout_s)
+            finally:
+                sender.release(update.version)
+
+        task = asyncio.ensure_future(release())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    def export_hf(self, path: str, base_checkpoint: str) -> str:
+        """Write the current policy as a Hugging Face checkpoint: the HF-named tensors the
+        broadcaster ships, plus config and tokenizer files copied from ``base_checkpoint``
+        (so ``--hf-checkpoint path`` and transformers both load it)."""
+        from safetensors.torch import save_file
+
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {name: t.detach().to("cpu").contiguous().clone()
+                   for bucket in self.backend.export_weights(1 << 30) for name, t in bucket}
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "miles_version": str(self.version)})
+        for f in Path(base_checkpoint).iterdir():
+            if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
+                shutil.copy2(f, out / f.name)
+        return str(out)
 
     def ping(self) -> dict[str, float]:
-        return {"train/version": float(self.backend.version), "perf/publish_s": self.last_publish_s,
-                "mem/trainer_rss_mb": rss_mb()}
+        out = {"train/version": float(self.backend.version), "perf/publish_s": self.last_publish_s,
+               "mem/trainer_rss_mb": rss_mb()}
+        out.update({f"weights/{k}": float(v) for k, v in self.counters.items()})
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return self.backend.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.backend.load_state_dict(state)
+        if self.tracker is not None:
+            self.tracker.reset()  # the engines will need every tensor of the loaded weights

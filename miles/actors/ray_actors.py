@@ -7,13 +7,18 @@ gets a thin actor class that builds its parts from the run's config inside its o
 
 Placement: on the CPU every actor takes a fraction of a core and torch gets a fair share of
 threads. With GPUs a placement group reserves ``actor_num_gpus_per_node`` GPUs for the
-trainer and ``rollout_num_gpus`` for the engines (disaggregated), or one set of GPUs both
-share (``--colocate``).
+trainer and ``rollout_num_gpus`` for the engines (disaggregated: worker i on rollout GPU
+i mod ``rollout_num_gpus``), or one set of GPUs both share (``--colocate``: the trainer and
+the workers split the first GPU). The weight transport follows (``--weight-transport auto``):
+CUDA IPC when colocated, NCCL when disaggregated, the object store on the CPU; the
+broadcaster knows the trainer so that a worker that joins late is sent the newest weights.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +31,7 @@ from miles.actors.factory import (
     build_policy_trainer,
     build_reward_runner,
     build_rollout_worker,
+    build_weight_sender,
     configure_process,
 )
 from miles.actors.policy_trainer import PolicyTrainer
@@ -38,13 +44,61 @@ from miles.utils.proc import rss_mb
 
 
 class _BufferActor(ReplayBuffer):
+    """The buffer as an actor, timing its own work (the runtime's overhead budget is < 1%)."""
+
     def __init__(self, flat: dict[str, Any]) -> None:
         super().__init__(**buffer_args(resolve(flat)))
+        self.busy_s = 0.0
+        self.changes = 0  # bumped by every state-changing call; admission long-polls on it
+        self._changed: asyncio.Event | None = None
+
+    def _bump(self) -> None:
+        self.changes += 1
+        if self._changed is not None:
+            self._changed.set()
+
+    async def admission_state(self, seen: int, timeout: float) -> tuple[int, Any, int]:
+        """(change count, ledger, prompt room) once the state changed since ``seen`` (or
+        after ``timeout``): the driver's admission loop waits here instead of polling."""
+        if self.changes == seen:
+            self._changed = self._changed or asyncio.Event()
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        return self.changes, self.ledger(), self.prompt_room()
 
     def stats(self) -> dict[str, float]:
         out = super().stats()
         out["mem/buffer_rss_mb"] = rss_mb()
+        out["perf/buffer_busy_s"] = self.busy_s
         return out
+
+
+def _timed(name: str, changes: bool) -> Any:
+    inner = getattr(ReplayBuffer, name)
+
+    def method(self: _BufferActor, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - start
+            if changes:
+                self._bump()
+
+    method.__name__ = name
+    method.__doc__ = inner.__doc__
+    return method
+
+
+# get_batch_async waits for data; its work happens inside get_batch, which is timed.
+for _name in ("add_prompts", "lease", "put", "put_many", "release_worker", "release_all_workers",
+              "expire_leases", "set_version", "get_batch", "load_state_dict"):
+    setattr(_BufferActor, _name, _timed(_name, changes=True))
+for _name in ("renew", "ledger", "prompt_room"):
+    setattr(_BufferActor, _name, _timed(_name, changes=False))
 
 
 class _RolloutWorkerActor(RolloutWorker):
@@ -59,8 +113,10 @@ class _PolicyTrainerActor(PolicyTrainer):
         cfg = resolve(flat)
         configure_process(cfg, threads)
         backend = build_policy_trainer(cfg)
+        sender, wire_dtype = build_weight_sender(cfg)
         super().__init__(backend, bucket_bytes=cfg.run.update_weight_buffer_size, use_object_store=True,
-                         deterministic=cfg.run.deterministic)
+                         deterministic=cfg.run.deterministic, sender=sender, wire_dtype=wire_dtype,
+                         changed_only=cfg.weights.weight_update_changed_only)
 
 
 class _DraftTrainerActor(DraftTrainer):
@@ -94,7 +150,7 @@ class Actors:
     workers: dict[str, Any] = field(default_factory=dict)
     rewards: list[Any] = field(default_factory=list)
     placement: Any = None
-    worker_options: dict[str, Any] = field(default_factory=dict)
+    worker_options: list[dict[str, Any]] = field(default_factory=list)  # by worker ordinal, cyclic
     threads: int = 1
     draft_trainer: Any = None  # --enable-draft-training: the DraftTrainer and its draft channel
     draft_broadcaster: Any = None
@@ -115,11 +171,12 @@ def init_ray(cfg: MilesConfig) -> None:
     ray.init(**kwargs)
 
 
-def _gpu_options(cfg: MilesConfig) -> tuple[dict[str, Any], dict[str, Any], Any]:
-    """Ray options for the trainer and for each rollout worker, and the placement group."""
+def _gpu_options(cfg: MilesConfig) -> tuple[dict[str, Any], list[dict[str, Any]], Any]:
+    """Ray options for the trainer and for the rollout workers (worker i takes entry i mod
+    len), and the placement group."""
     trainer_gpus = cfg.run.actor_num_gpus_per_node * cfg.run.actor_num_nodes
     if trainer_gpus == 0 and cfg.run.rollout_num_gpus == 0:
-        return {"num_cpus": 0.5}, {"num_cpus": 0.5}, None
+        return {"num_cpus": 0.5}, [{"num_cpus": 0.5}], None
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -131,11 +188,11 @@ def _gpu_options(cfg: MilesConfig) -> tuple[dict[str, Any], dict[str, Any], Any]
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
         return {"num_gpus": gpus, "num_cpus": 0.1, "scheduling_strategy": strategy}
 
-    share = 0.4 if cfg.run.colocate else 1.0
-    trainer_opts = at(0, share if trainer_gpus == 1 else 1.0)
-    first_rollout = 0 if cfg.run.colocate else trainer_gpus
-    worker_opts = at(first_rollout, share)
-    return trainer_opts, worker_opts, pg
+    if cfg.run.colocate:  # the trainer and every worker on the first GPU (CUDA IPC's case)
+        share = 1.0 / (1 + cfg.run.num_rollout_workers)
+        return at(0, share if trainer_gpus == 1 else 1.0), [at(0, share)], pg
+    rollout = [at(trainer_gpus + i, 1.0) for i in range(max(cfg.run.rollout_num_gpus, 1))]
+    return at(0, 1.0), rollout, pg
 
 
 def launch(cfg: MilesConfig) -> Actors:
@@ -149,6 +206,7 @@ def launch(cfg: MilesConfig) -> Actors:
     buffer = ray.remote(_BufferActor).options(num_cpus=0, max_concurrency=1000).remote(flat)
     broadcaster = ray.remote(WeightBroadcaster).options(num_cpus=0, max_concurrency=1000).remote()
     trainer = ray.remote(_PolicyTrainerActor).options(max_concurrency=16, **trainer_opts).remote(flat, threads)
+    broadcaster.attach_source.remote(trainer)
     rewards = [
         ray.remote(_RewardActor).options(num_cpus=0, max_concurrency=256, max_restarts=-1, max_task_retries=2).remote(flat)
         for _ in range(cfg.run.num_reward_workers)
@@ -171,9 +229,11 @@ def launch(cfg: MilesConfig) -> Actors:
 def start_worker(cfg: MilesConfig, actors: Actors, name: str) -> tuple[str, Any]:
     """Start one rollout worker under a fresh id (a restarted worker never reuses leases)."""
     worker_id = f"{name}-{os.urandom(3).hex()}"
+    ordinal = int(name.removeprefix("worker") or 0) if name.removeprefix("worker").isdigit() else 0
+    options = actors.worker_options[ordinal % len(actors.worker_options)] if actors.worker_options else {}
     handle = (
         ray.remote(_RolloutWorkerActor)
-        .options(max_concurrency=1000, **actors.worker_options)
+        .options(max_concurrency=1000, **options)
         .remote(worker_id, cfg.to_flat(), actors.threads, actors.buffer, actors.rewards)
     )
     actors.workers[worker_id] = handle

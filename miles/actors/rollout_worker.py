@@ -5,11 +5,15 @@ then new prompts), rolls each out with the generate function in its own task, sc
 and puts it back — many in flight at once, so the engine's continuous batch stays full and
 reward or environment calls overlap with decoding.
 
-Weights arrive through ``receive_weights`` while ``run`` goes on. With ``--partial-rollout``
-the engine swaps them between two decode steps and in-flight generations continue under the
-new version (each token records its version). Without it the worker drains: it stops
-starting generations, lets the in-flight ones finish on the old weights, swaps, and resumes —
-every trajectory then comes from one version, at the cost of idling on the long tail.
+Weights arrive through ``receive_weights`` while ``run`` goes on: the worker's
+``WeightInbox`` (``miles.transports``) stages every bucket into the engine while it keeps
+decoding, then the version is committed — the only pause. With ``--partial-rollout`` the
+engine swaps between two decode steps and in-flight generations continue under the new
+version (each token records its version). Without it the worker drains before the commit:
+it stops starting generations, lets the in-flight ones finish on the old weights, swaps, and
+resumes — every trajectory then comes from one version, at the cost of idling on the long
+tail (staging already happened meanwhile). ``join_weight_group`` puts the worker in the
+trainer's broadcast group (NCCL / gloo transports).
 
 Draft weights (speculative decoding, the DraftTrainer's channel) arrive through
 ``receive_draft_weights``: applied between two decode steps, never drained for, never
@@ -30,9 +34,10 @@ from typing import Any
 from miles.actors.handles import Peer
 from miles.rewards import RewardRunner
 from miles.rollout import GenerateContext, GenerateFn, call_generate
+from miles.transports.base import GroupSpec, WeightUpdate, as_update
+from miles.transports.inbox import WeightInbox
 from miles.types import PromptSample, Status, Trajectory, TrajectoryError
 from miles.utils.proc import rss_mb
-from miles.weights import WeightBucket, unpack
 
 
 class RolloutWorker:
@@ -69,13 +74,15 @@ class RolloutWorker:
         self._stopping = False
         self._draining = False
         self._hold_until_version = 0
-        self._weights_lock = asyncio.Lock()
         self._reward_rr = 0
         self._idle = asyncio.Event()
         self.counters: dict[str, float] = {
             "finished": 0, "partial": 0, "failed": 0, "tokens": 0, "weight_updates": 0,
-            "drain_s": 0.0, "swap_s": 0.0, "busy_s": 0.0, "refused_puts": 0,
+            "drain_s": 0.0, "swap_s": 0.0, "stage_s": 0.0, "busy_s": 0.0, "refused_puts": 0,
+            "weight_resyncs": 0,
         }
+        self.inbox = WeightInbox(worker_id, engine, counters=self.counters, keep_kv_cache=keep_kv_cache,
+                                 drain=self._drain)
         self.last_refusal = ""
         self._started = time.monotonic()
 
@@ -168,31 +175,33 @@ class RolloutWorker:
                     self.last_refusal = str(exc)[:300]
 
     # ---- control ----------------------------------------------------------------------
-    async def receive_weights(self, version: int, buckets: list[Any]) -> int:
-        """Apply policy ``version`` (all buckets, then the version flips). Returns the
-        engine's version afterwards. Older or repeated versions are ignored."""
-        async with self._weights_lock:
-            if version <= self.engine.version:
-                return self.engine.version
-            if not self.partial_rollout and self._inflight:
-                t0 = time.monotonic()
-                self._draining = True
-                self._idle.clear()
-                await self._idle.wait()
-                self.counters["drain_s"] += time.monotonic() - t0
-            try:
-                t0 = time.monotonic()
-                for ref in buckets:
-                    bucket: WeightBucket = await ref if not isinstance(ref, WeightBucket) else ref
-                    if bucket.version != version:
-                        raise ValueError(f"bucket of version {bucket.version} in update {version}")
-                    self.engine.stage_weights(unpack(bucket))
-                await self.engine.commit_weights(version, keep_kv_cache=self.keep_kv_cache)
-                self.counters["swap_s"] += time.monotonic() - t0
-                self.counters["weight_updates"] += 1
-            finally:
+    async def receive_weights(self, version: int, update: WeightUpdate | list[Any]) -> int:
+        """Apply policy ``version``: stage every bucket (decoding goes on), drain unless
+        partial rollouts are on, commit — never half an update (``WeightInbox``). ``update``
+        is a ``WeightUpdate`` or a list of WeightBuckets / their ObjectRefs. Returns the
+        engine's version afterwards; older or repeated versions are ignored, and a
+        changed-only update the engine cannot build on leaves it as it was (the broadcaster
+        resyncs)."""
+        try:
+            return await self.inbox.apply(as_update(version, update))
+        finally:
+            if not self.inbox.pending:
                 self._draining = False
-            return self.engine.version
+
+    async def _drain(self) -> None:
+        """Stop leasing and wait for in-flight generations (unless partial rollouts are on)."""
+        if self.partial_rollout or not self._inflight:
+            return
+        self._draining = True
+        self._idle.clear()
+        if self._inflight:
+            await self._idle.wait()
+
+    async def join_weight_group(self, spec: GroupSpec, rank: int) -> bool:
+        """Join the trainer's weight broadcast group as ``rank`` (called by the broadcaster;
+        returns once every rank joined)."""
+        await self.inbox.join(spec, rank)
+        return True
 
     async def receive_draft_weights(self, version: int, buckets: list[Any]) -> int:
         """Apply draft ``version`` to the engine's draft; returns the engine's draft version
@@ -221,6 +230,7 @@ class RolloutWorker:
         self._stopping = True
         await self.abort_inflight()
         await self._flush()
+        await self.inbox.settle(10.0)  # a weight update that was landing finishes (its drain is over)
         return self.stats()
 
     async def evaluate(self, prompts: list[PromptSample], n: int, *, id_prefix: str = "eval") -> list[Trajectory]:

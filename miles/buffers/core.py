@@ -43,7 +43,10 @@ class BufferConfig(msgspec.Struct, kw_only=True):
     """Buffer knobs; field names are the CLI flags (``--max-staleness`` …)."""
 
     max_staleness: int = 1  # η
-    stale_policy: str = "drop"  # "drop" | "recompute" | "mask"
+    # "drop" | "recompute" | "mask", or "auto": the runtime picks mask with partial rollouts
+    # (long trajectories span versions; dropping them would discard the long tail) and drop
+    # otherwise. A buffer built directly treats "auto" as "drop".
+    stale_policy: str = "auto"
     capacity: int = 4096  # live trajectories (queued+in flight+partial+waiting+ready)
     lease_timeout_s: float = 60.0
     n_samples_per_prompt: int = 1
@@ -51,8 +54,8 @@ class BufferConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if self.stale_policy not in STALE_POLICIES:
-            raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
+        if self.stale_policy not in (*STALE_POLICIES, "auto"):
+            raise ValueError(f"stale_policy must be one of {(*STALE_POLICIES, 'auto')}, got {self.stale_policy!r}")
         if self.capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {self.capacity}")
         if not self.lease_timeout_s > 0:
@@ -86,7 +89,10 @@ class BufferCore:
         group_filters: Sequence[GroupFilter] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.config = config or BufferConfig()
+        config = config or BufferConfig()
+        if config.stale_policy == "auto":
+            config = msgspec.structs.replace(config, stale_policy="drop")
+        self.config = config
         self.sampling_policy = sampling_policy
         self.eviction_policy = eviction_policy
         self.group_filters = [(filter_name(f), f) for f in group_filters]

@@ -34,6 +34,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     overlap: bool | None = None
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0
+    # Batch-invariant numerics (the run's --deterministic): every decode step runs the full
+    # max_batch_size rows over the whole cache length, and each prompt is prefilled alone, so
+    # a request's logits never depend on which other requests share its batch. Slower.
+    deterministic: bool = False
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

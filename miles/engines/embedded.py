@@ -16,11 +16,15 @@ running request (continuous batching: requests join and leave between steps) →
 hand finished requests back (``stepper.py``; on CUDA the next step is launched before the
 previous one is read back). Model and cache state are touched by that thread only.
 
-Weight updates: ``stage_weights`` copies tensors into a staging area while decoding goes on;
+Weight updates: ``stage_weights`` puts tensors into a staging area (``weights.py``; copied on
+a side stream, or borrowed when they already sit on the engine's device in its dtype) while
+the stepping thread keeps decoding — staging never takes a lock a decode step needs.
 ``commit_weights`` is applied between two decode steps, all at once, and the version flips
-after every staged tensor is in. Tokens sampled after the swap record the new version. With
-``keep_kv_cache=False`` every in-flight request re-prefills its context with the new weights
-first (AReaL); with ``True`` it keeps the cache computed by the old ones (PipelineRL).
+after every staged tensor is in; that copy is the only pause decoding sees, and it is
+measured (``engine/swap_pause_s``, ``_max``, ``_mean``). Tokens sampled after the swap record
+the new version. With ``keep_kv_cache=False`` every in-flight request re-prefills its
+context with the new weights first (AReaL); with ``True`` it keeps the cache computed by
+the old ones (PipelineRL).
 
 Hidden states (``return_hidden_states``) come back through ``pop_hidden_states(rid)``:
 ``[len(context) - 1, H]`` float32, row p = final-norm hidden state at context position p
@@ -39,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -85,6 +90,7 @@ class EmbeddedEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.stats_ = EngineStats()
+        self.swap_pauses: deque[float] = deque(maxlen=256)  # seconds each commit paused decoding
         self._hidden: dict[str, torch.Tensor] = {}
         self.stepper = Stepper(
             self.runner, config, eos_ids=self.eos_ids, tokenizer=tokenizer,
@@ -195,10 +201,17 @@ class EmbeddedEngine:
             self._pause_requested = self._paused = False
             self._cv.notify()
 
-    def stage_weights(self, named_tensors: NamedTensors) -> int:
-        """Validate and stage tensors (HF names) while decoding continues; returns how many."""
+    def stage_weights(self, named_tensors: NamedTensors, *, borrow: bool = False) -> int:
+        """Validate and stage tensors (HF names) while decoding continues; returns how many.
+        ``borrow``: keep tensors that already have the engine's device and dtype by
+        reference (the caller leaves them untouched until the commit) instead of copying."""
         with self._stage_lock:  # never held by a decode step: decoding goes on meanwhile
-            return self.stager.stage(named_tensors)
+            return self.stager.stage(named_tensors, borrow=borrow)
+
+    def discard_staged(self) -> None:
+        """Drop whatever is staged (an update that failed half-way never gets committed)."""
+        with self._stage_lock:
+            self.stager.clear()
 
     async def commit_weights(self, version: int, *, keep_kv_cache: bool | None = None) -> None:
         """Swap the staged tensors in between two decode steps; ``version`` flips after all."""
@@ -300,6 +313,10 @@ class EmbeddedEngine:
             "engine/version": float(self.version),
             "engine/kv_cache_bytes": float(self.runner.cache.nbytes),
         })
+        pauses = list(self.swap_pauses)
+        if pauses:
+            out.update({"engine/swap_pause_s": pauses[-1], "engine/swap_pause_s_max": max(pauses),
+                        "engine/swap_pause_s_mean": sum(pauses) / len(pauses)})
         if self.spec is not None:
             out.update(self.spec.controller.stats(self.version))
             out["spec/draft_version"] = float(self.draft_version)
@@ -400,8 +417,10 @@ class EmbeddedEngine:
                 self.stepper.release(r)
 
     def _commit(self, version: int, keep_kv_cache: bool) -> None:
+        start = time.perf_counter()
         with self._stage_lock:
-            self.stager.apply()
+            self.stager.apply()  # waits for its copies on CUDA: the pause is all in here
+        self.swap_pauses.append(time.perf_counter() - start)
         self.stepper.version = version
         self.stats_.counters["weight_updates"] += 1
         if not keep_kv_cache:

@@ -64,6 +64,8 @@ class ModelRunner:
 
     def context_bucket(self, longest: int) -> int:
         """Rounded-up number of cache positions a decode step reads (≤ max_seq_len)."""
+        if self.config.deterministic:
+            return self.cache.length  # one reduction length for every step
         b = self.block
         return min(-(-longest // b) * b, self.cache.length)
 
@@ -88,6 +90,8 @@ class ModelRunner:
         """One token per running request (host list, or device tensor from the previous
         step's samples); request i occupies slot i (i < n)."""
         L = self.context_bucket(max(positions) + 1)
+        if self.config.deterministic:
+            return self._decode_padded(tokens, positions, L)
         if self.graphs is not None:
             out = self.graphs.run(tokens, positions, L)
             if out is not None:
@@ -95,6 +99,17 @@ class ModelRunner:
         if not isinstance(tokens, Tensor):
             tokens = self._tensor(tokens)
         return self.decode_eager(tokens, self._tensor(positions), L)
+
+    def _decode_padded(self, tokens: Tensor | list[int], positions: list[int], L: int) -> StepOut:
+        """Decode with every slot's row present, so matmul shapes never change: the extra
+        rows write K/V at position 0 of free slots, which a later prefill overwrites."""
+        n, rows = len(positions), self.config.max_batch_size
+        if isinstance(tokens, Tensor):
+            tokens = tokens.tolist()
+        out = self.decode_eager(self._tensor(list(tokens) + [0] * (rows - n)),
+                                self._tensor(list(positions) + [0] * (rows - n)), L)
+        routing = None if out.routing is None else out.routing[:n]
+        return StepOut(out.logits[:n], out.hidden[:n], routing)
 
     def decode_at(self, tokens: Tensor, positions: Tensor, L: int) -> StepOut:
         """``decode`` with device-side positions and a context bucket the caller knows."""

@@ -78,8 +78,15 @@ def hashed_uniform(keys: Tensor, vocab: int) -> Tensor:
     """``counter_uniform``, through the compiled copy when there is one: on CUDA its ~15
     elementwise int64 passes over [rows, vocab] fuse into one kernel (integer arithmetic:
     bitwise the same numbers)."""
+    global _fast_uniform
     fn = _fast_uniform
-    return counter_uniform(keys, vocab) if fn is None or keys.device.type != "cuda" else fn(keys, vocab)
+    if fn is None or keys.device.type != "cuda":
+        return counter_uniform(keys, vocab)
+    try:
+        return fn(keys, vocab)
+    except Exception:  # a shape the compiler cannot handle (seen: int32 index overflow); stay eager
+        _fast_uniform = None
+        return counter_uniform(keys, vocab)
 
 
 def compile_counter_uniform(device: torch.device) -> bool:
@@ -91,7 +98,8 @@ def compile_counter_uniform(device: torch.device) -> bool:
     try:
         fn = torch.compile(counter_uniform, dynamic=True, fullgraph=True)
         keys = torch.tensor([row_key(1, 2), row_key(3, 4), -5], dtype=torch.int64, device=device)
-        if torch.equal(fn(keys, 1000), counter_uniform(keys, 1000)):
+        # Probe a small and a model-sized vocabulary (the compiler specialises on size).
+        if all(torch.equal(fn(keys, n), counter_uniform(keys, n)) for n in (1000, 151936)):
             _fast_uniform = fn
     except Exception:  # an optimisation only
         _fast_uniform = None

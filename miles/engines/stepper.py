@@ -101,6 +101,10 @@ class Stepper:
     def _prefill(self, rows: list[Request]) -> None:
         if self.spec is not None:
             return self._prefill_spec(rows)
+        if self.config.deterministic and len(rows) > 1:
+            for r in rows:  # alone: its padded length never depends on its neighbours
+                self._prefill([r])
+            return
         # A fresh request prefills its whole context and samples its first token; a
         # recomputed one re-prefills all but its pending last token and samples nothing.
         seqs = [r.context if r.kv_len == 0 else r.context[:-1] for r in rows]

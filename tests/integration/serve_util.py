@@ -39,7 +39,9 @@ def load(path: Path) -> CausalLM:
 @contextlib.contextmanager
 def serve(checkpoint: Path, *args: str, log_dir: Path, env: dict[str, str] | None = None) -> Iterator[str]:
     """Run ``python -m miles serve`` on a free port; yields its base URL; stops it after."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
+    # Keep the caller's PYTHONPATH after the repo (a GPU machine installs ray/msgspec there).
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **(env or {}))
     log = open(log_dir / "serve.log", "w")
     cmd = [sys.executable, "-m", "miles", "serve", "--hf-checkpoint", str(checkpoint), "--port", "0", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=REPO)

@@ -87,3 +87,21 @@ def test_sglang_backend_end_to_end(ray_cluster, tiny_ckpt, task, tmp_path) -> No
     assert summary["status"] == "completed" and summary["ledger_ok"]
     rows = _check_staleness(out, 1)
     assert {v for r in rows for v in r["token_versions"]} >= {0, 1}  # weights really moved
+
+
+def test_eval_and_hf_export(ray_cluster, tiny_ckpt, task, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from miles.models import load_pretrained
+
+    out = tmp_path / "eval"
+    cfg, summary = _run(tiny_ckpt, task, out, eval_prompt_data=task["data"], eval_interval=2,
+                        eval_max_prompts=5, n_samples_per_eval_prompt=2, save_hf=str(tmp_path / "hf"))
+    assert summary["status"] == "completed"
+    evals = read_jsonl(out / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2, 4]
+    assert all(e["eval/prompts"] == 5 and "eval/pass@2" in e for e in evals)
+    model = load_pretrained(tmp_path / "hf")  # a plain HF checkpoint miles (or transformers) loads
+    before = load_file(str(tiny_ckpt / "model.safetensors"))
+    after = {k: v for k, v in model.state_dict().items() if k in before}
+    assert any(not after[k].equal(before[k]) for k in before), "exported weights never moved"

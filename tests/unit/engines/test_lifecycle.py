@@ -19,8 +19,17 @@ from .helpers import make_engine, make_model, prompts, run
 SEEDED = SamplingParams(max_new_tokens=48, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
 
 
-async def _wait_progress(engine, rid: str, at_least: int) -> int:
+async def _wait_progress(engine, rid: str, at_least: int, timeout: float = 60.0) -> int:
+    """Wait until ``rid`` has ``at_least`` tokens; fail (never hang) if it finished first."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    seen = False
     while (n := engine.progress(rid)) is None or n < at_least:
+        seen = seen or n is not None
+        if seen and n is None:
+            raise AssertionError(f"{rid} finished before reaching {at_least} tokens")
+        if loop.time() > deadline:
+            raise AssertionError(f"{rid} made no progress to {at_least} tokens in {timeout}s")
         await asyncio.sleep(0.0005)
     return n
 

@@ -1,0 +1,213 @@
+"""Sync vs one-step-off vs async (η = 1, 2, 4, 8), with and without partial rollouts.
+
+    python benchmarks/async_vs_sync.py [--quick] [--steps N]            # CPU: the countdown task
+    python benchmarks/async_vs_sync.py --device cuda [--steps N]        # GPU: 0.5B Qwen3 shape, random weights
+
+Every configuration trains the same number of samples (steps × B groups × n samples) on the
+same task and hardware, one after another in ONE process (one Ray cluster), and the table
+reports each one's trained samples/s and tokens/s as a ratio to sync, its final reward, how
+long the trainer waited for data, and the share of step time the buffer (its own measured
+busy time) and the admission loop took.
+
+CPU: the countdown example (long-tailed answers: median 16 tokens, longest 400), starting
+from its SFT warm-up (made and cached under runs/countdown by the example's own scripts).
+GPU (--device cuda): a Qwen3-0.6B-shaped model with RANDOM weights — fine for throughput,
+meaningless for reward — trainer and engine colocated on one GPU; response lengths are
+long-tailed by construction (each prompt carries a Zipf-distributed length, up to
+--max-len tokens, that a custom generate function enforces with EOS ignored).
+Throughput is measured from the end of step 1 to the end of the last step, so actor start-up
+and the first weight load are excluded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+CONFIGS = [
+    ("sync", dict(mode="sync")),
+    ("one-step-off", dict(mode="one-step-off")),
+    *[(f"async η={eta}", dict(mode="async", max_staleness=eta)) for eta in (1, 2, 4, 8)],
+    *[(f"async η={eta} +partial", dict(mode="async", max_staleness=eta, partial_rollout=True)) for eta in (1, 2, 4, 8)],
+]
+
+
+# ---- GPU workload: long-tailed lengths from a random model -------------------------------
+
+
+async def fixed_length_generate(sample, ctx):
+    """Generate exactly ``sample.metadata['length']`` tokens (EOS ignored): a random-weight
+    model never stops by itself, so the length distribution is imposed by the data."""
+    from miles.rollout import apply_output
+
+    want = int(sample.metadata["length"])
+    request = ctx.request_for(sample, max_new_tokens=want - len(sample.response_tokens), ignore_eos=True)
+    apply_output(sample, await ctx.engine.generate(request))
+    return sample
+
+
+def length_reward(sample) -> float:
+    """A stand-in reward (the model is random): the share of even token ids."""
+    tokens = sample.response_tokens
+    return sum(t % 2 == 0 for t in tokens) / max(len(tokens), 1)
+
+
+def make_gpu_inputs(root: Path, max_len: int) -> dict[str, str]:
+    import torch
+
+    from miles.models import CausalLM, ModelConfig, build_tiny_tokenizer, save_pretrained
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                      num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                      max_position_embeddings=max_len + 128, tie_word_embeddings=True,
+                      bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    if not (root / "ckpt" / "config.json").exists():
+        torch.manual_seed(0)
+        model = CausalLM(cfg).to(torch.bfloat16)
+        model.reset_parameters()
+        save_pretrained(model, root / "ckpt", tokenizer=build_tiny_tokenizer())
+    rng = random.Random(0)
+    with open(root / "data.jsonl", "w") as fh:
+        for i in range(4096):
+            length = min(max_len, int(16 * (1 + rng.paretovariate(1.2))))  # median ~30, tail to max_len
+            fh.write(json.dumps({"input": f"prompt {i}:", "label": "", "metadata": {"length": length}}) + "\n")
+    return {"ckpt": str(root / "ckpt"), "data": str(root / "data.jsonl")}
+
+
+# ---- CPU workload: the countdown example ------------------------------------------------------
+
+
+def make_cpu_inputs(quick: bool) -> dict[str, str]:
+    out = ROOT / "runs" / ("countdown-smoke" if quick else "countdown")
+    py = sys.executable
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    data_args = ["--num-train", "64", "--num-eval", "4"] if quick else []
+    sft_args = ["--steps", "20", "--hidden-size", "32", "--num-layers", "1"] if quick else []
+    subprocess.run([py, "examples/countdown/task.py", "--out-dir", str(out / "data"), *data_args],
+                   cwd=ROOT, env=env, check=True)
+    subprocess.run([py, "examples/countdown/sft.py", "--data", str(out / "data" / "train.jsonl"),
+                    "--out", str(out / "sft"), *sft_args], cwd=ROOT, env=env, check=True)
+    return {"ckpt": str(out / "sft"), "data": str(out / "data" / "train.jsonl")}
+
+
+# ---- the comparison ---------------------------------------------------------------------------
+
+
+def measure(rows: list[dict]) -> dict[str, float]:
+    first, last = rows[0], rows[-1]
+    span = last["wall_time"] - first["wall_time"]
+    samples = sum(r["perf/trained_samples"] for r in rows[1:])
+    tokens = sum(r["perf/trained_tokens"] for r in rows[1:])
+    step_time = sum(r["perf/step_s"] for r in rows[1:])
+    tail = rows[-max(3, len(rows) // 4):]
+    return {
+        "samples_per_s": samples / span,
+        "tokens_per_s": tokens / span,
+        "reward": statistics.fmean(r["rollout/reward_mean"] for r in tail),
+        "wait_share": sum(r["perf/wait_for_data_s"] for r in rows[1:]) / step_time,
+        "buffer_share": (last.get("perf/buffer_busy_s", 0) - first.get("perf/buffer_busy_s", 0)) / span,
+        "admission_share": sum(r.get("perf/admission_s", 0) for r in rows[1:]) / span,
+        "staleness_max": max(r["buffer/staleness_max"] for r in rows),
+        "worker_busy": last.get("rollout/busy_s", 0.0),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny smoke version (CPU)")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--max-len", type=int, default=2048, help="GPU: longest response")
+    parser.add_argument("--only", nargs="*", default=None, help="config names to run (default all)")
+    parser.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    args = parser.parse_args()
+
+    from miles.config import resolve
+    from miles.driver import train
+    from miles.metrics import read_metrics
+
+    gpu = args.device == "cuda"
+    work = ROOT / "runs" / "async_vs_sync"
+    work.mkdir(parents=True, exist_ok=True)
+    if gpu:
+        inputs = make_gpu_inputs(work, args.max_len)
+        steps = args.steps or 12
+        base = dict(hf_checkpoint=inputs["ckpt"], prompt_data=inputs["data"], input_key="input",
+                    custom_rm_path=f"{__file__}:length_reward",
+                    custom_generate_function_path=f"{__file__}:fixed_length_generate",
+                    rollout_batch_size=32, n_samples_per_prompt=8, rollout_max_response_len=args.max_len,
+                    max_seq_len=args.max_len + 64, max_batch_size=256, device="cuda", lr=1e-6,
+                    actor_num_gpus_per_node=1, colocate=True, max_tokens_per_micro_batch=32768,
+                    max_inflight_per_worker=256)
+        what = f"Qwen3-0.6B shape, random weights, bf16, colocated on one GPU; Zipf lengths ≤ {args.max_len}"
+    else:
+        inputs = make_cpu_inputs(args.quick)
+        steps = args.steps or (3 if args.quick else 24)
+        base = dict(hf_checkpoint=inputs["ckpt"], prompt_data=inputs["data"],
+                    custom_rm_path="examples/countdown/reward.py:reward",
+                    rollout_batch_size=2 if args.quick else 8, n_samples_per_prompt=2 if args.quick else 8,
+                    rollout_max_response_len=24 if args.quick else 420, lr=2e-4, use_tis=True)
+        what = "countdown task from its SFT warm-up (tiny model, CPU)"
+    configs = [c for c in CONFIGS if args.only is None or c[0] in args.only]
+    results: dict[str, dict[str, float]] = {}
+    for name, extra in configs:
+        out = work / name.replace(" ", "_").replace("=", "").replace("+", "")
+        flags = dict(base, output_dir=str(out), num_rollout=steps, progress=False, seed=1, **extra)
+        start = time.monotonic()
+        summary = asyncio.run(train(resolve(flags)))
+        rows = read_metrics(out / "metrics.jsonl")[-steps:]
+        results[name] = measure(rows)
+        results[name]["wall_s"] = time.monotonic() - start
+        results[name]["ledger_ok"] = float(summary["ledger_ok"])
+        print(f"{name}: {json.dumps({k: round(v, 4) for k, v in results[name].items()})}", flush=True)
+
+    sync = results.get("sync")
+    lines = ["| config | trained samples/s | × sync | tokens/s | × sync | final reward | wait for data | buffer busy | admission | max staleness |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        ratio = r["samples_per_s"] / sync["samples_per_s"] if sync else float("nan")
+        tratio = r["tokens_per_s"] / sync["tokens_per_s"] if sync else float("nan")
+        lines.append(f"| {name} | {r['samples_per_s']:.2f} | {ratio:.2f}× | {r['tokens_per_s']:.0f} | {tratio:.2f}× | "
+                     f"{r['reward']:.3f} | {100 * r['wait_share']:.0f}% | {100 * r['buffer_share']:.2f}% | "
+                     f"{100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} |")
+    machine = (f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    if gpu:
+        import torch
+
+        machine += f", {torch.cuda.get_device_name()} (nvidia-h200 device machine), torch {torch.__version__}"
+    report = "\n".join([
+        f"## async_vs_sync — {datetime.date.today().isoformat()} ({args.device})",
+        "",
+        f"Command: `python benchmarks/async_vs_sync.py{' --device cuda' if gpu else ''}{' --quick' if args.quick else ''} --steps {steps}`  ",
+        f"Machine: {machine}  ",
+        f"Workload: {what}; {steps} steps × {base['rollout_batch_size']} groups × {base['n_samples_per_prompt']} samples per config, run one after another in one process.",
+        "",
+        *lines,
+        "",
+        "Ratios are trained samples/s against sync over the same number of trained samples; "
+        "'buffer busy' is the replay buffer's own measured work as a share of wall time, "
+        "'admission' the driver's admission loop (Ray round trips included).",
+        "",
+    ])
+    print(report)
+    with open(args.results, "a") as fh:
+        fh.write("\n" + report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU runs behind benchmarks/RESULTS.md's H200 sections, one part per argument:
+#   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command)
+# On a machine without ray/msgspec/megatron-core, a .whl folder built by the project's
+# gpu-wheels tool is installed first. Extra outputs go to $OUT (default: runs/gpu).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-runs/gpu}
+mkdir -p "$OUT"
+if [ -d .whl ] && ! python3 -c "import ray, msgspec" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+for part in "$@"; do
+    echo "=== $part $(date +%T)"
+    case "$part" in
+        tests)    timeout 300 python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tail -40 ;;
+        failing)  timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider $FAILING > "$OUT/failing.txt" 2>&1; tail -5 "$OUT/failing.txt" ;;
+        engine-matmul) timeout 200 python3 benchmarks/engine.py --device cuda --preset 0.5b --decode-attention matmul --no-hf ;;
+        profile)  timeout 200 python3 benchmarks/profile_decode.py --device cuda 2>&1 | tail -45 ;;
+        engine)   timeout 300 python3 benchmarks/engine.py --device cuda --preset 0.5b ;;
+        trainer)  timeout 300 python3 benchmarks/trainer.py --device cuda --preset 0.5b --compile ;;
+        spec)     timeout 480 python3 benchmarks/speculative.py --device cuda --steps ${SPEC_STEPS:-16} --plot "$OUT/speculative_cuda.png" ;;
+        megatron) timeout 300 python3 benchmarks/megatron_trainer.py --device cuda ;;
+        weights)  timeout 300 python3 benchmarks/weight_sync.py --device cuda ;;
+        async)    timeout 540 python3 benchmarks/async_vs_sync.py --device cuda ;;
+        *) echo "unknown part $part" ;;
+    esac
+    echo "=== $part done $(date +%T) rc=$?"
+done
+cp benchmarks/RESULTS.md "$OUT/RESULTS.md"

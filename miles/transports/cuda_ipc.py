@@ -1,0 +1,160 @@
+"""Colocated weights by CUDA IPC: the engine maps the trainer's GPU buffers; no host round trip.
+
+Sender (trainer, same GPU as the engines — ``--colocate``): the whole update is packed into
+ONE GPU ``uint8`` buffer (cast to the engine's dtype in the same multi-tensor device copy;
+``--update-weight-buffer-size`` does not split it: the buffer lives until every engine has
+committed, so buckets would save no memory, and each handle costs the engine a mapping),
+and for every addressed worker ``UntypedStorage._share_cuda_()`` yields an IPC handle. One share per
+worker, because torch's cross-process reference counting gives each share one count that
+its consumer returns when it lets go; the share also records an interprocess event after
+the packing, which the consumer's stream waits on. Handles travel as plain data (bytes and
+ints in an ``IpcHandle``; nothing is pickled). The buffers of a version are kept until every
+addressee finished with it (``release``, called by the PolicyTrainer when the broadcaster
+says so) — and even a buffer dropped earlier stays allocated while a consumer maps it
+(torch's IPC "limbo").
+
+Receiver (rollout worker): opens its handle on the GPU with the trainer's UUID (so differing
+``CUDA_VISIBLE_DEVICES`` orders do not matter), views the bucket's tensors and stages them
+*borrowed*: the trainer's buffer is the engine's staging area, and the commit is the one
+copy into the parameters. A worker that will not apply an update still returns its counts.
+Everything runs in a worker thread on the receiver's own stream, so the event waits never
+touch the stream the engine decodes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from miles.transports.base import IpcBucket, IpcHandle, NamedTensors, Stage, TransportError, WeightUpdate
+from miles.weights import layout, pack_into, views
+
+
+def gpu_uuid(device: torch.device | int) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def local_index(uuid: str) -> int:
+    """This process's index of the GPU with ``uuid``."""
+    for i in range(torch.cuda.device_count()):
+        if gpu_uuid(i) == uuid:
+            return i
+    raise TransportError(f"cuda_ipc: the trainer's GPU {uuid} is not visible in this process "
+                         f"(CUDA_VISIBLE_DEVICES={_visible()}); cuda_ipc needs the trainer and the engine "
+                         f"on the same GPU (--colocate); use --weight-transport nccl or object_store")
+
+
+def _visible() -> str:
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "<all>")
+
+
+def share(buffer: torch.Tensor) -> IpcHandle:
+    """One consumer's handle to ``buffer``'s storage (call once per consumer)."""
+    return IpcHandle(*buffer.untyped_storage()._share_cuda_())
+
+
+def open_handle(h: IpcHandle, device: int) -> torch.Tensor:
+    """The shared buffer as a 1-D uint8 tensor on local ``device`` (waits for the trainer's
+    packing on the current stream)."""
+    storage = torch.UntypedStorage._new_shared_cuda(device, h.handle, h.size, h.offset, h.ref_counter,
+                                                    h.ref_counter_offset, h.event, h.event_sync)
+    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage, 0, (h.size,), (1,))
+
+
+def release_handle(h: IpcHandle) -> None:
+    """Return a handle's count without mapping it (an update this worker will not apply)."""
+    try:
+        torch.UntypedStorage._release_ipc_counter_cuda(h.ref_counter, h.ref_counter_offset)
+    except Exception:  # the trainer is gone: nothing left to return
+        pass
+
+
+class CudaIpcSender:
+    kind = "cuda_ipc"
+
+    def __init__(self, device: torch.device | str, *, dtype: torch.dtype | None = None) -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise TransportError(f"cuda_ipc needs the trainer on a GPU, not {self.device}")
+        self.dtype = dtype
+        self.live: dict[int, list[torch.Tensor]] = {}
+
+    def prepare(self, version: int, plans: Sequence[NamedTensors], *, full: bool = True, base_version: int = -1,
+                members: Sequence[str] = ()) -> WeightUpdate:
+        uuid = gpu_uuid(self.device)
+        tensors = [item for plan in plans for item in plan]
+        buckets = []
+        with torch.cuda.device(self.device):
+            metas, size = layout(tensors, self.dtype)
+            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+            pack_into(buf, tensors, metas)
+            if size:  # the share records the event the engines wait on: after the packing
+                buckets.append(IpcBucket(metas=metas, nbytes=size, gpu_uuid=uuid,
+                                         handles={w: share(buf) for w in members}))
+        self.live[version] = [buf]
+        return WeightUpdate(version=version, transport="cuda_ipc", buckets=buckets, full=full,
+                            base_version=base_version, members=list(members))
+
+    def transfer(self, update: WeightUpdate) -> None:
+        pass  # the engines map the buffers themselves
+
+    def release(self, version: int) -> None:
+        if self.live.pop(version, None) is not None:
+            torch.cuda.ipc_collect()  # buffers whose consumers are done go back to the allocator
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(b.numel() for bufs in self.live.values() for b in bufs)
+
+    def close(self) -> None:
+        for version in list(self.live):
+            self.release(version)
+
+
+class CudaIpcReceiver:
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self._streams: dict[int, Any] = {}
+
+    async def receive(self, update: WeightUpdate, stage: Stage) -> int:
+        return await asyncio.to_thread(self._receive, update, stage)
+
+    def _receive(self, update: WeightUpdate, stage: Stage) -> int:
+        mine = [b.handles.get(self.worker_id) for b in update.buckets]
+        if any(h is None for b, h in zip(update.buckets, mine) if b.nbytes):
+            for h in mine:
+                if h is not None:
+                    release_handle(h)
+            raise TransportError(f"cuda_ipc update {update.version} carries no handle for {self.worker_id}")
+        if not update.buckets:
+            return 0
+        device = local_index(update.buckets[0].gpu_uuid)
+        stream = self._streams.setdefault(device, torch.cuda.Stream(device))
+        staged = 0
+        unused = 0  # handles from here on were neither mapped nor returned
+        try:
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                for bucket, h in zip(update.buckets, mine):
+                    if h is not None:
+                        flat = open_handle(h, device)
+                    unused += 1
+                    if h is not None:
+                        staged += stage(views(flat, bucket.metas))
+        except BaseException:
+            for h in mine[unused:]:
+                if h is not None:
+                    release_handle(h)
+            raise
+        return staged
+
+    def discard(self, update: WeightUpdate) -> None:
+        """Return this worker's counts of an update it will not apply."""
+        for b in update.buckets:
+            h = b.handles.get(self.worker_id)
+            if h is not None:
+                release_handle(h)
