@@ -96,6 +96,7 @@ def _sections() -> dict[str, type[Any]]:
     from miles.engines.spec import SpeculativeConfig
     from miles.scheduler import SchedulerConfig
     from miles.trainers import TrainerConfig
+    from miles.trainers.megatron.config import MegatronConfig
     from miles.transports.config import WeightsConfig
 
     return {
@@ -106,6 +107,7 @@ def _sections() -> dict[str, type[Any]]:
         "buffer": BufferConfig,
         "engine": EngineConfig,
         "trainer": TrainerConfig,
+        "megatron": MegatronConfig,
         "algorithm": AlgorithmConfig,
         "sglang": SGLangConfig,
         "env": EnvConfig,

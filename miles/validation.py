@@ -76,6 +76,7 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
         # timing; async modes train on whatever finished first.
         yield "--deterministic needs --mode sync without --over-sampling-batch-size"
     yield from _env_problems(cfg)
+    yield from _megatron_problems(cfg)
     yield from transport_problems(cfg)
     spec = getattr(cfg, "speculative", None)
     if spec is not None and spec.draft_model_path and not (Path(spec.draft_model_path) / "config.json").is_file():
@@ -85,6 +86,30 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
     if sched.mode == "sync" and sched.over_sampling_batch_size and not rollout.partial_rollout:
         # Over-sampled groups would finish on old weights and be dropped as stale.
         yield "--mode sync with --over-sampling-batch-size needs --partial-rollout (or a non-sync mode)"
+
+
+def _megatron_problems(cfg: Any):
+    run = cfg.run
+    if run.train_backend != "megatron":
+        return
+    import importlib.util
+
+    from miles.trainers.megatron.config import MegatronConfigError, data_parallel_size
+    from miles.trainers.megatron.launch import megatron_section
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        yield "--train-backend megatron needs megatron-core: pip install 'miles[megatron]'"
+    if run.actor_num_gpus_per_node < 1:
+        yield "--train-backend megatron trains on GPUs: set --actor-num-gpus-per-node (1 or more)"
+        return
+    world = run.actor_num_nodes * run.actor_num_gpus_per_node
+    if world > 1 and run.colocate:
+        # Several Megatron ranks each take a GPU bundle; colocating engines on them is not built.
+        yield "--colocate with several Megatron ranks is not supported: use one trainer GPU or drop --colocate"
+    try:
+        data_parallel_size(megatron_section(cfg), world)
+    except MegatronConfigError as exc:
+        yield f"{exc} (trainer world: {world} GPUs)"
 
 
 def _env_problems(cfg: Any):

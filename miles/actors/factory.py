@@ -202,6 +202,12 @@ def build_weight_sender(cfg: MilesConfig) -> tuple[Any, torch.dtype | None]:
 
 
 def build_policy_trainer(cfg: MilesConfig) -> Any:
+    """The trainer backend of ``--train-backend``: the embedded torch trainer, or Megatron-core
+    (one rank in this process, or a RayRankGroup of one Ray actor per GPU)."""
+    if cfg.run.train_backend == "megatron":
+        from miles.trainers.megatron import build_megatron_trainer
+
+        return build_megatron_trainer(cfg)
     from miles.models import load_pretrained
     from miles.trainers import EmbeddedTrainer
 

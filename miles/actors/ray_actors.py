@@ -192,6 +192,9 @@ def _gpu_options(cfg: MilesConfig) -> tuple[dict[str, Any], list[dict[str, Any]]
         share = 1.0 / (1 + cfg.run.num_rollout_workers)
         return at(0, share if trainer_gpus == 1 else 1.0), [at(0, share)], pg
     rollout = [at(trainer_gpus + i, 1.0) for i in range(max(cfg.run.rollout_num_gpus, 1))]
+    if cfg.run.train_backend == "megatron" and trainer_gpus > 1:
+        # The PolicyTrainer actor only drives; its RayRankGroup puts rank r on bundle r.
+        return at(0, 0.0), rollout, pg
     return at(0, 1.0), rollout, pg
 
 

@@ -99,8 +99,16 @@ class RayRankGroup:
                  megatron: MegatronConfig) -> None:
         import ray
 
-        actor = ray.remote(num_gpus=1)(_Rank)
-        self.ranks = [actor.remote() for _ in range(world)]
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor = ray.remote(_Rank)
+        pg = ray.util.get_current_placement_group()  # the run's: bundles 0..world-1 are the trainer's
+        self.ranks = [
+            actor.options(num_gpus=1, num_cpus=0.1, scheduling_strategy=(
+                PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=r)
+                if pg is not None else None)).remote()
+            for r in range(world)
+        ]
         addr, port = ray.get(self.ranks[0].address.remote())
         envs = [{"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "MASTER_ADDR": addr,
                  "MASTER_PORT": str(port)} for r in range(world)]

@@ -179,24 +179,59 @@ def test_build_needs_a_checkpoint() -> None:
     from miles.trainers.megatron.launch import megatron_section
 
     cfg = default_config()
-    assert megatron_section(cfg) == MegatronConfig()  # defaults while the section is not registered
+    assert megatron_section(cfg) == MegatronConfig()
     with pytest.raises(ValueError, match="--hf-checkpoint"):
         build_megatron_trainer(cfg)
 
 
-def test_flags_parse_once_the_section_is_registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``MegatronConfig`` as the ``megatron`` section of the run config: its fields become
-    ``--tensor-model-parallel-size`` ... without colliding with any other section's flag."""
-    from miles.config import parse_args
-    from miles.sections import SECTIONS
+def test_megatron_flags_parse() -> None:
+    """``megatron`` is a section of the run config: its fields are ``--tensor-model-parallel-size``
+    ... without colliding with any other section's flag."""
+    from miles.config import build_parser, parse_args, resolve
     from miles.trainers.megatron.launch import megatron_section
 
-    monkeypatch.setitem(SECTIONS, "megatron", MegatronConfig)
-    monkeypatch.setattr("miles.validation.check_config", lambda cfg: None)  # run-level checks: not ours
-    cfg = parse_args(["--train-backend", "megatron", "--tensor-model-parallel-size", "2",
-                      "--expert-model-parallel-size", "4", "--sequence-parallel", "--transformer-impl", "local"])
+    ns = build_parser("miles train").parse_args([
+        "--train-backend", "megatron", "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2",
+        "--expert-model-parallel-size", "4", "--sequence-parallel", "--transformer-impl", "local"])
+    cfg = resolve({k: v for k, v in vars(ns).items() if k != "config"}, check=False)
     m = megatron_section(cfg)
     assert (m.tensor_model_parallel_size, m.expert_model_parallel_size, m.sequence_parallel) == (2, 4, True)
     assert cfg.run.train_backend == "megatron"
     with pytest.raises(Exception, match="tensor-model-parallel-size"):
         parse_args(["--tensor-model-parallel-size", "0"])
+
+
+@pytest.mark.parametrize("argv, match", [
+    ([], "--actor-num-gpus-per-node"),
+    (["--actor-num-gpus-per-node", "3", "--tensor-model-parallel-size", "2"], "world size 3"),
+    (["--actor-num-gpus-per-node", "2", "--colocate"], "--colocate with several Megatron ranks"),
+])
+def test_run_level_megatron_problems(argv: list[str], match: str) -> None:
+    """What only the whole run config can tell: GPUs for the trainer, a layout that divides
+    the trainer's world, no colocation of several ranks."""
+    from miles.config import ConfigError, parse_args
+
+    with pytest.raises(ConfigError, match=match):
+        parse_args(["--train-backend", "megatron", *argv])
+
+
+def test_missing_megatron_core_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from miles.config import ConfigError, parse_args
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("megatron") else real(name, *a))
+    with pytest.raises(ConfigError, match=r"miles\[megatron\]"):
+        parse_args(["--train-backend", "megatron", "--actor-num-gpus-per-node", "1"])
+
+
+def test_factory_dispatches_on_train_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles.actors import factory
+    from miles.config import resolve
+
+    seen = []
+    monkeypatch.setattr("miles.trainers.megatron.launch.build_megatron_trainer", lambda cfg: seen.append(cfg) or "mg")
+    cfg = resolve({"train_backend": "megatron", "actor_num_gpus_per_node": 1}, check=False)
+    assert factory.build_policy_trainer(cfg) == "mg" and seen == [cfg]
