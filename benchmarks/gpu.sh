@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for part in "$@"; do
     echo "=== $part $(date +%T)"
     case "$part" in
-        tests)    timeout 300 python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tail -40 ;;
+        tests)    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short tests/gpu -p no:cacheprovider > "$OUT/tests.txt" 2>&1; tail -40 "$OUT/tests.txt" ;;
         failing)  timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider $FAILING > "$OUT/failing.txt" 2>&1; tail -5 "$OUT/failing.txt" ;;
         engine-matmul) timeout 200 python3 benchmarks/engine.py --device cuda --preset 0.5b --decode-attention matmul --no-hf ;;
         profile)  timeout 200 python3 benchmarks/profile_decode.py --device cuda 2>&1 | tail -45 ;;
@@ -25,10 +25,10 @@ for part in "$@"; do
         trainer)  timeout 300 python3 benchmarks/trainer.py --device cuda --preset 0.5b --compile ;;
         spec)     timeout 480 python3 benchmarks/speculative.py --device cuda --steps ${SPEC_STEPS:-16} --plot "$OUT/speculative_cuda.png" ;;
         megatron) timeout 300 python3 benchmarks/megatron_trainer.py --device cuda ;;
-        weights)  timeout 300 python3 benchmarks/weight_sync.py --device cuda ;;
+        weights)  timeout ${WEIGHTS_TIMEOUT:-300} python3 benchmarks/weight_sync.py --device cuda ;;
         async)    timeout 540 python3 benchmarks/async_vs_sync.py --device cuda ;;
         *) echo "unknown part $part" ;;
     esac
     echo "=== $part done $(date +%T) rc=$?"
+    cp benchmarks/RESULTS.md "$OUT/RESULTS.md"  # after every part: a later timeout keeps what ran
 done
-cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
