@@ -341,6 +341,7 @@ class Driver:
         extra = [h for h in (a.draft_trainer, a.draft_broadcaster) if h is not None]
         for handle in [*a.workers.values(), *a.rewards, a.trainer, a.broadcaster, a.buffer, *extra]:
             ray_actors.kill(handle)
+        ray_actors.release_placement(a)  # the GPUs go back to the cluster for the next run
         return summary
 
 

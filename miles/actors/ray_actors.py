@@ -243,6 +243,17 @@ def start_worker(cfg: MilesConfig, actors: Actors, name: str) -> tuple[str, Any]
     return worker_id, handle
 
 
+def release_placement(actors: Actors) -> None:
+    """Remove the run's placement group: killed actors do not give its GPUs back, so a second
+    run on the same cluster would wait for them forever."""
+    if actors.placement is not None:
+        try:
+            ray.util.remove_placement_group(actors.placement)
+        except Exception:  # already removed (or the cluster is gone)
+            pass
+        actors.placement = None
+
+
 def kill(handle: Any) -> None:
     try:
         ray.kill(handle, no_restart=True)

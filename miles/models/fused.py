@@ -19,11 +19,14 @@ attention part and the eager expert dispatch (data-dependent shapes).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -83,13 +86,34 @@ class FastPath:
 _COMPILED: dict[tuple, FastPath] = {}
 
 
+def _compiled_or_eager(fn: Any, kw: dict[str, Any]) -> Any:
+    """``torch.compile(fn)`` that turns into ``fn`` for good once dynamo refuses to compile
+    another variant: the copy is shared by every model of the process, and a process that
+    builds many (tests, a policy next to a draft in two dtypes) can pass dynamo's recompile
+    limit, which ``fullgraph=True`` makes a hard error. The refusal comes before running."""
+    compiled = torch.compile(fn, **kw)
+    eager = False
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal eager
+        if not eager:
+            try:
+                return compiled(*args, **kwargs)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                eager = True
+                log.warning("%s: dynamo's recompile limit reached; running it eagerly from now on", fn.__name__)
+        return fn(*args, **kwargs)
+
+    return call
+
+
 def compile_fast_path(**compile_kwargs: Any) -> FastPath:
     """One compiled copy of each step function, shared by all layers and all models in the
     process (dynamic shapes, so batch and sequence length changes do not recompile)."""
     kw = {"dynamic": True, "fullgraph": True, **compile_kwargs}
     key = tuple(sorted(kw.items()))
     if key not in _COMPILED:
-        _COMPILED[key] = FastPath(lambda fn: torch.compile(fn, **kw))
+        _COMPILED[key] = FastPath(lambda fn: _compiled_or_eager(fn, kw))
     return _COMPILED[key]
 
 

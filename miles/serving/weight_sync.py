@@ -54,8 +54,14 @@ def check_backend(backend: str) -> str:
 
 
 def init_group(*, master_address: str, master_port: int, rank: int, world_size: int,
-               group_name: str, backend: str, timeout_s: float) -> Any:
-    """Join (rank > 0) or host (rank 0) a standalone group; blocks until all ranks joined."""
+               group_name: str, backend: str, timeout_s: float,
+               warmup_device: torch.device | str | None = None) -> Any:
+    """Join (rank > 0) or host (rank 0) a standalone group; blocks until all ranks joined.
+
+    NCCL builds its communicator at the first collective, which blocks until every rank
+    makes one. ``warmup_device`` runs that first collective here, while every rank is known
+    to be in this call: pass it only when every rank does (miles' own transports), not
+    towards a server that does not (SGLang's ``init_weights_update_group`` does not)."""
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -78,6 +84,12 @@ def init_group(*, master_address: str, master_port: int, rank: int, world_size: 
                                          group_name=group_name, backend_options=None,
                                          timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    if warmup_device is not None and backend == "nccl":
+        device = torch.device(warmup_device)
+        with torch.cuda.device(device):
+            probe = torch.zeros(1, device=device)
+            dist.all_reduce(probe, group=group)
+            torch.cuda.synchronize(device)
     return group
 
 

@@ -90,7 +90,8 @@ class DistributedSender:
         self.close()
         self.group = weight_sync.init_group(master_address=spec.address, master_port=spec.port, rank=0,
                                             world_size=spec.world_size, group_name=spec.name,
-                                            backend=spec.backend, timeout_s=spec.timeout_s)
+                                            backend=spec.backend, timeout_s=spec.timeout_s,
+                                            warmup_device=self.device if spec.backend == "nccl" else None)
         self.spec = spec
 
     def prepare(self, version: int, plans: Sequence[NamedTensors], *, full: bool = True, base_version: int = -1,
@@ -159,7 +160,8 @@ class DistributedReceiver:
             raise TransportError(f"nccl weight group {spec.name}: this engine is on {self.device}, not a GPU")
         self.group = weight_sync.init_group(master_address=spec.address, master_port=spec.port, rank=rank,
                                             world_size=spec.world_size, group_name=spec.name,
-                                            backend=spec.backend, timeout_s=spec.timeout_s)
+                                            backend=spec.backend, timeout_s=spec.timeout_s,
+                                            warmup_device=self.device if spec.backend == "nccl" else None)
         self.spec = spec
 
     async def receive(self, update: WeightUpdate, stage: Stage, *, join_timeout_s: float = 300.0) -> int:

@@ -287,7 +287,9 @@ class SGLangEngine:
                     "load_format": "flattened_bucket", "flush_cache": flush and last,
                     "abort_all_requests": False, "weight_version": str(version) if last else None}
             remote = asyncio.ensure_future(self.http.call("/update_weights_from_distributed", body))
-            works = weight_sync.start_send(group, bucket, flattened=True, device=device)
+            # In a thread: NCCL's first collective on a group blocks until the server makes
+            # its own, which it does once this request reaches it (the loop must send it).
+            works = await asyncio.to_thread(weight_sync.start_send, group, bucket, flattened=True, device=device)
             deadline = time.monotonic() + self.config.sglang_timeout_s
             while not all(w.is_completed() for w, _ in works):
                 if remote.done() and remote.exception() is not None:
