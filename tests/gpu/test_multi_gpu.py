@@ -70,7 +70,7 @@ def test_megatron_tp2_rank_group_equals_embedded(ray_gpus, tmp_path: Path) -> No
     torch.manual_seed(0)
     save_pretrained(CausalLM(tiny_config(initializer_range=0.1)), tmp_path)
     cfg = resolve({"hf_checkpoint": str(tmp_path), "train_backend": "megatron", "actor_num_gpus_per_node": 2,
-                   "tensor_model_parallel_size": 2, "device": "cuda", "lr": 1e-3, "micro_batch_size": 3,
+                   "tensor_model_parallel_size": 2, "device": "cuda", "dtype": "float32", "lr": 1e-3, "micro_batch_size": 3,
                    "use_tis": True}, check=False)
     group = build_megatron_trainer(cfg)
     assert type(group).__name__ == "RayRankGroup"

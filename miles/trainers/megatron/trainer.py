@@ -64,7 +64,9 @@ LOSS_SUMS = ("train/loss", "train/pg_loss")
 
 
 def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    """``--dtype``; "auto" is bfloat16 here (Megatron trains on CUDA only), as for the embedded
+    trainer on CUDA."""
+    return {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 @dataclass

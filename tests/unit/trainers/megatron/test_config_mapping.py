@@ -235,3 +235,13 @@ def test_factory_dispatches_on_train_backend(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr("miles.trainers.megatron.launch.build_megatron_trainer", lambda cfg: seen.append(cfg) or "mg")
     cfg = resolve({"train_backend": "megatron", "actor_num_gpus_per_node": 1}, check=False)
     assert factory.build_policy_trainer(cfg) == "mg" and seen == [cfg]
+
+
+def test_default_dtype_is_bfloat16() -> None:
+    """``--dtype auto`` (the default) is bfloat16 for the CUDA-only Megatron trainer; the H200
+    run found it unhandled."""
+    from miles.trainers.config import TrainerConfig
+    from miles.trainers.megatron.trainer import _dtype
+
+    assert _dtype(TrainerConfig().dtype) == torch.bfloat16
+    assert _dtype("float32") == torch.float32
