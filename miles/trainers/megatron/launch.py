@@ -7,8 +7,8 @@
   ``MegatronTrainer`` in this process;
 - more: a ``RayRankGroup`` — one Ray actor per GPU, each one Megatron rank running the same
   calls (SPMD), with rank 0's answers returned. It satisfies ``TrainerBackend``, so the
-  PolicyTrainer actor drives it like any backend. (Written for multi-GPU hosts; this
-  project's test machines have at most one GPU, so it has not run yet.)
+  PolicyTrainer actor drives it like any backend. In a run, rank r sits on bundle r of the
+  run's placement group (the PolicyTrainer actor takes no GPU then). TP=2 ran on two H200s.
 """
 
 from __future__ import annotations
