@@ -4,21 +4,20 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from miles.models.fused import _compiled_or_eager
 
 
-def test_recompile_limit_turns_into_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    torch._dynamo.reset()
-
+def test_recompile_limit_turns_into_eager() -> None:
     def double(x: torch.Tensor) -> torch.Tensor:
         return x * 2
 
-    fn = _compiled_or_eager(double, {"fullgraph": True, "backend": "eager", "dynamic": False})
-    for dtype in (torch.float32, torch.float64, torch.float16):  # each dtype is a new variant
-        x = torch.arange(4, dtype=dtype)
-        assert torch.equal(fn(x), x * 2)
     torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        fn = _compiled_or_eager(double, {"fullgraph": True, "backend": "eager", "dynamic": False})
+        for dtype in (torch.float32, torch.float64, torch.float16):  # each dtype is a new variant
+            x = torch.arange(4, dtype=dtype)
+            assert torch.equal(fn(x), x * 2)
+    torch._dynamo.reset()
+    assert torch._dynamo.config.recompile_limit > 1
