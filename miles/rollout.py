@@ -41,6 +41,9 @@ class GenerateContext:
     # Bumped by the worker each time it aborts its in-flight generations: a multi-turn
     # function checks it between turns and parks (PARTIAL) instead of starting a new one.
     aborts: int = 0
+    # Rollout routing replay (--use-rollout-routing-replay with an MoE model): every fresh
+    # trajectory records the experts each sampled token was routed through.
+    record_routing: bool = False
 
     def sample_seed(self, traj: Trajectory) -> int:
         """A per-trajectory seed: resume after abort re-draws the same random numbers."""
@@ -54,6 +57,8 @@ class GenerateContext:
         counted from the original prompt, as the engine contract says, so it is the
         response length so far plus what this call may add."""
         done = len(traj.response_tokens)
+        if self.record_routing and traj.routed_experts is None and not done:
+            traj.routed_experts = []  # starts with the response: row j is token j's routing
         remaining = self.max_response_len - done
         if max_new_tokens is not None:
             remaining = min(remaining, max_new_tokens)

@@ -116,6 +116,10 @@ def _env_problems(cfg: Any):
     env, rollout = cfg.env, cfg.rollout
     if not env.env_path:
         return
+    if cfg.trainer.use_rollout_routing_replay:
+        # Replay needs a routing for every response position; tokens an environment writes
+        # were never routed by the engine (they are prefilled as context of the next turn).
+        yield "--use-rollout-routing-replay does not support --env-path yet: environment tokens have no recorded routing"
     if rollout.custom_generate_function_path:
         yield "--env-path and --custom-generate-function-path both choose the generate function: set one"
     if env.env_reward == "none" and not rollout.custom_rm_path:

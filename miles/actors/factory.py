@@ -158,6 +158,15 @@ def build_reward_runner(cfg: MilesConfig) -> tuple[Any, dict[str, Any]]:
     return cfg.rollout.custom_rm_path, {"timeout_s": cfg.rollout.reward_timeout_s, "args": cfg}
 
 
+def records_routing(cfg: MilesConfig) -> bool:
+    """Whether rollouts record routed experts: routing replay is on and the model is MoE."""
+    if not cfg.trainer.use_rollout_routing_replay:
+        return False
+    from miles.models import load_config
+
+    return load_config(cfg.rollout.hf_checkpoint).is_moe
+
+
 def build_rollout_worker(cfg: MilesConfig, worker_id: str, *, buffer: Any, rewards: list[Any]) -> dict[str, Any]:
     """Keyword arguments for ``RolloutWorker`` (everything but the id)."""
     ordinal = int(worker_id.split("-")[0].removeprefix("worker") or 0)  # "worker3-1a2b3c" → 3
@@ -170,6 +179,7 @@ def build_rollout_worker(cfg: MilesConfig, worker_id: str, *, buffer: Any, rewar
         max_response_len=cfg.rollout.rollout_max_response_len,
         seed=cfg.run.seed,
         config=cfg,
+        record_routing=records_routing(cfg),
     )
     local_reward = None
     if not rewards and cfg.rollout.custom_rm_path:

@@ -105,3 +105,21 @@ def test_eval_and_hf_export(ray_cluster, tiny_ckpt, task, tmp_path) -> None:
     before = load_file(str(tiny_ckpt / "model.safetensors"))
     after = {k: v for k, v in model.state_dict().items() if k in before}
     assert any(not after[k].equal(before[k]) for k in before), "exported weights never moved"
+
+
+def test_moe_run_with_rollout_routing_replay(ray_cluster, task, tmp_path) -> None:
+    """--use-rollout-routing-replay on an MoE checkpoint: rollouts record each token's
+    experts (through partial rollouts across updates) and the trainer replays them; the
+    trainer refuses trajectories without routing, so a completed run proves the recording."""
+    import torch
+
+    from miles.models import CausalLM, build_tiny_tokenizer, save_pretrained, tiny_config
+
+    torch.manual_seed(0)
+    ckpt = tmp_path / "moe"
+    model = CausalLM(tiny_config(moe=True))
+    model.reset_parameters()
+    save_pretrained(model, ckpt, tokenizer=build_tiny_tokenizer())
+    cfg, summary = _run(ckpt, task, tmp_path / "out", mode="async", max_staleness=1, partial_rollout=True,
+                        use_rollout_routing_replay=True, num_rollout=3)
+    assert summary["status"] == "completed" and summary["ledger_ok"]

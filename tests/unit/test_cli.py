@@ -101,6 +101,8 @@ def test_incompatible_flags(files, capsys) -> None:
                  capsys, "--partial-rollout")
     assert "invalid configuration" in err
     _fails(_argv(files, "--n-samples-per-prompt", "1"), capsys, "--n-samples-per-prompt >= 2")
+    _fails(_argv(files, "--env-path", "examples/agentic/calculator.py:CalculatorEnv", "--use-rollout-routing-replay"),
+           capsys, "environment tokens have no recorded routing")
 
 
 def test_yaml_then_flags_precedence(files, tmp_path) -> None:

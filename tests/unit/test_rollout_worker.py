@@ -131,3 +131,21 @@ def test_a_refused_put_drops_only_that_trajectory() -> None:
     led = buf.ledger()
     assert (led.waiting, led.queued) == (1, 1)
     led.check()
+
+
+def test_routing_is_recorded_from_the_first_token_only() -> None:
+    """``record_routing`` starts a fresh trajectory's routing list; a trajectory that already
+    has response tokens without routing is left alone (its rows would not line up)."""
+    from miles.rollout import GenerateContext
+    from miles.types import SamplingParams, Trajectory
+
+    ctx = GenerateContext(engine=None, tokenizer=None, sampling=SamplingParams(), max_response_len=8,
+                          record_routing=True)
+    fresh = Trajectory(id="a", prompt_id="p", group_id="g", index_in_group=0, prompt_tokens=[1, 2])
+    assert ctx.request_for(fresh).return_routed_experts and fresh.routed_experts == []
+    started = Trajectory(id="b", prompt_id="p", group_id="g", index_in_group=1, prompt_tokens=[1, 2])
+    started.append([5], [-0.1], [0])
+    assert not ctx.request_for(started).return_routed_experts and started.routed_experts is None
+    off = GenerateContext(engine=None, tokenizer=None, sampling=SamplingParams(), max_response_len=8)
+    plain = Trajectory(id="c", prompt_id="p", group_id="g", index_in_group=2, prompt_tokens=[1, 2])
+    assert not off.request_for(plain).return_routed_experts
