@@ -56,6 +56,10 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
     elif rollout.n_samples_per_prompt < 2 and algo.advantage_estimator in _ESTIMATORS_NEEDING_GROUPS:
         yield (f"--advantage-estimator {algo.advantage_estimator} compares samples of one prompt: "
                "it needs --n-samples-per-prompt >= 2")
+    if algo.advantage_estimator == "ppo":
+        # The GAE estimator is in miles.algorithms; no trainer has a critic (value model) yet.
+        yield ("--advantage-estimator ppo needs critic values, and the trainers have no critic yet: "
+               "use grpo, dr_grpo, rloo, reinforce_plus_plus or gspo")
     if rollout.rollout_max_response_len < 1:
         yield "--rollout-max-response-len must be >= 1"
     if rollout.rollout_temperature < 0:

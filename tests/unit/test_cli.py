@@ -103,6 +103,7 @@ def test_incompatible_flags(files, capsys) -> None:
     _fails(_argv(files, "--n-samples-per-prompt", "1"), capsys, "--n-samples-per-prompt >= 2")
     _fails(_argv(files, "--env-path", "examples/agentic/calculator.py:CalculatorEnv", "--use-rollout-routing-replay"),
            capsys, "environment tokens have no recorded routing")
+    _fails(_argv(files, "--advantage-estimator", "ppo"), capsys, "no critic yet")
 
 
 def test_yaml_then_flags_precedence(files, tmp_path) -> None:
