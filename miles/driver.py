@@ -174,12 +174,25 @@ class Driver:
                 except Exception as exc:
                     await self._replace_worker(worker_id, exc)
             await self.actors.buffer.expire_leases.remote()  # hung workers' work goes back
+            await self._check_failures()
             try:
                 pong = await asyncio.wait_for(self.actors.trainer.ping.remote(), timeout * 6)
                 self.trainer_rss_mb = pong.get("mem/trainer_rss_mb", 0.0)
                 self.trainer_weights = {k: v for k, v in pong.items() if k.startswith("weights/")}
             except Exception as exc:
                 self._fail(f"PolicyTrainer died or stopped answering ({type(exc).__name__}){self._checkpoint_note()}")
+
+    async def _check_failures(self) -> None:
+        """Stop a run in which nothing can succeed: every group of the last
+        ``--max-failed-groups-in-a-row`` had a FAILED member (the reason is the user's to fix)."""
+        limit = self.cfg.run.max_failed_groups_in_a_row
+        if limit <= 0:
+            return
+        streak, reason = await self.actors.buffer.failures.remote()
+        if streak >= limit:
+            self._fail(f"the last {streak} groups were all dropped because a sample FAILED (last reason: "
+                       f"{reason}); check --custom-rm-path, the generate function or the environment"
+                       f"{self._checkpoint_note()}")
 
     async def _replace_worker(self, worker_id: str, cause: Exception) -> None:
         a, cfg = self.actors, self.cfg

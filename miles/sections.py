@@ -48,6 +48,10 @@ class RunConfig(msgspec.Struct, kw_only=True):
     update_weight_buffer_size: int = 512 * 1024 * 1024  # bytes per weight bucket
     health_check_interval_s: float = 1.0
     max_worker_restarts: int = 3
+    # Stop the run when this many groups in a row were dropped because a member FAILED
+    # (a reward function or environment that always fails would otherwise spin forever);
+    # 0 never stops.
+    max_failed_groups_in_a_row: int = 200
 
 
 class DataConfig(msgspec.Struct, kw_only=True):

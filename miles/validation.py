@@ -68,6 +68,8 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
         yield "--rollout-top-p must be in (0, 1]"
     if rollout.max_inflight_per_worker < 1:
         yield "--max-inflight-per-worker must be >= 1"
+    if run.max_failed_groups_in_a_row < 0:
+        yield "--max-failed-groups-in-a-row must be >= 0 (0: never stop)"
     if run.num_reward_workers < 0:
         yield "--num-reward-workers must be >= 0"
     gpus = run.actor_num_gpus_per_node + run.rollout_num_gpus

@@ -97,7 +97,7 @@ def _timed(name: str, changes: bool) -> Any:
 for _name in ("add_prompts", "lease", "put", "put_many", "release_worker", "release_all_workers",
               "expire_leases", "set_version", "get_batch", "load_state_dict"):
     setattr(_BufferActor, _name, _timed(_name, changes=True))
-for _name in ("renew", "ledger", "prompt_room"):
+for _name in ("renew", "ledger", "prompt_room", "failures"):
     setattr(_BufferActor, _name, _timed(_name, changes=False))
 
 

@@ -118,6 +118,10 @@ class BufferCore:
              "released", "groups_admitted", "groups_open", "groups_trained"), 0)
         self._dropped: dict[str, int] = {}
         self._gdropped: dict[str, int] = {}
+        # Groups dropped as ``failed`` since the last group became ready, and the last
+        # failure's reason: a reward function or environment that always fails shows here.
+        self.failed_streak = 0
+        self.last_failure = ""
         eta = self.config.max_staleness
         self._last_batch = batch_stats(dict.fromkeys(range(eta + 1), 0), 0, 0, 0, 0)
 
@@ -236,7 +240,9 @@ class BufferCore:
 
     def _verdict(self, members: list[Trajectory]) -> str | None:
         """Why a complete group is dropped, or None to make it ready."""
-        if any(t.status is Status.FAILED for t in members):
+        failed = [t for t in members if t.status is Status.FAILED]
+        if failed:
+            self.last_failure = failed[0].finish_reason or "FAILED (no reason given)"
             return "failed"
         for name, keep in self.group_filters:
             if not keep(members):
@@ -270,8 +276,10 @@ class BufferCore:
         elif group.n_finished == group.size and not group.dropped:
             if verdict is None:
                 self._make_ready(group)
+                self.failed_streak = 0
             else:
                 self._drop_group(group, verdict)
+                self.failed_streak += verdict == "failed"
 
     def _place_partial(self, rec: Record) -> None:
         """Into the unfinished queue, unless under drop/recompute it can never be trained."""

@@ -78,6 +78,10 @@ class ReplayBuffer(BufferCore):
         n = n_samples_per_prompt or self.config.n_samples_per_prompt
         return max(0, self.config.capacity - len(self._recs)) // n
 
+    def failures(self) -> tuple[int, str]:
+        """(groups dropped as failed since a group last became ready, the last reason)."""
+        return self.failed_streak, self.last_failure
+
     def leased(self, worker_id: str) -> list[str]:
         """Ids of the trajectories leased to ``worker_id``."""
         w = self._workers.get(worker_id)
@@ -101,6 +105,7 @@ class ReplayBuffer(BufferCore):
             "buffer/expired_leases": float(ev["expired"]),
             "buffer/released_leases": float(ev["released"]),
             "buffer/leased_workers": float(len(self._workers)),
+            "buffer/failed_group_streak": float(self.failed_streak),
         })
         out.update({f"buffer/dropped/{k}": float(v) for k, v in self._dropped.items()})
         out.update({f"buffer/dropped_groups/{k}": float(v) for k, v in self._gdropped.items()})

@@ -154,3 +154,16 @@ def test_driver_killed_and_resumed(ray_cluster, tiny_ckpt, task, tmp_path) -> No
     assert summary["ledger"]["trained"] == 6 * 16
     steps = [r["step"] for r in read_jsonl(out / "trajectories.jsonl")]
     assert max(steps) == 6  # the resumed run trained the last steps
+
+
+def test_a_reward_that_always_fails_stops_the_run_with_its_reason(ray_cluster, tiny_ckpt, task, tmp_path) -> None:
+    """No group can ever be trained: the run stops with the reward's own problem instead of
+    waiting for data forever, and its summary says why."""
+    rm = tmp_path / "none_rm.py"
+    rm.write_text("def reward(sample):\n    return None\n")
+    cfg = resolve(run_flags(tiny_ckpt, task, tmp_path / "out", custom_rm_path=f"{rm}:reward",
+                            max_failed_groups_in_a_row=6, health_check_interval_s=0.2))
+    with pytest.raises(RunFailed, match=r"last \d+ groups .*reward_invalid"):
+        asyncio.run(train(cfg))
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "--custom-rm-path" in summary["failure"]

@@ -36,6 +36,24 @@ def test_group_with_failed_member_is_dropped_whole(statuses) -> None:
     assert buf.stats()["buffer/dropped/failed"] == 2
 
 
+def test_failed_streak_counts_failed_groups_until_one_is_ready() -> None:
+    """The driver stops a run on a long streak (a reward or environment that always fails);
+    one ready group resets it, and other drop reasons do not count."""
+    buf = make_buffer(n_samples_per_prompt=2, group_filters=[drop_uniform_rewards])
+    buf.add_prompts(prompts(5))
+    assert buf.failures() == (0, "")
+    for _ in range(2):
+        leased = buf.lease("w", 2)
+        bad = generate(leased[1], 0, status=Status.FAILED)
+        bad.finish_reason = "reward_invalid: expected a float"
+        buf.put_many([generate(leased[0], 0), bad], "w")
+    assert buf.failures() == (2, "reward_invalid: expected a float")
+    _finish_group(buf, [1.0, 1.0])  # dropped by the filter: not a failure
+    assert buf.failures()[0] == 2 and buf.stats()["buffer/failed_group_streak"] == 2
+    _finish_group(buf, [1.0, 0.0])  # ready
+    assert buf.failures()[0] == 0
+
+
 def test_uniform_reward_filter() -> None:
     buf = make_buffer(n_samples_per_prompt=3, group_filters=[drop_uniform_rewards])
     buf.add_prompts(prompts(2))
