@@ -39,6 +39,7 @@ from miles.trainers.fsdp import maybe_fully_shard
 from miles.trainers.logprobs import full_routing, response_logprobs
 from miles.trainers.metrics import MetricAccumulator
 from miles.types import Trajectory
+from miles.weights import plan_buckets
 
 
 class NonFiniteError(FloatingPointError):
@@ -184,17 +185,7 @@ class EmbeddedTrainer:
         as ``model.embed_tokens.weight``, as HF checkpoints store it."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-        bucket: list[tuple[str, Tensor]] = []
-        size = 0
-        for name, tensor in ckpt.named_weights(self.model, dtype=dtype):
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
-        if bucket:
-            yield bucket
+        yield from plan_buckets(ckpt.named_weights(self.model, dtype=dtype), bucket_bytes)
 
     def state_dict(self) -> dict[str, Any]:
         return ckpt.trainer_state(self)

@@ -58,6 +58,7 @@ from miles.trainers.megatron.sequence import MicroBatch, make_micro_batch, repla
 from miles.trainers.megatron.weights import HFReader, export_hf, load_hf, mapping_getter
 from miles.trainers.metrics import MetricAccumulator
 from miles.types import Trajectory
+from miles.weights import plan_buckets
 
 Weights = str | Path | Mapping[str, Tensor] | None
 LOSS_SUMS = ("train/loss", "train/pg_loss")
@@ -227,18 +228,8 @@ class MegatronTrainer:
         bucket of its own); collective: every rank must iterate it to the end."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-        bucket: list[tuple[str, Tensor]] = []
-        size = 0
-        for name, tensor in export_hf(self.gpt, self.model_cfg, self.layout, self.naming, dtype=dtype,
-                                      grp=self.grp):
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
-        if bucket:
-            yield bucket
+        yield from plan_buckets(export_hf(self.gpt, self.model_cfg, self.layout, self.naming, dtype=dtype,
+                                          grp=self.grp), bucket_bytes)
 
     def state_dict(self) -> dict[str, Any]:
         return ckpt.trainer_state(self)
