@@ -87,6 +87,11 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
     spec = getattr(cfg, "speculative", None)
     if spec is not None and spec.draft_model_path and not (Path(spec.draft_model_path) / "config.json").is_file():
         yield f"--draft-model-path {spec.draft_model_path}: no config.json there"
+    if (spec is not None and spec.enabled and run.rollout_backend == "sglang" and cfg.sglang.sglang_launch
+            and not spec.draft_model_path
+            and not any(k.lstrip("-").replace("_", "-") in ("speculative-draft-model-path", "speculative-draft-model")
+                        for k in cfg.sglang.sglang_server_args)):
+        yield "--speculative-algorithm with a launched SGLang server needs --draft-model-path (the draft checkpoint)"
     if spec is not None and spec.enabled and run.rollout_backend != "embedded" and spec.enable_draft_training:
         yield "--enable-draft-training needs the embedded rollout engine (SGLang cannot load draft updates yet)"
     if sched.mode == "sync" and sched.over_sampling_batch_size and not rollout.partial_rollout:

@@ -104,6 +104,8 @@ def test_incompatible_flags(files, capsys) -> None:
     _fails(_argv(files, "--env-path", "examples/agentic/calculator.py:CalculatorEnv", "--use-rollout-routing-replay"),
            capsys, "environment tokens have no recorded routing")
     _fails(_argv(files, "--advantage-estimator", "ppo"), capsys, "no critic yet")
+    _fails(_argv(files, "--rollout-backend", "sglang", "--sglang-launch", "--speculative-algorithm", "eagle"),
+           capsys, "--draft-model-path")
 
 
 def test_yaml_then_flags_precedence(files, tmp_path) -> None:

@@ -14,12 +14,30 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from miles.engines.sglang.adapter import SGLangEngine
 from miles.engines.sglang.client import SGLangError
 from miles.engines.sglang.config import SGLangConfig
 from miles.engines.sglang.launch import build_launch_command
 
-__all__ = ["SGLangConfig", "SGLangEngine", "SGLangError", "build_launch_command", "build_sglang_engine"]
+__all__ = ["SGLangConfig", "SGLangEngine", "SGLangError", "build_launch_command", "build_sglang_engine",
+           "run_server_args"]
+
+
+def run_server_args(cfg: Any) -> dict[str, Any]:
+    """SGLang server flags a run's own settings imply, for servers miles launches:
+    ``--enable-return-routed-experts`` under routing replay, the speculative section's
+    ``--speculative-*``. ``--sglang-*`` passthrough flags override them."""
+    from miles.engines.spec import sglang_args
+
+    args: dict[str, Any] = {}
+    if cfg.trainer.use_rollout_routing_replay:
+        args["enable-return-routed-experts"] = True
+    spec = getattr(cfg, "speculative", None)
+    if spec is not None:
+        args.update(sglang_args(spec))
+    return args
 
 
 def build_sglang_engine(cfg: Any, *, index: int = 0) -> SGLangEngine:
@@ -27,6 +45,9 @@ def build_sglang_engine(cfg: Any, *, index: int = 0) -> SGLangEngine:
     ``sglang`` section): its URL from ``--sglang-urls``, or a server it launches."""
     config: SGLangConfig = cfg.sglang
     config.validate()
+    implied = run_server_args(cfg)
+    if implied and config.sglang_launch:
+        config = msgspec.structs.replace(config, sglang_server_args={**implied, **config.sglang_server_args})
     url = None
     if config.sglang_urls:
         if index >= len(config.sglang_urls):

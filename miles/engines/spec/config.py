@@ -96,7 +96,7 @@ def sglang_args(cfg: SpeculativeConfig) -> dict[str, Any]:
         "speculative-algorithm": _SGLANG_ALGOS[cfg.speculative_algorithm],
         "speculative-num-steps": cfg.speculative_num_steps,
         "speculative-eagle-topk": 1,
-        "speculative-num-draft-tokens": cfg.speculative_num_steps + 1,
+        "speculative-num-draft-tokens": cfg.speculative_num_draft_tokens or cfg.speculative_num_steps + 1,
     }
     if cfg.draft_model_path:
         out["speculative-draft-model-path"] = cfg.draft_model_path

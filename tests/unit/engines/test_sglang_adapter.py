@@ -54,6 +54,31 @@ def test_passthrough_overrides_our_flags_and_the_url_follows() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed")
+def test_run_settings_become_server_flags_and_passthrough_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Routing replay and the speculative section reach a launched server as SGLang's own
+    flags; a ``--sglang-*`` flag of the same name overrides them."""
+    from miles.config import resolve
+    from miles.engines import sglang as sg
+
+    cfg = resolve({"rollout_backend": "sglang", "sglang_launch": True, "use_rollout_routing_replay": True,
+                   "speculative_algorithm": "eagle", "speculative_num_steps": 2, "draft_model_path": "/eagle",
+                   "sglang_server_args": {"speculative_num_steps": 5}}, check=False)
+    assert sg.run_server_args(cfg) == {
+        "enable-return-routed-experts": True, "speculative-algorithm": "EAGLE", "speculative-num-steps": 2,
+        "speculative-eagle-topk": 1, "speculative-num-draft-tokens": 3, "speculative-draft-model-path": "/eagle"}
+    seen = {}
+
+    class Capture:
+        def __init__(self, config, **kw) -> None:
+            seen["argv"] = build_launch_command(config, model_path="/m", port=1, weight_version=0)[0]
+
+    monkeypatch.setattr(sg, "SGLangEngine", Capture)
+    sg.build_sglang_engine(cfg)
+    argv = " ".join(seen["argv"])
+    assert "--enable-return-routed-experts" in argv and "--speculative-algorithm EAGLE" in argv
+    assert "--speculative-num-steps 5" in argv and "--speculative-num-steps 2" not in argv
+
+
 def test_launching_without_sglang_names_the_extra() -> None:
     argv, _ = build_launch_command(SGLangConfig(sglang_launch=True), model_path="/m", port=1, weight_version=0)
     with pytest.raises(ImportError, match=r"miles\[sglang\]"):
