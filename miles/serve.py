@@ -56,12 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_fields(parser, ServeConfig, "server")
     _add_fields(parser, EngineConfig, "engine")
     parser.add_argument("--log-level", default="warning", help="logging level (default: warning)")
+    # SGLang's R3 switch, which miles adds to launched servers under routing replay: routed
+    # experts are always available here (for MoE models), so it is accepted and changes nothing.
+    parser.add_argument("--enable-return-routed-experts", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
 def parse_args(argv: Sequence[str]) -> tuple[ServeConfig, EngineConfig, str]:
     ns = vars(build_parser().parse_args(list(argv)))
     log_level = ns.pop("log_level")
+    ns.pop("enable_return_routed_experts", None)
     serve_names = {f.name for f in msgspec.structs.fields(ServeConfig)}
     serve = {k: v for k, v in ns.items() if k in serve_names}
     engine = {k: v for k, v in ns.items() if k not in serve_names}

@@ -27,7 +27,10 @@ def launched(tmp_path_factory):
     ck = make_checkpoint(tmp_path_factory.mktemp("moe"), seed=2, moe=True)
     config = SGLangConfig(
         sglang_launch=True, sglang_launch_command=[sys.executable, "-m", "miles", "serve"], sglang_port=0,
-        sglang_server_args={"max_seq_len": 256, "max_batch_size": 4}, sglang_startup_timeout_s=180)
+        sglang_server_args={"max_seq_len": 256, "max_batch_size": 4,
+                            # what a run under routing replay adds; `miles serve` accepts it
+                            "enable_return_routed_experts": True},
+        sglang_startup_timeout_s=180)
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(REPO)
     try:
