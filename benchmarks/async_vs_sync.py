@@ -2,6 +2,7 @@
 
     python benchmarks/async_vs_sync.py [--quick] [--steps N]            # CPU: the countdown task
     python benchmarks/async_vs_sync.py --device cuda [--steps N]        # GPU: 0.5B Qwen3 shape, random weights
+    python benchmarks/async_vs_sync.py --device cuda --disaggregated    # trainer GPU 0, engine GPU 1 (NCCL)
 
 Every configuration trains the same number of samples (steps × B groups × n samples) on the
 same task and hardware, one after another in ONE process (one Ray cluster), and the table
@@ -12,7 +13,8 @@ busy time) and the admission loop took.
 CPU: the countdown example (long-tailed answers: median 16 tokens, longest 400), starting
 from its SFT warm-up (made and cached under runs/countdown by the example's own scripts).
 GPU (--device cuda): a Qwen3-0.6B-shaped model with RANDOM weights — fine for throughput,
-meaningless for reward — trainer and engine colocated on one GPU; response lengths are
+meaningless for reward — trainer and engine colocated on one GPU (CUDA IPC weights), or with
+--disaggregated on two GPUs of their own (NCCL weights); response lengths are
 long-tailed by construction (each prompt carries a Zipf-distributed length, up to
 --max-len tokens, that a custom generate function enforces with EOS ignored).
 Throughput is measured from the end of step 1 to the end of the last step, so actor start-up
@@ -133,6 +135,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny smoke version (CPU)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--max-len", type=int, default=2048, help="GPU: longest response")
+    parser.add_argument("--disaggregated", action="store_true", help="GPU: trainer and engine on GPUs of their own")
     parser.add_argument("--only", nargs="*", default=None, help="config names to run (default all)")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     args = parser.parse_args()
@@ -152,9 +155,11 @@ def main() -> None:
                     custom_generate_function_path=f"{__file__}:fixed_length_generate",
                     rollout_batch_size=32, n_samples_per_prompt=8, rollout_max_response_len=args.max_len,
                     max_seq_len=args.max_len + 64, max_batch_size=256, device="cuda", lr=1e-6,
-                    actor_num_gpus_per_node=1, colocate=True, max_tokens_per_micro_batch=32768,
+                    actor_num_gpus_per_node=1, colocate=not args.disaggregated,
+                    rollout_num_gpus=1 if args.disaggregated else 0, max_tokens_per_micro_batch=32768,
                     max_inflight_per_worker=256)
-        what = f"Qwen3-0.6B shape, random weights, bf16, colocated on one GPU; Zipf lengths ≤ {args.max_len}"
+        where = "trainer on GPU 0, engine on GPU 1" if args.disaggregated else "colocated on one GPU"
+        what = f"Qwen3-0.6B shape, random weights, bf16, {where}; Zipf lengths ≤ {args.max_len}"
     else:
         inputs = make_cpu_inputs(args.quick)
         steps = args.steps or (3 if args.quick else 24)
@@ -193,7 +198,7 @@ def main() -> None:
     report = "\n".join([
         f"## async_vs_sync — {datetime.date.today().isoformat()} ({args.device})",
         "",
-        f"Command: `python benchmarks/async_vs_sync.py{' --device cuda' if gpu else ''}{' --quick' if args.quick else ''} --steps {steps}`  ",
+        f"Command: `python benchmarks/async_vs_sync.py{' --device cuda' if gpu else ''}{' --disaggregated' if args.disaggregated else ''}{' --quick' if args.quick else ''} --steps {steps}`  ",
         f"Machine: {machine}  ",
         f"Workload: {what}; {steps} steps × {base['rollout_batch_size']} groups × {base['n_samples_per_prompt']} samples per config, run one after another in one process.",
         "",

@@ -27,6 +27,7 @@ for part in "$@"; do
         megatron) timeout 300 python3 benchmarks/megatron_trainer.py --device cuda ;;
         weights)  timeout ${WEIGHTS_TIMEOUT:-300} python3 benchmarks/weight_sync.py --device cuda ;;
         async)    timeout 540 python3 benchmarks/async_vs_sync.py --device cuda ;;
+        async-x2) timeout 540 python3 benchmarks/async_vs_sync.py --device cuda --disaggregated ;;
         *) echo "unknown part $part" ;;
     esac
     echo "=== $part done $(date +%T) rc=$?"
