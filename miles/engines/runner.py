@@ -19,6 +19,7 @@ eagerly.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +156,22 @@ class ModelRunner:
         return StepOut(lg, out.hidden, out.routing)
 
 
+def capture_graph(step: Callable[[], None], pool: Any) -> Any:
+    """A CUDA graph of ``step`` in the memory ``pool``, after two warm-up runs on a side
+    stream (``step`` must be idempotent: it recomputes the same outputs). Captured with
+    thread_local errors, so CUDA work on other threads (weight staging, the caller) may go on."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        step()
+    return graph
+
+
 class DecodeGraphs:
     """Decode-step CUDA graphs keyed by (batch bucket, context bucket), captured lazily."""
 
@@ -207,15 +224,5 @@ class DecodeGraphs:
     def _capture(self, nb: int, L: int) -> Any:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up (recomputes the same step: idempotent writes)
-                self._step(nb, L)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA work on other threads (weight staging, the caller) may go on.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self._step(nb, L)
-        self.graphs[(nb, L)] = graph
+        graph = self.graphs[(nb, L)] = capture_graph(lambda: self._step(nb, L), self.pool)
         return graph

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from miles.engines.runner import _BATCH_BUCKETS, StepOut
+from miles.engines.runner import _BATCH_BUCKETS, StepOut, capture_graph
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +66,7 @@ class VerifyGraphs:
     def _capture(self, nb: int, L: int, T: int) -> Any:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step(nb, L, T)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self._step(nb, L, T)
-        self.graphs[(nb, L, T)] = graph
+        graph = self.graphs[(nb, L, T)] = capture_graph(lambda: self._step(nb, L, T), self.pool)
         return graph
 
 
@@ -162,14 +153,6 @@ class RoundGraphs:
     def _capture(self, nb: int, L: int, k: int, flags: tuple[bool, bool, bool]) -> Any:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step(nb, L, k, flags)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self._step(nb, L, k, flags)
+        graph = capture_graph(lambda: self._step(nb, L, k, flags), self.pool)
         self.graphs[(nb, L, k, self.decoder.mode, flags)] = graph
         return graph
