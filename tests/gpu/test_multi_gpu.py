@@ -16,37 +16,15 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two
 
 from miles.config import resolve  # noqa: E402
 from miles.driver import train  # noqa: E402
-from tests.integration.conftest import read_jsonl, run_flags, task, tiny_ckpt  # noqa: E402,F401
-
-
-@pytest.fixture(scope="module")
-def ray_gpus():
-    import os
-
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(include_dashboard=False, num_cpus=8, num_gpus=2, log_to_driver=False, _node_ip_address="127.0.0.1")
-    yield ray
-    ray.shutdown()
-
-
-def _check_run(out: Path, summary: dict, steps: int) -> list[dict]:
-    assert summary["status"] == "completed" and summary["steps"] == steps
-    assert summary["ledger_ok"]
-    rows = read_jsonl(out / "trajectories.jsonl")
-    # tokens sampled by a policy version > 0 prove the weights reached the engine's GPU
-    assert max(max(r["token_versions"]) for r in rows if r["token_versions"]) >= 1
-    metrics = read_jsonl(out / "metrics.jsonl")
-    assert all(m.get("weights/fallbacks", 0) == 0 for m in metrics), "NCCL failed over to the object store"
-    return metrics
+from tests.gpu.conftest import check_gpu_run  # noqa: E402
+from tests.integration.conftest import run_flags  # noqa: E402
 
 
 def test_disaggregated_embedded_run_over_nccl(ray_gpus, tiny_ckpt, task, tmp_path: Path) -> None:
     out = tmp_path / "embedded"
     cfg = resolve(run_flags(tiny_ckpt, task, out, device="cuda", actor_num_gpus_per_node=1, rollout_num_gpus=1,
                             weight_transport="nccl", mode="async", max_staleness=1, num_rollout=4))
-    _check_run(out, asyncio.run(train(cfg)), 4)
+    check_gpu_run(out, asyncio.run(train(cfg)), 4, "NCCL")
 
 
 def test_megatron_trainer_run_over_nccl(ray_gpus, tiny_ckpt, task, tmp_path: Path) -> None:
@@ -55,7 +33,7 @@ def test_megatron_trainer_run_over_nccl(ray_gpus, tiny_ckpt, task, tmp_path: Pat
     cfg = resolve(run_flags(tiny_ckpt, task, out, device="cuda", train_backend="megatron",
                             actor_num_gpus_per_node=1, rollout_num_gpus=1, weight_transport="nccl",
                             mode="async", max_staleness=1, num_rollout=4))
-    _check_run(out, asyncio.run(train(cfg)), 4)
+    check_gpu_run(out, asyncio.run(train(cfg)), 4, "NCCL")
 
 
 def test_megatron_tp2_rank_group_equals_embedded(ray_gpus, tmp_path: Path) -> None:
