@@ -81,6 +81,15 @@ def trajectories_of(groups: Sequence[Sequence[Trajectory]]) -> tuple[list[Trajec
     return trajs, index
 
 
+def rewards_of(trajs: Sequence[Trajectory], reward_key: str | None) -> Tensor:
+    """One float32 reward per trajectory (``reward_key`` picks from a dict reward); a
+    non-finite one raises before anything is trained."""
+    rewards = torch.tensor([t.scalar_reward(reward_key) for t in trajs], dtype=torch.float32)
+    if not torch.isfinite(rewards).all():
+        raise ValueError("a trajectory has a non-finite reward")
+    return rewards
+
+
 def build_batch(
     trajs: Sequence[Trajectory],
     *,

@@ -31,13 +31,12 @@ from torch import Tensor, nn
 
 from miles.algorithms import AlgorithmConfig, LossDenominators, PolicyBatch, compute_advantages, compute_loss
 from miles.algorithms.losses import kl_estimate
-from miles.algorithms.masked import masked_mean
 from miles.trainers import state as ckpt
-from miles.trainers.batching import TokenBatch, build_batch, plan_micro_batches, trajectories_of
+from miles.trainers.batching import TokenBatch, build_batch, plan_micro_batches, rewards_of, trajectories_of
 from miles.trainers.config import TrainerConfig, lr_at
 from miles.trainers.fsdp import maybe_fully_shard
 from miles.trainers.logprobs import full_routing, response_logprobs
-from miles.trainers.metrics import MetricAccumulator
+from miles.trainers.metrics import MetricAccumulator, batch_metrics
 from miles.types import Trajectory
 from miles.weights import plan_buckets
 
@@ -128,9 +127,7 @@ class EmbeddedTrainer:
     def train_step(self, groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
         start = time.perf_counter()
         trajs, group_index = trajectories_of(groups)
-        rewards = torch.tensor([t.scalar_reward(self.config.reward_key) for t in trajs], dtype=torch.float32)
-        if not torch.isfinite(rewards).all():
-            raise ValueError("a trajectory has a non-finite reward")
+        rewards = rewards_of(trajs, self.config.reward_key)
         batch = self._build(trajs)  # validates everything before any state changes
         trained_version = self._version
         rewards = rewards.to(self.device)
@@ -150,24 +147,13 @@ class EmbeddedTrainer:
         self._version += 1
 
         metrics = acc.result()
-        mask = batch.loss_mask > 0
-        stale = (trained_version - batch.versions).float()
-        tokens = float(mask.sum())
-        elapsed = time.perf_counter() - start
+        metrics.update(batch_metrics(batch, rewards, trained_version, time.perf_counter() - start))
         metrics.update({
-            "train/reward_mean": float(rewards.mean()),
-            "train/tokens": tokens,
-            "train/sequences": float(batch.size),
-            "train/response_len_mean": float(sum(batch.resp_lens)) / batch.size,
-            "train/staleness_mean": float(masked_mean(stale, mask)),
-            "train/staleness_max": float(stale[mask].max()) if tokens else 0.0,
             "train/skipped_steps": float(skipped),
             "train/skipped_steps_total": float(self.skipped_steps_total),
             "train/optimizer_steps": float(self.optimizer_steps),
             "train/lr": float(self.optimizer.param_groups[0]["lr"]),
             "train/version": float(self._version),
-            "train/step_time_s": elapsed,
-            "train/tokens_per_s": float(sum(batch.seq_lens)) / max(elapsed, 1e-9),
         })
         return metrics
 

@@ -9,9 +9,15 @@ tokens). Values stay on the device until ``result`` so the loop does not sync pe
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from miles.algorithms.masked import masked_mean
+
+if TYPE_CHECKING:
+    from miles.trainers.batching import TokenBatch
 
 
 class MetricAccumulator:
@@ -51,3 +57,21 @@ class MetricAccumulator:
         for key, values in self._groups.items():
             out[key] = sum(float(v) for v in values) / len(values)
         return out
+
+
+def batch_metrics(batch: TokenBatch, rewards: Tensor, trained_version: int, elapsed: float) -> dict[str, float]:
+    """What a train step's batch was, the same for every trainer backend: reward, sizes,
+    the staleness of its loss tokens against the version trained, time and tokens/s."""
+    mask = batch.loss_mask > 0
+    stale = (trained_version - batch.versions).float()
+    tokens = float(mask.sum())
+    return {
+        "train/reward_mean": float(rewards.mean()),
+        "train/tokens": tokens,
+        "train/sequences": float(batch.size),
+        "train/response_len_mean": float(sum(batch.resp_lens)) / batch.size,
+        "train/staleness_mean": float(masked_mean(stale, mask)),
+        "train/staleness_max": float(stale[mask].max()) if tokens else 0.0,
+        "train/step_time_s": elapsed,
+        "train/tokens_per_s": float(sum(batch.seq_lens)) / max(elapsed, 1e-9),
+    }

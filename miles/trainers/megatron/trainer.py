@@ -36,9 +36,8 @@ from torch import Tensor
 
 from miles.algorithms import AlgorithmConfig, LossDenominators, PolicyBatch, compute_advantages, compute_loss
 from miles.algorithms.losses import kl_estimate
-from miles.algorithms.masked import masked_mean
 from miles.models import ModelConfig, load_config
-from miles.trainers.batching import TokenBatch, build_batch, plan_micro_batches, trajectories_of
+from miles.trainers.batching import TokenBatch, build_batch, plan_micro_batches, rewards_of, trajectories_of
 from miles.trainers.config import TrainerConfig, lr_at
 from miles.trainers.embedded import NonFiniteError
 from miles.trainers.megatron import state as ckpt
@@ -56,7 +55,7 @@ from miles.trainers.megatron.model import (
 from miles.trainers.megatron.replay import RoutingReplay
 from miles.trainers.megatron.sequence import MicroBatch, make_micro_batch, replay_targets, response_logprobs
 from miles.trainers.megatron.weights import HFReader, export_hf, load_hf, mapping_getter
-from miles.trainers.metrics import MetricAccumulator
+from miles.trainers.metrics import MetricAccumulator, batch_metrics
 from miles.types import Trajectory
 from miles.weights import plan_buckets
 
@@ -171,9 +170,7 @@ class MegatronTrainer:
     def train_step(self, groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
         start = time.perf_counter()
         trajs, group_index = trajectories_of(groups)
-        rewards = torch.tensor([t.scalar_reward(self.config.reward_key) for t in trajs], dtype=torch.float32)
-        if not torch.isfinite(rewards).all():
-            raise ValueError("a trajectory has a non-finite reward")
+        rewards = rewards_of(trajs, self.config.reward_key)
         batch = self._batch(trajs)  # validates everything before any state changes
         trained_version = self._version
         rewards = rewards.to(self.device)
@@ -193,24 +190,13 @@ class MegatronTrainer:
                 local_tokens += ctx.tokens
         self._version += 1
         metrics = self._gather_metrics(acc, local_tokens)
-        mask = batch.loss_mask > 0
-        stale = (trained_version - batch.versions).float()
-        tokens = float(mask.sum())
-        elapsed = time.perf_counter() - start
+        metrics.update(batch_metrics(batch, rewards, trained_version, time.perf_counter() - start))
         metrics.update({
-            "train/reward_mean": float(rewards.mean()),
-            "train/tokens": tokens,
-            "train/sequences": float(batch.size),
-            "train/response_len_mean": float(sum(batch.resp_lens)) / batch.size,
-            "train/staleness_mean": float(masked_mean(stale, mask)),
-            "train/staleness_max": float(stale[mask].max()) if tokens else 0.0,
             "train/skipped_steps": float(skipped),
             "train/skipped_steps_total": float(self.skipped_steps_total),
             "train/optimizer_steps": float(self.optimizer_steps),
             "train/lr": lr_at(max(self.optimizer_steps - 1, 0), self.config),
             "train/version": float(self._version),
-            "train/step_time_s": elapsed,
-            "train/tokens_per_s": float(sum(batch.seq_lens)) / max(elapsed, 1e-9),
         })
         return metrics
 
