@@ -174,10 +174,7 @@ def append(args: argparse.Namespace, info: str, table: str, verdict: str) -> Non
             f"Command: `{cmd.strip()}`  \nMachine: {B.machine('cuda')}\n\n{info}\n\n```\n{table}\n```\n\n"
             f"{verdict}. Variants run one after the other in one process (same weights, same batch); "
             f"FLOPs as in benchmarks/trainer.py.\n")
-    if not path.exists():
-        path.write_text("# Benchmark results\n")
-    with path.open("a", encoding="utf-8") as fh:
-        fh.write(text)
+    B.append_section(path, text)
 
 
 if __name__ == "__main__":

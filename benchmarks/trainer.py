@@ -278,6 +278,11 @@ def append(args: argparse.Namespace, info: str, table: str, goal: str) -> None:
         f"{info}\n\n```\n{table}\n```\n\n{goal}. FLOPs = 6·N_layers·tokens + 6·V·H·response tokens "
         f"+ causal attention 6·L·heads·head_dim·S²/2 per sequence (see the script's docstring).\n"
     )
+    append_section(path, text)
+
+
+def append_section(path: Path, text: str) -> None:
+    """Append a section to RESULTS.md (created with its title if missing)."""
     if not path.exists():
         path.write_text("# Benchmark results\n")
     with path.open("a", encoding="utf-8") as fh:
