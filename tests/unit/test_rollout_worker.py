@@ -39,6 +39,18 @@ def _prompts(n: int) -> list[PromptSample]:
     return [PromptSample(prompt_id=f"p{i}", prompt=f"q{i}", prompt_tokens=tok.encode(f"q{i}")) for i in range(n)]
 
 
+async def _first_batch_then_stop(worker: RolloutWorker, buf: ReplayBuffer, run: asyncio.Task) -> list[Trajectory]:
+    """Wait for the first 2-group batch at version 1, stop the worker, return its trajectories."""
+    got: list[list[Trajectory]] = []
+    while not got:
+        got = buf.get_batch(2, 1)
+        await asyncio.sleep(0.02)
+    await worker.stop()
+    await run
+    await worker.engine.close()
+    return [t for g in got for t in g]
+
+
 def test_request_budget_counts_from_the_prompt() -> None:
     ctx = GenerateContext(engine=None, tokenizer=None, sampling=SamplingParams(), max_response_len=10)  # type: ignore[arg-type]
     t = Trajectory(id="t", prompt_id="p", group_id="g", prompt_tokens=[1, 2])
@@ -62,14 +74,7 @@ def test_abort_parks_partial_and_resume_reaches_full_length() -> None:
         assert buf.ledger().in_flight == 0
         buf.set_version(1)
         await worker.receive_weights(1, pack_all(source.state_dict().items(), version=1, bucket_bytes=1 << 20))
-        got: list[list[Trajectory]] = []
-        while not got:
-            got = buf.get_batch(2, 1)
-            await asyncio.sleep(0.02)
-        await worker.stop()
-        await run
-        await worker.engine.close()
-        return [t for g in got for t in g]
+        return await _first_batch_then_stop(worker, buf, run)
 
     trajs = asyncio.run(scenario())
     assert all(len(t.response_tokens) == 40 and t.status is Status.TRUNCATED for t in trajs)
@@ -90,14 +95,7 @@ def test_weight_update_in_place_or_drained(partial: bool) -> None:
         buf.set_version(1)
         buckets = pack_all(source.state_dict().items(), version=1, bucket_bytes=1 << 16)
         assert await worker.receive_weights(1, buckets) == 1
-        got: list[list[Trajectory]] = []
-        while not got:
-            got = buf.get_batch(2, 1)
-            await asyncio.sleep(0.02)
-        await worker.stop()
-        await run
-        await worker.engine.close()
-        return [t for g in got for t in g]
+        return await _first_batch_then_stop(worker, buf, run)
 
     trajs = asyncio.run(scenario())
     spans = {tuple(sorted(set(t.versions))) for t in trajs}
