@@ -240,9 +240,7 @@ class BufferCore:
 
     def _verdict(self, members: list[Trajectory]) -> str | None:
         """Why a complete group is dropped, or None to make it ready."""
-        failed = [t for t in members if t.status is Status.FAILED]
-        if failed:
-            self.last_failure = failed[0].finish_reason or "FAILED (no reason given)"
+        if any(t.status is Status.FAILED for t in members):
             return "failed"
         for name, keep in self.group_filters:
             if not keep(members):
@@ -279,7 +277,10 @@ class BufferCore:
                 self.failed_streak = 0
             else:
                 self._drop_group(group, verdict)
-                self.failed_streak += verdict == "failed"
+                if verdict == "failed":
+                    self.failed_streak += 1
+                    failed = next(r.traj for r in group.members if r.traj.status is Status.FAILED)
+                    self.last_failure = failed.finish_reason or "FAILED (no reason given)"
 
     def _place_partial(self, rec: Record) -> None:
         """Into the unfinished queue, unless under drop/recompute it can never be trained."""
