@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,11 @@ CONFIGS = [
     *[(f"async η={eta}", dict(mode="async", max_staleness=eta)) for eta in (1, 2, 4, 8)],
     *[(f"async η={eta} +partial", dict(mode="async", max_staleness=eta, partial_rollout=True)) for eta in (1, 2, 4, 8)],
 ]
+
+
+def slug(name: str) -> str:
+    """A shell-friendly config name: 'async η=2 +partial' -> 'async_eta2_partial'."""
+    return name.replace("η=", "eta").replace(" +", "_").replace(" ", "_")
 
 
 # ---- GPU workload: long-tailed lengths from a random model -------------------------------
@@ -136,7 +142,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--max-len", type=int, default=2048, help="GPU: longest response")
     parser.add_argument("--disaggregated", action="store_true", help="GPU: trainer and engine on GPUs of their own")
-    parser.add_argument("--only", nargs="*", default=None, help="config names to run (default all)")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="configs to run, by name or slug (sync, one-step-off, async_eta2, async_eta2_partial; default all)")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     args = parser.parse_args()
 
@@ -168,7 +175,9 @@ def main() -> None:
                     rollout_batch_size=2 if args.quick else 8, n_samples_per_prompt=2 if args.quick else 8,
                     rollout_max_response_len=24 if args.quick else 420, lr=2e-4, use_tis=True)
         what = "countdown task from its SFT warm-up (tiny model, CPU)"
-    configs = [c for c in CONFIGS if args.only is None or c[0] in args.only]
+    configs = [c for c in CONFIGS if args.only is None or c[0] in args.only or slug(c[0]) in args.only]
+    if args.only and len(configs) != len(args.only):
+        parser.error(f"--only {args.only}: known configs are {[slug(c[0]) for c in CONFIGS]}")
     results: dict[str, dict[str, float]] = {}
     for name, extra in configs:
         out = work / name.replace(" ", "_").replace("=", "").replace("+", "")
@@ -198,7 +207,7 @@ def main() -> None:
     report = "\n".join([
         f"## async_vs_sync — {datetime.date.today().isoformat()} ({args.device})",
         "",
-        f"Command: `python benchmarks/async_vs_sync.py{' --device cuda' if gpu else ''}{' --disaggregated' if args.disaggregated else ''}{' --quick' if args.quick else ''} --steps {steps}`  ",
+        f"Command: `python benchmarks/async_vs_sync.py {shlex.join(sys.argv[1:])}` ({steps} steps)  ",
         f"Machine: {machine}  ",
         f"Workload: {what}; {steps} steps × {base['rollout_batch_size']} groups × {base['n_samples_per_prompt']} samples per config, run one after another in one process.",
         "",

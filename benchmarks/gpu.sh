@@ -2,7 +2,8 @@
 # The GPU runs behind benchmarks/RESULTS.md's H200 sections, one part per argument:
 #   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command)
 # On a machine without ray/msgspec/megatron-core, a .whl folder built by the project's
-# gpu-wheels tool is installed first. Extra outputs go to $OUT (default: runs/gpu).
+# gpu-wheels tool is installed first. Env: TESTS (test paths), TESTS_TIMEOUT, WEIGHTS_ARGS, WEIGHTS_TIMEOUT,
+# ASYNC_ARGS / ASYNC_TIMEOUT (e.g. ASYNC_ARGS="--steps 8 --only sync async_eta2"), SPEC_STEPS. Extra outputs go to $OUT (default: runs/gpu).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-runs/gpu}
@@ -17,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for part in "$@"; do
     echo "=== $part $(date +%T)"
     case "$part" in
-        tests)    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short tests/gpu -p no:cacheprovider > "$OUT/tests.txt" 2>&1; tail -40 "$OUT/tests.txt" ;;
+        tests)    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short ${TESTS:-tests/gpu} -p no:cacheprovider > "$OUT/tests.txt" 2>&1; tail -40 "$OUT/tests.txt" ;;
         failing)  timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider $FAILING > "$OUT/failing.txt" 2>&1; tail -5 "$OUT/failing.txt" ;;
         engine-matmul) timeout 200 python3 benchmarks/engine.py --device cuda --preset 0.5b --decode-attention matmul --no-hf ;;
         profile)  timeout 200 python3 benchmarks/profile_decode.py --device cuda 2>&1 | tail -45 ;;
@@ -25,9 +26,9 @@ for part in "$@"; do
         trainer)  timeout 300 python3 benchmarks/trainer.py --device cuda --preset 0.5b --compile ;;
         spec)     timeout 480 python3 benchmarks/speculative.py --device cuda --steps ${SPEC_STEPS:-16} --plot "$OUT/speculative_cuda.png" ;;
         megatron) timeout 300 python3 benchmarks/megatron_trainer.py --device cuda ;;
-        weights)  timeout ${WEIGHTS_TIMEOUT:-300} python3 benchmarks/weight_sync.py --device cuda ;;
-        async)    timeout 540 python3 benchmarks/async_vs_sync.py --device cuda ;;
-        async-x2) timeout 540 python3 benchmarks/async_vs_sync.py --device cuda --disaggregated ;;
+        weights)  timeout ${WEIGHTS_TIMEOUT:-300} python3 benchmarks/weight_sync.py --device cuda ${WEIGHTS_ARGS:-} ;;
+        async)    timeout ${ASYNC_TIMEOUT:-540} python3 benchmarks/async_vs_sync.py --device cuda ${ASYNC_ARGS:-} ;;
+        async-x2) timeout ${ASYNC_TIMEOUT:-540} python3 benchmarks/async_vs_sync.py --device cuda --disaggregated ${ASYNC_ARGS:-} ;;
         *) echo "unknown part $part" ;;
     esac
     echo "=== $part done $(date +%T) rc=$?"

@@ -75,6 +75,17 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
     gpus = run.actor_num_gpus_per_node + run.rollout_num_gpus
     if run.colocate and run.rollout_num_gpus and run.rollout_num_gpus != run.actor_num_gpus_per_node * run.actor_num_nodes:
         yield "--colocate shares the trainer's GPUs: leave --rollout-num-gpus unset or equal to the trainer's"
+    trainer_gpus = run.actor_num_gpus_per_node * run.actor_num_nodes
+    if not run.colocate and trainer_gpus and not run.rollout_num_gpus and run.rollout_backend == "embedded":
+        yield ("--actor-num-gpus-per-node without --colocate gives the trainer its GPUs alone: set "
+               "--rollout-num-gpus for the engines' own GPUs, or --colocate to share the trainer's")
+    if run.rollout_num_gpus and not trainer_gpus:
+        yield "--rollout-num-gpus needs the trainer on GPUs too: set --actor-num-gpus-per-node"
+    if (not run.colocate and run.rollout_num_gpus and run.rollout_backend == "embedded"
+            and run.num_rollout_workers > run.rollout_num_gpus):
+        # NCCL refuses two ranks of one group on one GPU, so disaggregated workers do not share.
+        yield (f"--num-rollout-workers {run.num_rollout_workers} > --rollout-num-gpus {run.rollout_num_gpus}: "
+               "each disaggregated rollout worker takes a GPU of its own (or --colocate them)")
     if gpus and run.deterministic:
         yield "--deterministic is a CPU feature (bitwise resume); it is not supported with GPUs"
     if run.deterministic and (sched.mode != "sync" or sched.over_sampling_batch_size):
@@ -114,9 +125,6 @@ def _megatron_problems(cfg: Any):
         yield "--train-backend megatron trains on GPUs: set --actor-num-gpus-per-node (1 or more)"
         return
     world = run.actor_num_nodes * run.actor_num_gpus_per_node
-    if world > 1 and run.colocate:
-        # Several Megatron ranks each take a GPU bundle; colocating engines on them is not built.
-        yield "--colocate with several Megatron ranks is not supported: use one trainer GPU or drop --colocate"
     try:
         data_parallel_size(megatron_section(cfg), world)
     except MegatronConfigError as exc:

@@ -9,7 +9,8 @@ Placement: on the CPU every actor takes a fraction of a core and torch gets a fa
 threads. With GPUs a placement group reserves ``actor_num_gpus_per_node`` GPUs for the
 trainer and ``rollout_num_gpus`` for the engines (disaggregated: worker i on rollout GPU
 i mod ``rollout_num_gpus``), or one set of GPUs both share (``--colocate``: the trainer and
-the workers split the first GPU). The weight transport follows (``--weight-transport auto``):
+the workers split the first GPU; several Megatron ranks take one GPU each, rank 0 sharing the
+first with the workers). The weight transport follows (``--weight-transport auto``):
 CUDA IPC when colocated, NCCL when disaggregated, the object store on the CPU; the
 broadcaster knows the trainer so that a worker that joins late is sent the newest weights.
 """
@@ -188,14 +189,19 @@ def _gpu_options(cfg: MilesConfig) -> tuple[dict[str, Any], list[dict[str, Any]]
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
         return {"num_gpus": gpus, "num_cpus": 0.1, "scheduling_strategy": strategy}
 
+    if cfg.run.train_backend == "megatron" and trainer_gpus > 1:
+        # The PolicyTrainer actor drives a RayRankGroup (rank r on bundle r) and sends the
+        # weights from a share of the first GPU, next to rank 0 (and the colocated workers).
+        from miles.trainers.megatron.launch import first_gpu_share
+
+        share = first_gpu_share(cfg.run.colocate, cfg.run.num_rollout_workers)
+        if cfg.run.colocate:
+            return at(0, share), [at(0, share)], pg
+        return at(0, share), [at(trainer_gpus + i, 1.0) for i in range(max(cfg.run.rollout_num_gpus, 1))], pg
     if cfg.run.colocate:  # the trainer and every worker on the first GPU (CUDA IPC's case)
         share = 1.0 / (1 + cfg.run.num_rollout_workers)
         return at(0, share if trainer_gpus == 1 else 1.0), [at(0, share)], pg
-    rollout = [at(trainer_gpus + i, 1.0) for i in range(max(cfg.run.rollout_num_gpus, 1))]
-    if cfg.run.train_backend == "megatron" and trainer_gpus > 1:
-        # The PolicyTrainer actor only drives; its RayRankGroup puts rank r on bundle r.
-        return at(0, 0.0), rollout, pg
-    return at(0, 1.0), rollout, pg
+    return at(0, 1.0), [at(trainer_gpus + i, 1.0) for i in range(max(cfg.run.rollout_num_gpus, 1))], pg
 
 
 def launch(cfg: MilesConfig) -> Actors:

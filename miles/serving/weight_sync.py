@@ -94,6 +94,16 @@ def init_group(*, master_address: str, master_port: int, rank: int, world_size: 
 
 
 def destroy_group(group: Any) -> None:
+    """Leave ``group`` without waiting for the other ranks.
+
+    NCCL's graceful destroy (``ncclCommFinalize``) is collective: it blocks until every
+    rank destroys too, so two ranks that destroy one after the other (a client waiting for
+    the server's HTTP reply, a sender closing before its receiver) deadlock. Aborting the
+    communicator is local; gloo's destroy already is."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None and dist.get_backend(group) == "nccl":
+        abort(group)
+        return
     dist.destroy_process_group(group)
 
 

@@ -1,6 +1,7 @@
 """Runs that need two GPUs: the trainer and the rollout engine on GPUs of their own with
 weights over NCCL (embedded and Megatron trainers), and Megatron tensor parallelism over two
-Ray-launched ranks (``RayRankGroup``) against the single-process embedded trainer.
+Ray-launched ranks (``RayRankGroup``) against the single-process embedded trainer, and in a
+whole run with the engine colocated on GPU 0.
 Skipped with fewer than two GPUs."""
 
 from __future__ import annotations
@@ -34,6 +35,17 @@ def test_megatron_trainer_run_over_nccl(ray_gpus, tiny_ckpt, task, tmp_path: Pat
                             actor_num_gpus_per_node=1, rollout_num_gpus=1, weight_transport="nccl",
                             mode="async", max_staleness=1, num_rollout=4))
     check_gpu_run(out, asyncio.run(train(cfg)), 4, "NCCL")
+
+
+def test_megatron_tp2_colocated_run(ray_gpus, tiny_ckpt, task, tmp_path: Path) -> None:
+    """A whole RL run with a TP=2 Megatron trainer over both GPUs (one Ray actor per rank) and
+    the engine colocated on GPU 0 beside rank 0; the driving actor sends over CUDA IPC."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "tp2"
+    cfg = resolve(run_flags(tiny_ckpt, task, out, device="cuda", train_backend="megatron",
+                            actor_num_gpus_per_node=2, tensor_model_parallel_size=2, colocate=True,
+                            mode="async", max_staleness=1, partial_rollout=True, num_rollout=4))
+    check_gpu_run(out, asyncio.run(train(cfg)), 4, "CUDA IPC")
 
 
 def test_megatron_tp2_rank_group_equals_embedded(ray_gpus, tmp_path: Path) -> None:

@@ -1,7 +1,6 @@
 """Whole runs colocated on one GPU (trainer and rollout engine share it; weights over CUDA
 IPC): the embedded trainer and the Megatron trainer. Skipped without CUDA (and the Megatron
-one without megatron-core). Not yet run on the H200: written after the session's device
-time was spent."""
+one without megatron-core). Both passed on an H200 (benchmarks/RESULTS.md, GPU checks)."""
 
 from __future__ import annotations
 

@@ -104,6 +104,12 @@ def test_incompatible_flags(files, capsys) -> None:
     _fails(_argv(files, "--env-path", "examples/agentic/calculator.py:CalculatorEnv", "--use-rollout-routing-replay"),
            capsys, "environment tokens have no recorded routing")
     _fails(_argv(files, "--advantage-estimator", "ppo"), capsys, "no critic yet")
+    # GPU layouts that Ray could not place (a worker past the placement group's last GPU, or
+    # two NCCL ranks on one GPU): refused before anything starts
+    _fails(_argv(files, "--actor-num-gpus-per-node", "1"), capsys, "--rollout-num-gpus for the engines' own GPUs")
+    _fails(_argv(files, "--rollout-num-gpus", "1"), capsys, "needs the trainer on GPUs too")
+    _fails(_argv(files, "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--num-rollout-workers", "2"),
+           capsys, "takes a GPU of its own")
     _fails(_argv(files, "--rollout-backend", "sglang", "--sglang-launch", "--speculative-algorithm", "eagle"),
            capsys, "--draft-model-path")
 

@@ -8,7 +8,8 @@
 - more: a ``RayRankGroup`` — one Ray actor per GPU, each one Megatron rank running the same
   calls (SPMD), with rank 0's answers returned. It satisfies ``TrainerBackend``, so the
   PolicyTrainer actor drives it like any backend. In a run, rank r sits on bundle r of the
-  run's placement group (the PolicyTrainer actor takes no GPU then). TP=2 ran on two H200s.
+  run's placement group; the PolicyTrainer actor shares rank 0's GPU (``first_gpu_share``),
+  and so do the rollout workers with ``--colocate``. TP=2 ran on two H200s.
 """
 
 from __future__ import annotations
@@ -49,8 +50,17 @@ def build_megatron_trainer(cfg: Any) -> Any:
     mcfg = megatron_section(cfg)
     world = max(1, cfg.run.actor_num_nodes) * max(1, cfg.run.actor_num_gpus_per_node)
     if world > 1 and "WORLD_SIZE" not in os.environ:
-        return RayRankGroup(world, str(path), trainer_cfg, cfg.algorithm, mcfg)
+        return RayRankGroup(world, str(path), trainer_cfg, cfg.algorithm, mcfg,
+                            rank0_gpus=first_gpu_share(cfg.run.colocate, cfg.run.num_rollout_workers))
     return MegatronTrainer.from_pretrained(path, config=trainer_cfg, algo=cfg.algorithm, megatron=mcfg)
+
+
+def first_gpu_share(colocate: bool, num_rollout_workers: int) -> float:
+    """The share of the run's first GPU that rank 0 takes, and so does the PolicyTrainer actor
+    driving the ranks: that actor sends the weights (its NCCL or CUDA IPC sender needs a
+    device), and with ``--colocate`` every rollout worker takes one more share of that GPU
+    (CUDA IPC maps the driver's buffers there)."""
+    return 1.0 / (2 + num_rollout_workers) if colocate else 0.5
 
 
 class _Rank:
@@ -96,7 +106,7 @@ class RayRankGroup:
     """``world`` Megatron ranks as Ray actors with one GPU each, driven as one TrainerBackend."""
 
     def __init__(self, world: int, path: str, config: TrainerConfig, algo: AlgorithmConfig,
-                 megatron: MegatronConfig) -> None:
+                 megatron: MegatronConfig, *, rank0_gpus: float = 1.0) -> None:
         import ray
 
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -104,7 +114,7 @@ class RayRankGroup:
         actor = ray.remote(_Rank)
         pg = ray.util.get_current_placement_group()  # the run's: bundles 0..world-1 are the trainer's
         self.ranks = [
-            actor.options(num_gpus=1, num_cpus=0.1, scheduling_strategy=(
+            actor.options(num_gpus=rank0_gpus if r == 0 else 1, num_cpus=0.1, scheduling_strategy=(
                 PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=r)
                 if pg is not None else None)).remote()
             for r in range(world)

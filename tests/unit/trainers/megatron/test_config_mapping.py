@@ -204,15 +204,34 @@ def test_megatron_flags_parse() -> None:
 @pytest.mark.parametrize("argv, match", [
     ([], "--actor-num-gpus-per-node"),
     (["--actor-num-gpus-per-node", "3", "--tensor-model-parallel-size", "2"], "world size 3"),
-    (["--actor-num-gpus-per-node", "2", "--colocate"], "--colocate with several Megatron ranks"),
 ])
 def test_run_level_megatron_problems(argv: list[str], match: str) -> None:
     """What only the whole run config can tell: GPUs for the trainer, a layout that divides
-    the trainer's world, no colocation of several ranks."""
+    the trainer's world."""
     from miles.config import ConfigError, parse_args
 
     with pytest.raises(ConfigError, match=match):
         parse_args(["--train-backend", "megatron", *argv])
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_colocated_ranks_fit_on_the_first_gpu(workers: int) -> None:
+    """--colocate with several ranks is a valid run: the driving PolicyTrainer actor, rank 0
+    and every rollout worker split the first GPU (Ray refuses a bundle asked for more than
+    one GPU); disaggregated, the driver and rank 0 share it."""
+    pytest.importorskip("megatron.core")
+    from miles.config import build_parser, resolve
+    from miles.trainers.megatron.launch import first_gpu_share
+    from miles.validation import _problems
+
+    ns = build_parser("miles train").parse_args([
+        "--train-backend", "megatron", "--actor-num-gpus-per-node", "2", "--device", "cuda",
+        "--tensor-model-parallel-size", "2", "--colocate", "--num-rollout-workers", str(workers)])
+    cfg = resolve({k: v for k, v in vars(ns).items() if k != "config"}, check=False)
+    assert not [p for p in _problems(cfg) if "colocate" in p or "megatron" in p.lower()]
+    share = first_gpu_share(cfg.run.colocate, cfg.run.num_rollout_workers)
+    assert 0 < (2 + workers) * share <= 1.0 + 1e-9
+    assert 2 * first_gpu_share(False, workers) <= 1.0
 
 
 def test_missing_megatron_core_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
