@@ -97,6 +97,41 @@ def make_gpu_inputs(root: Path, max_len: int) -> dict[str, str]:
     return {"ckpt": str(root / "ckpt"), "data": str(root / "data.jsonl")}
 
 
+class GpuUtilization:
+    """Each GPU's utilization (``nvidia-smi``, every 250 ms) while a run is between the end of
+    its first step and the end of its last: the samples taken while ``metrics.jsonl`` holds 1
+    to ``steps - 1`` lines, the span the throughput is measured over."""
+
+    def __init__(self, metrics: Path, steps: int) -> None:
+        import threading
+
+        self.metrics, self.steps = metrics, steps
+        self.samples: dict[int, list[float]] = {}
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits", "-lms", "250"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _rows(self) -> int:
+        try:
+            with open(self.metrics) as fh:
+                return sum(1 for _ in fh)
+        except FileNotFoundError:
+            return 0
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            index, _, util = line.partition(",")
+            if index.strip().isdigit() and util.strip().isdigit() and 1 <= self._rows() < self.steps:
+                self.samples.setdefault(int(index), []).append(float(util))
+
+    def stop(self) -> dict[int, float]:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        return {i: statistics.fmean(v) for i, v in sorted(self.samples.items()) if v}
+
+
 # ---- CPU workload: the countdown example ------------------------------------------------------
 
 
@@ -132,6 +167,8 @@ def measure(rows: list[dict]) -> dict[str, float]:
         "admission_share": sum(r.get("perf/admission_s", 0) for r in rows[1:]) / span,
         "staleness_max": max(r["buffer/staleness_max"] for r in rows),
         "worker_busy": last.get("rollout/busy_s", 0.0),
+        # every generated token (trained later, recycled or dropped too), over the same span
+        "rollout_tokens_per_s": (last.get("rollout/tokens", 0.0) - first.get("rollout/tokens", 0.0)) / span,
     }
 
 
@@ -183,22 +220,29 @@ def main() -> None:
         out = work / name.replace(" ", "_").replace("=", "").replace("+", "")
         flags = dict(base, output_dir=str(out), num_rollout=steps, progress=False, seed=1, **extra)
         start = time.monotonic()
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+        sampler = GpuUtilization(out / "metrics.jsonl", steps) if gpu else None
         summary = asyncio.run(train(resolve(flags)))
         rows = read_metrics(out / "metrics.jsonl")[-steps:]
         results[name] = measure(rows)
+        for index, util in (sampler.stop() if sampler else {}).items():
+            results[name][f"gpu{index}_util"] = util
         results[name]["wall_s"] = time.monotonic() - start
         results[name]["ledger_ok"] = float(summary["ledger_ok"])
         print(f"{name}: {json.dumps({k: round(v, 4) for k, v in results[name].items()})}", flush=True)
 
     sync = results.get("sync")
-    lines = ["| config | trained samples/s | × sync | tokens/s | × sync | final reward | wait for data | buffer busy | admission | max staleness |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    gpu_cols = sorted({k for r in results.values() for k in r if k.startswith("gpu")})
+    lines = ["| config | trained samples/s | × sync | tokens/s | × sync | final reward | wait for data | buffer busy | "
+             "admission | max staleness | rollout tok/s |" + "".join(f" {c.removesuffix('_util').upper()} util |" for c in gpu_cols),
+             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
     for name, r in results.items():
         ratio = r["samples_per_s"] / sync["samples_per_s"] if sync else float("nan")
         tratio = r["tokens_per_s"] / sync["tokens_per_s"] if sync else float("nan")
         lines.append(f"| {name} | {r['samples_per_s']:.2f} | {ratio:.2f}× | {r['tokens_per_s']:.0f} | {tratio:.2f}× | "
                      f"{r['reward']:.3f} | {100 * r['wait_share']:.0f}% | {100 * r['buffer_share']:.2f}% | "
-                     f"{100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} |")
+                     f"{100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} | {r['rollout_tokens_per_s'] or float('nan'):.0f} |"
+                     + "".join(f" {r[c]:.0f}% |" if c in r else " – |" for c in gpu_cols))
     machine = (f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
     if gpu:
         import torch
@@ -215,7 +259,11 @@ def main() -> None:
         "",
         "Ratios are trained samples/s against sync over the same number of trained samples; "
         "'buffer busy' is the replay buffer's own measured work as a share of wall time, "
-        "'admission' the driver's admission loop (Ray round trips included).",
+        "'admission' the driver's admission loop (Ray round trips included); 'rollout tok/s' counts every "
+        "token the engines generated (recycled and not yet trained ones too; the workers report every "
+        "--health-check-interval-s, nan when the run was shorter). GPU util: nvidia-smi's "
+        "utilization.gpu (share of time a kernel ran), averaged from the end of step 1 to the end of the "
+        "last step; disaggregated, GPU0 is the trainer's and GPU1 the engine's.",
         "",
     ])
     print(report)
