@@ -282,7 +282,10 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
         tokens = batch * args.new_tokens
         out.append({"state": state, "batch": batch, **{f"{n}_tps": tokens / t for n, t in best.items()},
                     "always_accept_len": stats["always"]["spec/accept_len_total"],
-                    "auto_spec_frac": stats["auto"]["spec/spec_step_frac"]})
+                    "auto_spec_frac": stats["auto"]["spec/spec_step_frac"],
+                    # rounds that replayed a CUDA graph (the rest ran eagerly), per engine
+                    **{f"{n}_graph_rounds": f"{st.get('spec/graph_rounds', 0):.0f}/{st.get('engine/spec_rounds', 0):.0f}"
+                       for n, st in stats.items()}})
         for engine in engines.values():
             await engine.close()
         del engines
@@ -290,7 +293,9 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         print(f"{state}, batch {batch}: plain {out[-1]['plain_tps']:.0f} auto {out[-1]['auto_tps']:.0f} "
-              f"always {out[-1]['always_tps']:.0f} tok/s", flush=True)
+              f"always {out[-1]['always_tps']:.0f} tok/s (auto speculated in {100 * out[-1]['auto_spec_frac']:.0f}% "
+              f"of steps; graph rounds auto {out[-1]['auto_graph_rounds']}, always {out[-1]['always_graph_rounds']})",
+              flush=True)
     return out
 
 

@@ -319,6 +319,8 @@ class EmbeddedEngine:
                         "engine/swap_pause_s_mean": sum(pauses) / len(pauses)})
         if self.spec is not None:
             out.update(self.spec.controller.stats(self.version))
+            out["spec/graph_rounds"] = float(self.spec.graph_rounds)
+            out["spec/backlog_flushes"] = float(self.spec.backlog_flushes)
             out["spec/draft_version"] = float(self.draft_version)
         return out
 

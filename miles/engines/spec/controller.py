@@ -1,32 +1,34 @@
 """When to speculate, and with how many draft tokens: measured, per batch size.
 
-Speculation pays when a round's expected tokens per second beats plain decoding's:
+Speculation pays when a round delivers more tokens per second than plain decoding:
 
-    rate(plain) = 1 / t_plain(b)            rate(k) = τ(α, k) / t_round(b, k)
-    τ(α, k)     = (1 - α^(k+1)) / (1 - α)   (expected tokens a row emits per round)
+    rate(plain) = 1 / t_plain(b)            rate(k) = tokens_per_row(b, k) / t_round(b, k)
 
-where ``b`` is the batch size rounded up to a power of two, ``t_plain`` / ``t_round`` are
-medians of the last few measured wall times of a plain decode step / of a whole round
-(draft + verify + accept + bookkeeping) at that size — medians, because a step that the
-OS or another process interrupted must not flip the decision — and α is the measured
-per-token acceptance probability (decayed counts of accepted drafts over accepted +
-first rejections, so a row that accepts all k contributes no rejection). The rule:
+where ``b`` is the batch size rounded up to a power of two and each rate is the median of the
+last few measured steps of that option at that size: a plain decode step, or a whole round
+(draft + verify + accept + bookkeeping) with the tokens each row really emitted in it —
+medians, because a step that the OS or another process interrupted must not flip the
+decision; measured tokens, because acceptance falls with the draft position, so a model
+with one per-token acceptance probability α overrates long rounds. (α — decayed counts of
+accepted drafts over accepted + first rejections — is still reported.) The rule:
 
 1. never speculate above ``--speculative-max-batch-size`` (0 = no cap);
 2. without ``--speculative-adaptive``: always a round of ``k = --speculative-num-steps``;
 3. otherwise, at each batch size, first measure every option (plain, k = 1..k_max) 3 times;
-   then take the option with the best predicted rate; every ``--speculative-probe-interval``
+   then take the option with the best measured rate (staying with the current one unless
+   another is ≥ 5% faster: a switch costs a drain and a draft catch-up, and two options
+   within noise of each other must not alternate); every ``--speculative-probe-interval``
    steps run the least recently measured option once, so a draft that improves (online
    training) or a policy that drifts away from it is noticed.
 
 Why this shape: where decode is memory-bound (small batches) a verify step of k + 1 tokens
 per row costs about one plain step, so any decent acceptance wins; as the batch grows the
 step becomes compute-bound, a verify costs up to (k + 1)× a plain step and the measured
-t_round / t_plain ratio switches speculation off by itself — as it does when α is low
-(a draft the policy has moved away from) or when the draft is expensive relative to the
-policy (tiny CPU models, where per-op overhead makes a draft step cost a sizable fraction
-of a policy step). Everything is measured on the running engine, so no device model is
-assumed; the cost is a few exploratory steps per batch size.
+rates switch speculation off by itself — as they do when acceptance is low (a draft the
+policy has moved away from) or when the draft is expensive relative to the policy (tiny CPU
+models, where per-op overhead makes a draft step cost a sizable fraction of a policy step).
+Everything is measured on the running engine, so no device model is assumed; the cost is a
+few exploratory steps per batch size.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from dataclasses import dataclass, field
 from miles.engines.spec.config import SpeculativeConfig
 
 WARMUP = 3  # measurements of each option before the rule trusts them
-WINDOW = 9  # recent timings per option whose median the rule uses
+SWITCH_GAIN = 0.05  # leave the current option only for one predicted this much faster
+WINDOW = 9  # recent rates per option whose median the rule uses
 DECAY = 0.98  # per-round decay of the acceptance counts
 
 
@@ -71,13 +74,15 @@ class VersionStats:
 
 
 @dataclass
-class _Timings:
+class _Rates:
+    """Recent measured rates (tokens per second per row) of each (batch bucket, option)."""
+
     recent: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
     count: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
     last: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
 
-    def add(self, key: tuple[int, int], seconds: float, step: int) -> None:
-        self.recent.setdefault(key, deque(maxlen=WINDOW)).append(seconds)
+    def add(self, key: tuple[int, int], rate: float, step: int) -> None:
+        self.recent.setdefault(key, deque(maxlen=WINDOW)).append(rate)
         self.count[key] += 1
         self.last[key] = step
 
@@ -94,13 +99,14 @@ class SpecController:
         self.adaptive = cfg.speculative_adaptive
         self.cap = cfg.speculative_max_batch_size
         self.probe = cfg.speculative_probe_interval
-        self.timings = _Timings()
+        self.rates = _Rates()
         self.acc, self.rej = 1.0, 1.0  # decayed counts (a weak prior of α = 0.5)
         self.steps = 0
         self.by_version: dict[int, VersionStats] = defaultdict(VersionStats)
         self.spec_tokens = self.plain_tokens = 0
         self.spec_s = self.plain_s = 0.0
         self.chosen: dict[int, int] = defaultdict(int)
+        self.current: dict[int, int] = {}  # the option the rule settled on, per batch bucket
 
     @property
     def alpha(self) -> float:
@@ -120,30 +126,32 @@ class SpecController:
             return 0
         if not self.adaptive:
             return self.k_max
-        b, t = bucket(batch), self.timings
+        b, t = bucket(batch), self.rates
         opts = self.options()
         for o in opts:
             if t.count[(b, o)] < WARMUP:
                 return o
         if self.steps % self.probe == 0:
             return min(opts, key=lambda o: t.last[(b, o)])
-        return max(opts, key=lambda o: self.rate(b, o))
+        best = max(opts, key=lambda o: self.rate(b, o))
+        current = self.current.get(b)
+        if current is not None and self.rate(b, best) < (1 + SWITCH_GAIN) * self.rate(b, current):
+            best = current  # a switch costs a drain and a draft catch-up: not for noise
+        self.current[b] = best
+        return best
 
     def rate(self, b: int, option: int) -> float:
-        """Predicted tokens per second per row of ``option`` at batch bucket ``b``."""
-        seconds = self.timings.median((b, option))
-        if not seconds:
-            return 0.0
-        return (1.0 if option == 0 else expected_tokens(self.alpha, option)) / seconds
+        """Measured tokens per second per row of ``option`` at batch bucket ``b`` (0: unmeasured)."""
+        return self.rates.median((b, option)) or 0.0
 
     def observe_plain(self, batch: int, seconds: float, tokens: int) -> None:
-        self.timings.add((bucket(batch), 0), seconds, self.steps)
+        self.rates.add((bucket(batch), 0), 1.0 / max(seconds, 1e-9), self.steps)
         self.plain_tokens += tokens
         self.plain_s += seconds
 
     def observe_round(self, batch: int, k: int, seconds: float, version: int, *, rows: int,
                       drafted: int, accepted: int, rejections: int, emitted: int) -> None:
-        self.timings.add((bucket(batch), k), seconds, self.steps)
+        self.rates.add((bucket(batch), k), emitted / max(rows, 1) / max(seconds, 1e-9), self.steps)
         self.acc = DECAY * self.acc + accepted
         self.rej = DECAY * self.rej + rejections
         vs = self.by_version[version]

@@ -71,6 +71,8 @@ class SpecDecoder:
         self.controller = SpecController(cfg)
         self.device = runner.device
         self.round_graphs = None  # graphs.RoundGraphs, set by the engine on CUDA
+        self.graph_rounds = 0  # rounds that replayed (or captured) a round graph
+        self.backlog_flushes = 0  # plain-step backlogs fed to the draft before a round
 
     def plan(self, batch: int) -> int:
         return self.controller.choose(batch)
@@ -112,8 +114,16 @@ class SpecDecoder:
         rp = RoundParams.build([r.sampling for r in reqs], [r.response_position for r in reqs], self.device)
         entries = [d.entries(r) for r in reqs]  # empty only for an EAGLE row with a 1-token prompt
         width = max(max(len(e) for e in entries), 1)
-        L = self.context_bucket(reqs, max(k, width))
         graphs = self.round_graphs
+        if graphs is not None and not graphs.failed and rp.all_seeded and width > T:
+            # Plain steps left a backlog (the adaptive rule switched speculation back on):
+            # feed it to the draft first, so that this round replays its CUDA graph instead
+            # of running the draft and the verify eagerly (several times slower on a GPU).
+            d.flush(reqs)
+            entries = [d.entries(r) for r in reqs]
+            width = max(max(len(e) for e in entries), 1)
+            self.backlog_flushes += 1
+        L = self.context_bucket(reqs, max(k, width))
         use_graph = graphs is not None and rp.all_seeded and width <= T
         host = [[r.context[-1] for r in reqs], [r.kv_len for r in reqs], [r.draft_len for r in reqs],
                 [max(len(e) - 1, 0) for e in entries]]
@@ -122,6 +132,7 @@ class SpecDecoder:
         io = RoundIO(last=meta[0], kv=meta[1], cu_tokens=to_device(cu, torch.long, self.device),
                      cu_start=meta[2], cu_last=meta[3])
         result = graphs.run(rp, io, k, L) if use_graph else None
+        self.graph_rounds += result is not None
         if result is None:
             result = self.core(rp, io, k, L, generator)
         packed, hidden, routing = result

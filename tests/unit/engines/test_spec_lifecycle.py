@@ -215,6 +215,25 @@ def test_controller_rule() -> None:
     assert expected_tokens(1.0, 3) == 4 and abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
 
 
+def test_controller_does_not_flip_on_noise() -> None:
+    """Two options within a few percent of each other: the rule stays with the one it has;
+    a clearly faster one (≥ 5%) takes over."""
+    c = SpecController(SpeculativeConfig(speculative_algorithm="draft", speculative_num_steps=1,
+                                         speculative_probe_interval=1000))
+    c.acc, c.rej = 1.0, 1e9  # α ≈ 0: a round emits one token, like a plain step
+    for _ in range(3):
+        c.observe_plain(8, 1.00, 8)
+        c.observe_round(8, 1, 1.01, 0, rows=8, drafted=8, accepted=0, rejections=0, emitted=8)
+    c.steps = 6
+    assert c.choose(8) == 0
+    for seconds in (0.99, 0.985, 0.98):  # the round is now measured 1-2% faster
+        c.observe_round(8, 1, seconds, 0, rows=8, drafted=8, accepted=0, rejections=0, emitted=8)
+    assert [c.choose(8) for _ in range(10)] == [0] * 10
+    for _ in range(9):
+        c.observe_round(8, 1, 0.8, 0, rows=8, drafted=8, accepted=0, rejections=0, emitted=8)
+    assert c.choose(8) == 1
+
+
 def test_plain_logprobs_unchanged_by_attached_draft() -> None:
     """A request decoded by plain steps only (speculation off by the rule) is unaffected."""
     policy = make_model(seed=11)

@@ -195,6 +195,36 @@ def test_round_graph_plumbing_on_cpu(kind: str) -> None:
         assert torch.allclose(engine.pop_hidden_states(b.rid), full, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_rounds_after_plain_streaks_replay_their_graph(kind: str) -> None:
+    """When the adaptive rule switches speculation back on after plain steps, the draft's
+    backlog is fed first, so the round still fits its graph (k + 1 entries per row) instead of
+    running eagerly; the tokens stay those of plain decoding (coupled mode)."""
+    policy = make_model(seed=18)
+    engine = spec_engine(policy, kind, mode="coupled", k=3, max_batch_size=6)
+    graphs = RoundGraphs(engine.spec, 3)
+
+    def capture(nb, L, k, flags):
+        graph = types.SimpleNamespace(replay=lambda: graphs._step(nb, L, k, flags))
+        graphs.graphs[(nb, L, k, engine.spec.mode, flags)] = graph
+        return graph
+
+    graphs._capture = capture
+    engine.spec.round_graphs = graphs
+    script = iter([0, 0, 0, 0, 0, 3, 0, 0, 3, 3, 0, 0, 0, 0, 0, 0, 0, 2] * 20)
+    engine.spec.plan = lambda batch: next(script, 0)
+    ps = prompts(6, seed=19)
+    sps = [SamplingParams(max_new_tokens=40, seed=i, temperature=(1.0, 0.8)[i % 2], ignore_eos=True) for i in range(6)]
+    plain = generate_all(make_engine(policy, max_batch_size=6), _requests(ps, sps))
+    outs = generate_all(engine, _requests(ps, sps))
+    stats = engine.stats()
+    assert stats["spec/backlog_flushes"] > 0
+    assert stats["spec/graph_rounds"] == stats["engine/spec_rounds"] > 0  # no round ran eagerly
+    for a, b in zip(plain, outs):
+        assert b.output_ids == a.output_ids and b.versions == a.versions
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
 def test_engine_without_draft_or_with_bad_draft() -> None:
     from miles.engines.spec import SpeculativeConfig
     from miles.models.draft import build_draft
