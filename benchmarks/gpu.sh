@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command)
 # On a machine without ray/msgspec/megatron-core, a .whl folder built by the project's
 # gpu-wheels tool is installed first. Env: TESTS (test paths), TESTS_TIMEOUT, WEIGHTS_ARGS, WEIGHTS_TIMEOUT,
-# ASYNC_ARGS / ASYNC_TIMEOUT (e.g. ASYNC_ARGS="--steps 8 --only sync async_eta2"), SPEC_STEPS. Extra outputs go to $OUT (default: runs/gpu).
+# ASYNC_ARGS / ASYNC_TIMEOUT (e.g. ASYNC_ARGS="--steps 8 --only sync async_eta2"), SPEC_STEPS, SPEC_ARGS
+# (e.g. "--batches 1 4 16 64 --repeats 1": the full sweep and 8 steps overran 300 s on the H200). Extra outputs go to $OUT (default: runs/gpu).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-runs/gpu}
@@ -24,7 +25,7 @@ for part in "$@"; do
         profile)  timeout 200 python3 benchmarks/profile_decode.py --device cuda 2>&1 | tail -45 ;;
         engine)   timeout 300 python3 benchmarks/engine.py --device cuda --preset 0.5b ;;
         trainer)  timeout 300 python3 benchmarks/trainer.py --device cuda --preset 0.5b --compile ;;
-        spec)     timeout 480 python3 benchmarks/speculative.py --device cuda --steps ${SPEC_STEPS:-16} --plot "$OUT/speculative_cuda.png" ;;
+        spec)     timeout 480 python3 benchmarks/speculative.py --device cuda --steps ${SPEC_STEPS:-16} --plot "$OUT/speculative_cuda.png" ${SPEC_ARGS:-} ;;
         megatron) timeout 300 python3 benchmarks/megatron_trainer.py --device cuda ;;
         weights)  timeout ${WEIGHTS_TIMEOUT:-300} python3 benchmarks/weight_sync.py --device cuda ${WEIGHTS_ARGS:-} ;;
         async)    timeout ${ASYNC_TIMEOUT:-540} python3 benchmarks/async_vs_sync.py --device cuda ${ASYNC_ARGS:-} ;;
@@ -33,4 +34,5 @@ for part in "$@"; do
     esac
     echo "=== $part done $(date +%T) rc=$?"
     cp benchmarks/RESULTS.md "$OUT/RESULTS.md"  # after every part: a later timeout keeps what ran
+    case "$part" in async*) tar czf "$OUT/$part-metrics.tgz" runs/async_vs_sync/*/metrics.jsonl 2>/dev/null ;; esac
 done
