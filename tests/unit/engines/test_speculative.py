@@ -165,13 +165,10 @@ def test_verify_graph_plumbing_on_cpu() -> None:
         assert (torch.tensor(o.logprobs) - full_logprobs(policy, p, o)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_round_graph_plumbing_on_cpu(kind: str) -> None:
-    """The whole-round CUDA graph path (static inputs, padding rows, outputs read back before
-    the next replay), with a fake replay; seeded rows use it, unseeded ones run eagerly."""
-    policy = make_model(seed=16)
-    engine = spec_engine(policy, kind, mode="coupled", k=3, max_batch_size=6)
-    graphs = RoundGraphs(engine.spec, 3)
+def _fake_round_graphs(engine: EmbeddedEngine, k: int) -> RoundGraphs:
+    """Round graphs whose 'replay' runs the captured step eagerly: the graph path's buffers,
+    padding and read-back, on the CPU."""
+    graphs = RoundGraphs(engine.spec, k)
 
     def capture(nb, L, k, flags):
         graph = types.SimpleNamespace(replay=lambda: graphs._step(nb, L, k, flags))
@@ -180,6 +177,16 @@ def test_round_graph_plumbing_on_cpu(kind: str) -> None:
 
     graphs._capture = capture
     engine.spec.round_graphs = graphs
+    return graphs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_graph_plumbing_on_cpu(kind: str) -> None:
+    """The whole-round CUDA graph path (static inputs, padding rows, outputs read back before
+    the next replay), with a fake replay; seeded rows use it, unseeded ones run eagerly."""
+    policy = make_model(seed=16)
+    engine = spec_engine(policy, kind, mode="coupled", k=3, max_batch_size=6)
+    graphs = _fake_round_graphs(engine, 3)
     ps = prompts(9, seed=17)
     sps = [SamplingParams(max_new_tokens=12 + 7 * (i % 4), seed=i, temperature=(0.0, 1.0, 0.8)[i % 3],
                           top_p=(1.0, 1.0, 0.9)[i % 3], ignore_eos=True) for i in range(9)]
@@ -202,15 +209,7 @@ def test_rounds_after_plain_streaks_replay_their_graph(kind: str) -> None:
     running eagerly; the tokens stay those of plain decoding (coupled mode)."""
     policy = make_model(seed=18)
     engine = spec_engine(policy, kind, mode="coupled", k=3, max_batch_size=6)
-    graphs = RoundGraphs(engine.spec, 3)
-
-    def capture(nb, L, k, flags):
-        graph = types.SimpleNamespace(replay=lambda: graphs._step(nb, L, k, flags))
-        graphs.graphs[(nb, L, k, engine.spec.mode, flags)] = graph
-        return graph
-
-    graphs._capture = capture
-    engine.spec.round_graphs = graphs
+    graphs = _fake_round_graphs(engine, 3)
     script = iter([0, 0, 0, 0, 0, 3, 0, 0, 3, 3, 0, 0, 0, 0, 0, 0, 0, 2] * 20)
     engine.spec.plan = lambda batch: next(script, 0)
     ps = prompts(6, seed=19)
@@ -220,6 +219,7 @@ def test_rounds_after_plain_streaks_replay_their_graph(kind: str) -> None:
     stats = engine.stats()
     assert stats["spec/backlog_flushes"] > 0
     assert stats["spec/graph_rounds"] == stats["engine/spec_rounds"] > 0  # no round ran eagerly
+    assert {key[2] for key in graphs.graphs} == {2, 3}
     for a, b in zip(plain, outs):
         assert b.output_ids == a.output_ids and b.versions == a.versions
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
