@@ -27,7 +27,7 @@ async def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=320)
-    ap.add_argument("--decode-attention", default="sdpa")
+    ap.add_argument("--decode-attention", default="auto")
     ap.add_argument("--rows", type=int, default=18)
     args = ap.parse_args()
     model = build_model(args.preset)

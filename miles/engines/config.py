@@ -22,8 +22,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Decode reads the KV cache up to the longest context rounded up to this (0 = auto:
     # 128 on CUDA so CUDA graphs see few shapes, 16 on the CPU).
     kv_block: int = 0
-    # "sdpa" (torch's fused kernel) or "matmul" (explicit q·Kᵀ, softmax, ·V) for decode.
-    decode_attention: str = "sdpa"
+    # "sdpa" (torch's fused kernel) or "matmul" (explicit q·Kᵀ, softmax, ·V) for decode and
+    # verify steps; "auto": matmul on the CPU (16% faster per tiny-model step than SDPA with a
+    # mask, which takes a slow path there), sdpa on CUDA.
+    decode_attention: str = "auto"
     # CUDA graphs for dense decode steps (ignored on the CPU and for MoE models).
     cuda_graphs: bool = True
     # torch.compile the layers' step functions (fuses RMSNorm/RoPE/SiLU/residual kernels).
@@ -57,6 +59,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return torch.device(self.device).type == "cuda"
         return self.overlap
 
+    def attention_mode(self) -> str:
+        if self.decode_attention != "auto":
+            return self.decode_attention
+        return "matmul" if torch.device(self.device).type == "cpu" else "sdpa"
+
     def block(self) -> int:
         if self.kv_block > 0:
             return self.kv_block
@@ -68,8 +75,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if not 1 < self.max_seq_len <= max_position_embeddings:
             raise ValueError(f"max_seq_len {self.max_seq_len} not in (1, max_position_embeddings="
                              f"{max_position_embeddings}]")
-        if self.decode_attention not in ("matmul", "sdpa"):
-            raise ValueError(f"decode_attention {self.decode_attention!r} not in matmul/sdpa")
+        if self.decode_attention not in ("auto", "matmul", "sdpa"):
+            raise ValueError(f"decode_attention {self.decode_attention!r} not in auto/matmul/sdpa")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
         self.torch_dtype()

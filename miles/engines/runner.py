@@ -121,7 +121,7 @@ class ModelRunner:
         return self.decode_eager(tokens, positions, L)
 
     def decode_eager(self, tokens: Tensor, positions: Tensor, L: int) -> StepOut:
-        backend = DecodeAttention(self.cache, positions, L, self.config.decode_attention)
+        backend = DecodeAttention(self.cache, positions, L, self.config.attention_mode())
         out = self.model(tokens[:, None], positions[:, None], kv_cache=backend, return_hidden=True,
                          return_routing=self.is_moe, check_inputs=False)
         routing = None if out.routing is None else out.routing[:, 0]
@@ -148,7 +148,7 @@ class ModelRunner:
     def verify_eager(self, tokens: Tensor, starts: Tensor, L: int, *, logits_index: Tensor | None = None,
                      logits: bool = True) -> StepOut:
         T = tokens.shape[1]
-        backend = VerifyAttention(self.cache, starts, T, L, self.config.decode_attention)
+        backend = VerifyAttention(self.cache, starts, T, L, self.config.attention_mode())
         out = self.model(tokens, backend.positions, kv_cache=backend, return_hidden=True,
                          return_logits=logits, logits_index=logits_index,
                          return_routing=self.is_moe, check_inputs=False)

@@ -211,7 +211,7 @@ class EagleDrafter(Drafter):
             r.draft_len = m - 1
 
     def _feed(self, ids: Tensor, starts: Tensor, L: int) -> Tensor:
-        backend = VerifyAttention(self.cache, starts, ids.shape[1], L, self.config.decode_attention)
+        backend = VerifyAttention(self.cache, starts, ids.shape[1], L, self.config.attention_mode())
         return self._features(self.pending_hidden[: ids.shape[0], : ids.shape[1]], ids, backend.positions, backend)
 
     def flush(self, rows: list[Request]) -> None:
@@ -242,7 +242,7 @@ class EagleDrafter(Drafter):
         return self.policy.lm_head(f).float(), f
 
     def step(self, tokens: Tensor, positions: Tensor, state: Any, L: int, *, graphs: bool) -> tuple[Tensor, Any]:
-        backend = DecodeAttention(self.cache, positions, L, self.config.decode_attention)
+        backend = DecodeAttention(self.cache, positions, L, self.config.attention_mode())
         f = self._features(state[:, None], tokens[:, None], positions[:, None], backend)[:, 0]
         return self.policy.lm_head(f).float(), f
 
