@@ -169,6 +169,8 @@ def measure(rows: list[dict]) -> dict[str, float]:
         "worker_busy": last.get("rollout/busy_s", 0.0),
         # every generated token (trained later, recycled or dropped too), over the same span
         "rollout_tokens_per_s": (last.get("rollout/tokens", 0.0) - first.get("rollout/tokens", 0.0)) / span,
+        # CUDA graph captures the engines made over the span (each new batch × context shape)
+        "capture_share": (last.get("engine/graph_capture_s", 0.0) - first.get("engine/graph_capture_s", 0.0)) / span,
     }
 
 
@@ -234,14 +236,14 @@ def main() -> None:
     sync = results.get("sync")
     gpu_cols = sorted({k for r in results.values() for k in r if k.startswith("gpu")})
     lines = ["| config | trained samples/s | × sync | tokens/s | × sync | final reward | wait for data | buffer busy | "
-             "admission | max staleness | rollout tok/s |" + "".join(f" {c.removesuffix('_util').upper()} util |" for c in gpu_cols),
-             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
+             "admission | max staleness | rollout tok/s | graph capture |" + "".join(f" {c.removesuffix('_util').upper()} util |" for c in gpu_cols),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
     for name, r in results.items():
         ratio = r["samples_per_s"] / sync["samples_per_s"] if sync else float("nan")
         tratio = r["tokens_per_s"] / sync["tokens_per_s"] if sync else float("nan")
         lines.append(f"| {name} | {r['samples_per_s']:.2f} | {ratio:.2f}× | {r['tokens_per_s']:.0f} | {tratio:.2f}× | "
                      f"{r['reward']:.3f} | {100 * r['wait_share']:.0f}% | {100 * r['buffer_share']:.2f}% | "
-                     f"{100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} | {r['rollout_tokens_per_s'] or float('nan'):.0f} |"
+                     f"{100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} | {r['rollout_tokens_per_s'] or float('nan'):.0f} | {100 * r['capture_share']:.0f}% |"
                      + "".join(f" {r[c]:.0f}% |" if c in r else " – |" for c in gpu_cols))
     machine = (f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
     if gpu:
@@ -261,7 +263,8 @@ def main() -> None:
         "'buffer busy' is the replay buffer's own measured work as a share of wall time, "
         "'admission' the driver's admission loop (Ray round trips included); 'rollout tok/s' counts every "
         "token the engines generated (recycled and not yet trained ones too; the workers report every "
-        "--health-check-interval-s, nan when the run was shorter). GPU util: nvidia-smi's "
+        "--health-check-interval-s, nan when the run was shorter); 'graph capture' the share of the span the "
+        "engines spent capturing CUDA graphs for new batch × context shapes. GPU util: nvidia-smi's "
         "utilization.gpu (share of time a kernel ran), averaged from the end of step 1 to the end of the "
         "last step; disaggregated, GPU0 is the trainer's and GPU1 the engine's.",
         "",

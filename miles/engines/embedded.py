@@ -52,7 +52,7 @@ import torch
 
 from miles.engines.config import EngineConfig
 from miles.engines.requests import Request
-from miles.engines.runner import ModelRunner
+from miles.engines.runner import GRAPH_CAPTURES, ModelRunner
 from miles.engines.sampling import compile_counter_uniform
 from miles.engines.spec.config import MAX_STEPS, SpeculativeConfig
 from miles.engines.stepper import EngineStats, Stepper
@@ -312,6 +312,8 @@ class EmbeddedEngine:
             "engine/num_waiting": float(len(self._waiting)),
             "engine/version": float(self.version),
             "engine/kv_cache_bytes": float(self.runner.cache.nbytes),
+            "engine/graph_captures": float(GRAPH_CAPTURES["count"]),
+            "engine/graph_capture_s": GRAPH_CAPTURES["seconds"],
         })
         pauses = list(self.swap_pauses)
         if pauses:

@@ -19,6 +19,7 @@ eagerly.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -156,10 +157,25 @@ class ModelRunner:
         return StepOut(lg, out.hidden, out.routing)
 
 
+GRAPH_CAPTURES = {"count": 0, "seconds": 0.0}  # this process's captures (engine stats report them)
+
+
 def capture_graph(step: Callable[[], None], pool: Any) -> Any:
     """A CUDA graph of ``step`` in the memory ``pool``, after two warm-up runs on a side
     stream (``step`` must be idempotent: it recomputes the same outputs). Captured with
-    thread_local errors, so CUDA work on other threads (weight staging, the caller) may go on."""
+    thread_local errors, so CUDA work on other threads (weight staging, the caller) may go on.
+    Each (batch bucket, context bucket) shape is captured once, when first met: in a short
+    run with changing batch sizes and long contexts the captures can take a sizable share of
+    the time, which ``engine/graph_captures`` and ``engine/graph_capture_s`` show."""
+    start = time.perf_counter()
+    try:
+        return _capture(step, pool)
+    finally:
+        GRAPH_CAPTURES["count"] += 1
+        GRAPH_CAPTURES["seconds"] += time.perf_counter() - start
+
+
+def _capture(step: Callable[[], None], pool: Any) -> Any:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
