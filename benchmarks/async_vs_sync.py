@@ -171,6 +171,9 @@ def measure(rows: list[dict]) -> dict[str, float]:
         "rollout_tokens_per_s": (last.get("rollout/tokens", 0.0) - first.get("rollout/tokens", 0.0)) / span,
         # CUDA graph captures the engines made over the span (each new batch × context shape)
         "capture_share": (last.get("engine/graph_capture_s", 0.0) - first.get("engine/graph_capture_s", 0.0)) / span,
+        # share of the KV positions decode steps read that a row attends to (the rest is
+        # padding up to the batch's longest context), cumulative over the run
+        "kv_useful": last.get("engine/kv_read_useful_frac", float("nan")),
     }
 
 
@@ -236,14 +239,14 @@ def main() -> None:
     sync = results.get("sync")
     gpu_cols = sorted({k for r in results.values() for k in r if k.startswith("gpu")})
     lines = ["| config | trained samples/s | × sync | tokens/s | × sync | final reward | wait for data | buffer busy | "
-             "admission | max staleness | rollout tok/s | graph capture |" + "".join(f" {c.removesuffix('_util').upper()} util |" for c in gpu_cols),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
+             "admission | max staleness | rollout tok/s | graph capture | KV read useful |" + "".join(f" {c.removesuffix('_util').upper()} util |" for c in gpu_cols),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
     for name, r in results.items():
         ratio = r["samples_per_s"] / sync["samples_per_s"] if sync else float("nan")
         tratio = r["tokens_per_s"] / sync["tokens_per_s"] if sync else float("nan")
         lines.append(f"| {name} | {r['samples_per_s']:.2f} | {ratio:.2f}× | {r['tokens_per_s']:.0f} | {tratio:.2f}× | "
                      f"{r['reward']:.3f} | {100 * r['wait_share']:.0f}% | {100 * r['buffer_share']:.2f}% | "
-                     f"{100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} | {r['rollout_tokens_per_s'] or float('nan'):.0f} | {100 * r['capture_share']:.0f}% |"
+                     f"{100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} | {r['rollout_tokens_per_s'] or float('nan'):.0f} | {100 * r['capture_share']:.0f}% | {100 * r['kv_useful']:.0f}% |"
                      + "".join(f" {r[c]:.0f}% |" if c in r else " – |" for c in gpu_cols))
     machine = (f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
     if gpu:
@@ -264,7 +267,9 @@ def main() -> None:
         "'admission' the driver's admission loop (Ray round trips included); 'rollout tok/s' counts every "
         "token the engines generated (recycled and not yet trained ones too; the workers report every "
         "--health-check-interval-s, nan when the run was shorter); 'graph capture' the share of the span the "
-        "engines spent capturing CUDA graphs for new batch × context shapes. GPU util: nvidia-smi's "
+        "engines spent capturing CUDA graphs for new batch × context shapes; 'KV read useful' the share of "
+        "the KV cache positions decode steps read that a row attends to (a step reads every row up to the "
+        "batch's longest context). GPU util: nvidia-smi's "
         "utilization.gpu (share of time a kernel ran), averaged from the end of step 1 to the end of the "
         "last step; disaggregated, GPU0 is the trainer's and GPU1 the engine's.",
         "",

@@ -271,8 +271,9 @@ class Driver:
             totals["rollout/tokens_per_s"] = totals.get("rollout/tokens", 0.0) / up
         stats.update(totals)
         stats.update(self.scheduler.stats())
-        spec_keys = {k for ws in self.worker_stats.values() for k in ws if k.startswith("spec/")}
-        for key in spec_keys:  # speculative decoding: the workers' mean
+        mean_keys = {k for ws in self.worker_stats.values() for k in ws
+                     if k.startswith("spec/") or k == "engine/kv_read_useful_frac"}
+        for key in mean_keys:  # speculative decoding, KV read efficiency: the workers' mean
             vals = [ws[key] for ws in self.worker_stats.values() if key in ws]
             stats[key] = sum(vals) / len(vals)
         if self.actors.draft_trainer is not None:

@@ -312,6 +312,7 @@ class EmbeddedEngine:
             "engine/num_waiting": float(len(self._waiting)),
             "engine/version": float(self.version),
             "engine/kv_cache_bytes": float(self.runner.cache.nbytes),
+            "engine/kv_read_useful_frac": self.runner.kv_useful / self.runner.kv_read if self.runner.kv_read else 1.0,
             "engine/graph_captures": float(GRAPH_CAPTURES["count"]),
             "engine/graph_capture_s": GRAPH_CAPTURES["seconds"],
         })

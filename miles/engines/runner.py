@@ -57,6 +57,10 @@ class ModelRunner:
         self.block = config.block()
         use_graphs = config.cuda_graphs and self.device.type == "cuda" and not self.is_moe
         self.graphs = DecodeGraphs(self) if use_graphs else None
+        # Cache positions decode steps attended to (Σ contexts) and read (rows × bucket): a
+        # step reads every row up to the longest context, so one long row in a batch of
+        # short ones makes most of the KV read padding (engine/kv_read_useful_frac).
+        self.kv_useful = self.kv_read = 0
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -92,6 +96,8 @@ class ModelRunner:
         """One token per running request (host list, or device tensor from the previous
         step's samples); request i occupies slot i (i < n)."""
         L = self.context_bucket(max(positions) + 1)
+        self.kv_useful += sum(positions) + len(positions)
+        self.kv_read += len(positions) * L
         if self.config.deterministic:
             return self._decode_padded(tokens, positions, L)
         if self.graphs is not None:
