@@ -76,6 +76,10 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
     if run.colocate and run.rollout_num_gpus and run.rollout_num_gpus != run.actor_num_gpus_per_node * run.actor_num_nodes:
         yield "--colocate shares the trainer's GPUs: leave --rollout-num-gpus unset or equal to the trainer's"
     trainer_gpus = run.actor_num_gpus_per_node * run.actor_num_nodes
+    if trainer_gpus > 1 and run.train_backend != "megatron":
+        # The PolicyTrainer actor is one process; FSDP2 needs a torchrun launch (library use).
+        yield (f"the embedded trainer trains on one GPU in a run, not {trainer_gpus}: set "
+               "--actor-num-gpus-per-node 1, or --train-backend megatron for several")
     if not run.colocate and trainer_gpus and not run.rollout_num_gpus and run.rollout_backend == "embedded":
         yield ("--actor-num-gpus-per-node without --colocate gives the trainer its GPUs alone: set "
                "--rollout-num-gpus for the engines' own GPUs, or --colocate to share the trainer's")

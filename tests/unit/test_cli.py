@@ -108,6 +108,7 @@ def test_incompatible_flags(files, capsys) -> None:
     # two NCCL ranks on one GPU): refused before anything starts
     _fails(_argv(files, "--actor-num-gpus-per-node", "1"), capsys, "--rollout-num-gpus for the engines' own GPUs")
     _fails(_argv(files, "--rollout-num-gpus", "1"), capsys, "needs the trainer on GPUs too")
+    _fails(_argv(files, "--actor-num-gpus-per-node", "2", "--colocate"), capsys, "trains on one GPU in a run")
     _fails(_argv(files, "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--num-rollout-workers", "2"),
            capsys, "takes a GPU of its own")
     _fails(_argv(files, "--rollout-backend", "sglang", "--sglang-launch", "--speculative-algorithm", "eagle"),
