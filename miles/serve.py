@@ -6,7 +6,10 @@
 Flags are ``ServeConfig``'s and ``EngineConfig``'s field names (``_`` → ``-``), plus the
 SGLang spellings ``--model-path`` (= ``--hf-checkpoint``) and ``--random-seed`` (= ``--seed``),
 so a launcher that starts ``python -m sglang.launch_server --model-path … --port …`` can
-start ``python -m miles serve`` with the same flags. ``--port 0`` picks a free port. Once
+start ``python -m miles serve`` with the same flags — SGLang's speculative flags included
+(``--speculative-algorithm EAGLE|STANDALONE --speculative-draft-model-path DIR
+--speculative-num-steps K``: the embedded engine's speculative decoding with that draft).
+``--port 0`` picks a free port. Once
 the server accepts connections it prints ``miles serve: listening on http://HOST:PORT``.
 SIGINT/SIGTERM abort in-flight requests and stop the server. docs/sglang.md has the
 endpoints and a deployment recipe.
@@ -29,6 +32,7 @@ import msgspec
 import torch
 
 from miles.engines import EngineConfig
+from miles.engines.spec import SpeculativeConfig
 from miles.serving.server import ServeConfig, Server
 
 _ALIASES = {"hf_checkpoint": ["--model-path"], "seed": ["--random-seed"]}
@@ -59,20 +63,48 @@ def build_parser() -> argparse.ArgumentParser:
     # SGLang's R3 switch, which miles adds to launched servers under routing replay: routed
     # experts are always available here (for MoE models), so it is accepted and changes nothing.
     parser.add_argument("--enable-return-routed-experts", action="store_true", help=argparse.SUPPRESS)
+    spec = parser.add_argument_group("speculative decoding (SGLang's flags)")
+    for flag, tp, text in (
+            ("speculative-algorithm", str, "EAGLE / EAGLE3 / NEXTN / MTP (a head on the policy's hidden states) "
+                                           "or STANDALONE (a small LM); needs --speculative-draft-model-path"),
+            ("speculative-draft-model-path", str, "the draft's checkpoint directory (miles' draft format)"),
+            ("speculative-num-steps", int, "draft tokens per round"),
+            ("speculative-num-draft-tokens", int, "tokens verified per round (chain drafts: steps + 1)"),
+            ("speculative-eagle-topk", int, "1 (tree drafts are not implemented)")):
+        spec.add_argument(f"--{flag}", dest=flag, type=tp, default=argparse.SUPPRESS, help=text)
     return parser
 
 
-def parse_args(argv: Sequence[str]) -> tuple[ServeConfig, EngineConfig, str]:
+def parse_args(argv: Sequence[str]) -> tuple[ServeConfig, EngineConfig, SpeculativeConfig, str]:
+    from miles.engines.spec.config import from_sglang_args
+
     ns = vars(build_parser().parse_args(list(argv)))
     log_level = ns.pop("log_level")
     ns.pop("enable_return_routed_experts", None)
+    sglang_spec = {k: ns.pop(k) for k in list(ns) if k.startswith("speculative-")}
+    spec = SpeculativeConfig(**from_sglang_args(sglang_spec))
+    if sglang_spec and not spec.enabled:
+        raise ValueError("--speculative-* flags need --speculative-algorithm")
+    if spec.enabled and not spec.draft_model_path:
+        raise ValueError("--speculative-algorithm needs --speculative-draft-model-path (a served draft must be trained)")
     serve_names = {f.name for f in msgspec.structs.fields(ServeConfig)}
     serve = {k: v for k, v in ns.items() if k in serve_names}
     engine = {k: v for k, v in ns.items() if k not in serve_names}
-    return ServeConfig(**serve), EngineConfig(**engine), log_level
+    return ServeConfig(**serve), EngineConfig(**engine), spec, log_level
 
 
-def build_server(serve: ServeConfig, engine_cfg: EngineConfig, *, explicit_seq_len: bool) -> Server:
+def _draft(spec: SpeculativeConfig) -> Any:
+    from miles.models.draft import draft_kind, load_draft
+
+    draft = load_draft(spec.draft_model_path, dtype=torch.float32)
+    if draft_kind(draft) != spec.speculative_algorithm:
+        raise ValueError(f"--speculative-draft-model-path {spec.draft_model_path} holds a {draft_kind(draft)!r} "
+                         f"draft, but --speculative-algorithm asks for {spec.speculative_algorithm!r}")
+    return draft
+
+
+def build_server(serve: ServeConfig, engine_cfg: EngineConfig, *, explicit_seq_len: bool,
+                 speculative: SpeculativeConfig | None = None) -> Server:
     """Load the checkpoint (and its tokenizer, if it has one) and start the engine."""
     from miles.engines import EmbeddedEngine
     from miles.models import load_config, load_pretrained, load_tokenizer
@@ -87,7 +119,9 @@ def build_server(serve: ServeConfig, engine_cfg: EngineConfig, *, explicit_seq_l
         engine_cfg = msgspec.structs.replace(engine_cfg, max_seq_len=min(engine_cfg.max_seq_len, max_pos))
     tokenizer = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
     model = load_pretrained(path, device=engine_cfg.device, dtype=engine_cfg.torch_dtype())
-    engine = EmbeddedEngine(model, config=engine_cfg, tokenizer=tokenizer, version=serve.weight_version)
+    spec_on = speculative is not None and speculative.enabled
+    engine = EmbeddedEngine(model, config=engine_cfg, tokenizer=tokenizer, version=serve.weight_version,
+                            draft=_draft(speculative) if spec_on else None, speculative=speculative if spec_on else None)
     engine.start()
     return Server(engine, config=serve, tokenizer=tokenizer)
 
@@ -119,11 +153,15 @@ async def run(server: Server, *, stop: asyncio.Event | None = None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    serve, engine_cfg, log_level = parse_args(argv)
+    try:
+        serve, engine_cfg, spec, log_level = parse_args(argv)
+    except ValueError as exc:  # flag values the dataclasses refuse: one line, status 2
+        print(f"miles serve: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     explicit = any(a == "--max-seq-len" or a.startswith("--max-seq-len=") for a in argv)
     try:
-        server = build_server(serve, engine_cfg, explicit_seq_len=explicit)
+        server = build_server(serve, engine_cfg, explicit_seq_len=explicit, speculative=spec)
     except (OSError, ValueError) as exc:  # missing/bad checkpoint or flags: one line, status 2
         print(f"miles serve: error: {exc}", file=sys.stderr)
         return 2

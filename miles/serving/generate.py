@@ -31,6 +31,7 @@ from miles.serving.protocol import (
     build_response,
     finish_reason,
     parse_generate,
+    spec_stats,
     sse,
 )
 from miles.serving.server import json_response, read_json
@@ -69,9 +70,12 @@ async def _run(server: Server, item: Item) -> tuple[GenerateOutput, float]:
 def respond(server: Server, item: Item, out: GenerateOutput, e2e: float) -> dict[str, Any]:
     finish = finish_reason(out.finish_reason, matched=out.matched_stop,
                            length=len(out.output_ids), error=out.error)
+    decoder = getattr(server.engine, "spec", None)
+    spec = (spec_stats(out.spec_verify_count, out.spec_accepted_tokens, decoder.cfg.speculative_num_steps)
+            if decoder is not None else None)
     return build_response(item, output_ids=out.output_ids, logprobs=out.logprobs,
                           versions=out.versions, finish=finish, weight_version=server.engine.version,
-                          tokenizer=server.tokenizer, routed=out.routed_experts, e2e_latency=e2e)
+                          tokenizer=server.tokenizer, routed=out.routed_experts, e2e_latency=e2e, spec=spec)
 
 
 async def _stream(server: Server, request: web.Request, item: Item) -> web.StreamResponse:

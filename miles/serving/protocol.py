@@ -306,8 +306,9 @@ def _text(item: Item, tokenizer: Any, ids: list[int], matched: Any) -> str:
 def build_response(item: Item, *, output_ids: list[int], logprobs: list[float], versions: list[int],
                    finish: dict[str, Any] | None, weight_version: int, tokenizer: Any,
                    routed: list[list[list[int]]] | None = None, e2e_latency: float | None = None,
-                   ) -> dict[str, Any]:
-    """One SGLang response object (a whole response, or a cumulative stream chunk)."""
+                   spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One SGLang response object (a whole response, or a cumulative stream chunk); ``spec``:
+    the speculative-decoding stats a speculating server adds to the final one."""
     prompt = item.request.input_ids
     meta: dict[str, Any] = {
         "id": item.request.rid,
@@ -325,6 +326,7 @@ def build_response(item: Item, *, output_ids: list[int], logprobs: list[float], 
         meta["output_token_logprobs_length"] = len(output_ids)
     if finish is not None:
         meta["e2e_latency"] = e2e_latency
+        meta.update(spec or {})
         meta["weight_versions"] = version_spans(versions)
         if item.routed_start is not None and routed is not None:
             # rows index positions of prompt + output; the engine knows the routing of the
@@ -340,6 +342,19 @@ def build_response(item: Item, *, output_ids: list[int], logprobs: list[float], 
     if item.return_prompt_token_ids:
         out["prompt_token_ids"] = list(prompt)
     return out
+
+
+def spec_stats(verify_ct: int, accepted: int, draft_tokens: int) -> dict[str, Any]:
+    """SGLang's speculative keys for one request: ``verify_ct`` rounds, each proposing
+    ``draft_tokens`` drafts, of which ``accepted`` were kept in all. SGLang divides all
+    completion tokens by the rounds for the accept length; the embedded engine may decode
+    some tokens by plain steps (its adaptive rule), so here it is the tokens the rounds
+    emitted per round (kept drafts + the policy's own token)."""
+    proposed = verify_ct * draft_tokens
+    return {"spec_verify_ct": verify_ct,
+            "spec_accept_length": (accepted + verify_ct) / verify_ct if verify_ct else 0.0,
+            "spec_num_correct_drafts": accepted, "spec_num_proposed_drafts": proposed,
+            "spec_accept_rate": accepted / proposed if proposed else 0.0}
 
 
 _encoder = msgspec.json.Encoder()
