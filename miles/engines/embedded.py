@@ -278,7 +278,8 @@ class EmbeddedEngine:
         return {v: s.as_dict() for v, s in sorted(self.spec.controller.by_version.items())}
 
     def pop_hidden_states(self, rid: str) -> torch.Tensor | None:
-        return self._hidden.pop(rid, None)
+        hidden = self._hidden.pop(rid, None)
+        return None if hidden is None else hidden.clone()  # a normal tensor: autograd may save it
 
     def progress(self, rid: str) -> int | None:
         """Tokens generated so far by an in-flight request (None if not in flight)."""
@@ -358,7 +359,12 @@ class EmbeddedEngine:
 
     # ---- stepping thread -------------------------------------------------------------
     def _run(self) -> None:
-        with torch.no_grad():
+        # On the CPU, inference_mode rather than no_grad: no version counters or view tracking
+        # on the stepping thread's tensors (13% of a tiny-model decode step). Tensors made here
+        # are then inference tensors; the ones handed out (hidden states) are cloned on the way
+        # out. CUDA keeps no_grad: its graphs and compiled steps were verified under it.
+        cpu = self.runner.device.type == "cpu"
+        with torch.inference_mode() if cpu else torch.no_grad():
             while True:
                 with self._cv:
                     while not self._has_work():
