@@ -182,6 +182,13 @@ def _gpu_options(cfg: MilesConfig) -> tuple[dict[str, Any], list[dict[str, Any]]
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     total = trainer_gpus if cfg.run.colocate else trainer_gpus + cfg.run.rollout_num_gpus
+    have = ray.cluster_resources().get("GPU", 0)
+    if have < total:  # the placement group would wait for GPUs that are not there
+        from miles.config import ConfigError
+
+        raise ConfigError(f"this run needs {total} GPUs (trainer {trainer_gpus}"
+                          f"{'' if cfg.run.colocate else f', rollout {cfg.run.rollout_num_gpus}'}); "
+                          f"the Ray cluster has {have:g}")
     pg = placement_group([{"GPU": 1, "CPU": 1}] * total, strategy="PACK")
     ray.get(pg.ready(), timeout=120)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 
 import pytest
 
@@ -123,3 +124,16 @@ def test_moe_run_with_rollout_routing_replay(ray_cluster, task, tmp_path) -> Non
     cfg, summary = _run(ckpt, task, tmp_path / "out", mode="async", max_staleness=1, partial_rollout=True,
                         use_rollout_routing_replay=True, num_rollout=3)
     assert summary["status"] == "completed" and summary["ledger_ok"]
+
+
+def test_more_gpus_than_the_cluster_has_is_a_clear_error(ray_cluster, tiny_ckpt, task, tmp_path) -> None:
+    """Asking for GPUs the Ray cluster does not have fails at once, naming both counts,
+    instead of a placement group waiting for them."""
+    from miles.config import ConfigError
+
+    cfg = resolve(run_flags(tiny_ckpt, task, tmp_path / "gpus", actor_num_gpus_per_node=1, colocate=True))
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"needs 1 GPUs \(trainer 1\); the Ray cluster has 0"):
+        asyncio.run(train(cfg))
+    assert time.monotonic() - start < 60
+    assert not (tmp_path / "gpus" / "summary.json").exists()
