@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/RESULTS.md's H200 sections, one part per argument:
-#   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command)
+#   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command; parts:
+#   tests failing engine-matmul profile engine long-tail trainer spec megatron weights async async-x2)
 # On a machine without ray/msgspec/megatron-core, a .whl folder built by the project's
 # gpu-wheels tool is installed first. Env: TESTS (test paths), TESTS_TIMEOUT, WEIGHTS_ARGS, WEIGHTS_TIMEOUT,
 # ASYNC_ARGS / ASYNC_TIMEOUT (e.g. ASYNC_ARGS="--steps 8 --only sync async_eta2"), SPEC_STEPS, SPEC_ARGS
@@ -24,6 +25,7 @@ for part in "$@"; do
         engine-matmul) timeout 200 python3 benchmarks/engine.py --device cuda --preset 0.5b --decode-attention matmul --no-hf ;;
         profile)  timeout 200 python3 benchmarks/profile_decode.py --device cuda 2>&1 | tail -45 ;;
         engine)   timeout 300 python3 benchmarks/engine.py --device cuda --preset 0.5b ;;
+        long-tail) timeout 300 python3 benchmarks/long_tail_decode.py --device cuda --preset 0.5b ;;
         trainer)  timeout 300 python3 benchmarks/trainer.py --device cuda --preset 0.5b --compile ;;
         spec)     timeout 480 python3 benchmarks/speculative.py --device cuda --steps ${SPEC_STEPS:-16} --plot "$OUT/speculative_cuda.png" ${SPEC_ARGS:-} ;;
         megatron) timeout 300 python3 benchmarks/megatron_trainer.py --device cuda ;;

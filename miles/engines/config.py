@@ -26,6 +26,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # verify steps; "auto": matmul on the CPU (16% faster per tiny-model step than SDPA with a
     # mask, which takes a slow path there), sdpa on CUDA.
     decode_attention: str = "auto"
+    # Long-tail decode: when a few rows' contexts are much longer than the rest, read the
+    # short range for every row and the long range for those rows only (matmul attention;
+    # runner.choose_split). None = auto: on where decode runs eagerly (the CPU, MoE, no CUDA
+    # graphs); True also bypasses the CUDA graphs on the steps it splits (not yet measured
+    # on a GPU).
+    decode_split: bool | None = None
     # CUDA graphs for dense decode steps (ignored on the CPU and for MoE models).
     cuda_graphs: bool = True
     # torch.compile the layers' step functions (fuses RMSNorm/RoPE/SiLU/residual kernels).

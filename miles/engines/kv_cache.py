@@ -19,6 +19,9 @@ Backends (see ``miles.models.layers.AttentionBackend``):
   axis, so K and V are each read once and never repeated; ``mode="sdpa"`` hands the same
   views and mask to ``scaled_dot_product_attention``.
 
+  With ``split = (S, long_rows)`` every row reads ``[0, S)`` and only the long rows read
+  ``[S, L)`` (gathered), their partial softmaxes merged exactly: in a long-tailed batch a
+  step otherwise reads every row up to the longest context (``ModelRunner.choose_split``).
 - ``VerifyAttention``: T new tokens per row at ``starts[b] .. starts[b] + T - 1`` (a
   speculative verify step, or a draft model catching up): writes their K/V there, then each
   attends over ``[0, its position]`` of the row's slot — causal among the new tokens, same
@@ -83,15 +86,27 @@ class PrefillAttention:
 
 
 class DecodeAttention:
-    """One query token per row; rows ``0..n-1`` are slots ``0..n-1``."""
+    """One query token per row; rows ``0..n-1`` are slots ``0..n-1``.
 
-    def __init__(self, cache: KVCache, positions: Tensor, length: int, mode: str = "matmul") -> None:
+    ``split = (S, long_rows)`` (matmul mode): every row reads ``[0, S)``, and only the rows
+    in ``long_rows`` also read ``[S, length)`` (gathered), their two partial softmaxes merged
+    exactly. A step otherwise reads every row up to the batch's longest context, so a few
+    long rows among many short ones (RL's long tail) make most of the KV read padding."""
+
+    def __init__(self, cache: KVCache, positions: Tensor, length: int, mode: str = "matmul",
+                 split: tuple[int, Tensor] | None = None) -> None:
         self.cache, self.positions, self.length, self.mode = cache, positions, length, mode
         n = positions.shape[0]
-        self.rows = torch.arange(n, device=positions.device)
-        # [n, 1, 1, L]: key j is visible to row b iff j <= positions[b].
-        self.mask = (torch.arange(length, device=positions.device)[None, :]
-                     <= positions[:, None])[:, None, None, :]
+        dev = positions.device
+        self.rows = torch.arange(n, device=dev)
+        self.split = split if mode == "matmul" else None
+        short = self.split[0] if self.split is not None else length
+        # [n, 1, 1, S]: key j is visible to row b iff j <= positions[b].
+        self.mask = (torch.arange(short, device=dev)[None, :] <= positions[:, None])[:, None, None, :]
+        if self.split is not None:
+            long_rows = self.split[1]
+            self.long_mask = (torch.arange(short, length, device=dev)[None, :]
+                              <= positions[long_rows][:, None])[:, None, None, :]
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         n, H, _, D = q.shape
@@ -99,16 +114,33 @@ class DecodeAttention:
         kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
         kc[self.rows, :, self.positions] = k[:, :, 0]
         vc[self.rows, :, self.positions] = v[:, :, 0]
-        keys = kc[:n, :, : self.length]  # views: [n, KV, L, D]
-        values = vc[:n, :, : self.length]
+        short = self.split[0] if self.split is not None else self.length
+        keys = kc[:n, :, :short]  # views: [n, KV, S, D]
+        values = vc[:n, :, :short]
         qg = q.reshape(n, KV, H // KV, D)  # the GQA group becomes the query axis
         if self.mode == "sdpa":
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask)
-        else:
-            scores = torch.matmul(qg, keys.transpose(-1, -2)) * (1.0 / math.sqrt(D))
-            scores = scores.float().masked_fill(~self.mask, float("-inf"))
-            out = torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
+            return out.reshape(n, H, 1, D)
+        scale = 1.0 / math.sqrt(D)
+        scores = (torch.matmul(qg, keys.transpose(-1, -2)) * scale).float().masked_fill(~self.mask, float("-inf"))
+        out = torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
+        if self.split is not None:
+            out[self.split[1]] = self._long_rows(qg, scores, values, kc, vc, scale)
         return out.reshape(n, H, 1, D)
+
+    def _long_rows(self, qg: Tensor, scores: Tensor, values: Tensor, kc: Tensor, vc: Tensor,
+                   scale: float) -> Tensor:
+        """The long rows' attention over ``[0, length)``: their ``[0, S)`` scores from the
+        common pass, ``[S, length)`` from gathered K/V, one softmax over both."""
+        short, idx = self.split
+        k2, v2 = kc[idx, :, short : self.length], vc[idx, :, short : self.length]  # gathers
+        s1 = scores[idx]
+        s2 = (torch.matmul(qg[idx], k2.transpose(-1, -2)) * scale).float().masked_fill(~self.long_mask, float("-inf"))
+        top = torch.maximum(s1.amax(-1, keepdim=True), s2.amax(-1, keepdim=True))
+        p1, p2 = (s1 - top).exp(), (s2 - top).exp()
+        total = p1.sum(-1, keepdim=True) + p2.sum(-1, keepdim=True)
+        num = torch.matmul((p1 / total).to(v2.dtype), values[idx]) + torch.matmul((p2 / total).to(v2.dtype), v2)
+        return num
 
 
 class VerifyAttention:

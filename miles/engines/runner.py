@@ -57,6 +57,8 @@ class ModelRunner:
         self.block = config.block()
         use_graphs = config.cuda_graphs and self.device.type == "cuda" and not self.is_moe
         self.graphs = DecodeGraphs(self) if use_graphs else None
+        split = config.decode_split
+        self.split = (self.graphs is None if split is None else split) and config.attention_mode() == "matmul"
         # Cache positions decode steps attended to (Σ contexts) and read (rows × bucket): a
         # step reads every row up to the longest context, so one long row in a batch of
         # short ones makes most of the KV read padding (engine/kv_read_useful_frac).
@@ -97,16 +99,40 @@ class ModelRunner:
         step's samples); request i occupies slot i (i < n)."""
         L = self.context_bucket(max(positions) + 1)
         self.kv_useful += sum(positions) + len(positions)
-        self.kv_read += len(positions) * L
         if self.config.deterministic:
+            self.kv_read += len(positions) * L
             return self._decode_padded(tokens, positions, L)
-        if self.graphs is not None:
+        split = self.choose_split(positions, L) if self.split else None
+        self.kv_read += len(positions) * L if split is None else split[2]
+        if self.graphs is not None and split is None:
             out = self.graphs.run(tokens, positions, L)
             if out is not None:
                 return out
         if not isinstance(tokens, Tensor):
             tokens = self._tensor(tokens)
-        return self.decode_eager(tokens, self._tensor(positions), L)
+        rows = None if split is None else (split[0], self._tensor(split[1]))
+        return self.decode_eager(tokens, self._tensor(positions), L, split=rows)
+
+    def choose_split(self, positions: list[int], L: int) -> tuple[int, list[int], int] | None:
+        """(S, the rows reading past S, positions read) when reading ``[0, S)`` for every row and
+        ``[S, L)`` for the long rows only reads under 70% of ``n × L`` (the long rows' range is
+        counted three times: gathered, read, merged); None otherwise."""
+        n = len(positions)
+        ends = sorted(p + 1 for p in positions)
+        best, best_cost = None, 0.7 * n * L
+        i = 0
+        for S in sorted({self.context_bucket(e) for e in ends}):
+            if S >= L:
+                break
+            while i < n and ends[i] <= S:
+                i += 1
+            cost = n * S + 3 * (n - i) * (L - S)
+            if cost < best_cost:
+                best, best_cost = S, cost
+        if best is None:
+            return None
+        long_rows = [r for r, p in enumerate(positions) if p + 1 > best]
+        return best, long_rows, n * best + len(long_rows) * (L - best)
 
     def _decode_padded(self, tokens: Tensor | list[int], positions: list[int], L: int) -> StepOut:
         """Decode with every slot's row present, so matmul shapes never change: the extra
@@ -127,8 +153,9 @@ class ModelRunner:
                 return out
         return self.decode_eager(tokens, positions, L)
 
-    def decode_eager(self, tokens: Tensor, positions: Tensor, L: int) -> StepOut:
-        backend = DecodeAttention(self.cache, positions, L, self.config.attention_mode())
+    def decode_eager(self, tokens: Tensor, positions: Tensor, L: int, *,
+                     split: tuple[int, Tensor] | None = None) -> StepOut:
+        backend = DecodeAttention(self.cache, positions, L, self.config.attention_mode(), split=split)
         out = self.model(tokens[:, None], positions[:, None], kv_cache=backend, return_hidden=True,
                          return_routing=self.is_moe, check_inputs=False)
         routing = None if out.routing is None else out.routing[:, 0]
