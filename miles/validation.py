@@ -73,9 +73,9 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
     if run.num_reward_workers < 0:
         yield "--num-reward-workers must be >= 0"
     gpus = run.actor_num_gpus_per_node + run.rollout_num_gpus
-    if run.colocate and run.rollout_num_gpus and run.rollout_num_gpus != run.actor_num_gpus_per_node * run.actor_num_nodes:
-        yield "--colocate shares the trainer's GPUs: leave --rollout-num-gpus unset or equal to the trainer's"
     trainer_gpus = run.actor_num_gpus_per_node * run.actor_num_nodes
+    if run.colocate and run.rollout_num_gpus and run.rollout_num_gpus != trainer_gpus:
+        yield "--colocate shares the trainer's GPUs: leave --rollout-num-gpus unset or equal to the trainer's"
     if trainer_gpus > 1 and run.train_backend != "megatron":
         # The PolicyTrainer actor is one process; FSDP2 needs a torchrun launch (library use).
         yield (f"the embedded trainer trains on one GPU in a run, not {trainer_gpus}: set "

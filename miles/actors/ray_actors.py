@@ -196,19 +196,19 @@ def _gpu_options(cfg: MilesConfig) -> tuple[dict[str, Any], list[dict[str, Any]]
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
         return {"num_gpus": gpus, "num_cpus": 0.1, "scheduling_strategy": strategy}
 
-    if cfg.run.train_backend == "megatron" and trainer_gpus > 1:
+    ranks = cfg.run.train_backend == "megatron" and trainer_gpus > 1
+    if ranks:
         # The PolicyTrainer actor drives a RayRankGroup (rank r on bundle r) and sends the
         # weights from a share of the first GPU, next to rank 0 (and the colocated workers).
         from miles.trainers.megatron.launch import first_gpu_share
 
         share = first_gpu_share(cfg.run.colocate, cfg.run.num_rollout_workers)
-        if cfg.run.colocate:
-            return at(0, share), [at(0, share)], pg
-        return at(0, share), [at(trainer_gpus + i, 1.0) for i in range(max(cfg.run.rollout_num_gpus, 1))], pg
-    if cfg.run.colocate:  # the trainer and every worker on the first GPU (CUDA IPC's case)
+    else:
         share = 1.0 / (1 + cfg.run.num_rollout_workers)
-        return at(0, share if trainer_gpus == 1 else 1.0), [at(0, share)], pg
-    return at(0, 1.0), [at(trainer_gpus + i, 1.0) for i in range(max(cfg.run.rollout_num_gpus, 1))], pg
+    if cfg.run.colocate:  # the trainer and every worker on the first GPU (CUDA IPC's case)
+        return at(0, share if trainer_gpus == 1 or ranks else 1.0), [at(0, share)], pg
+    rollout = [at(trainer_gpus + i, 1.0) for i in range(max(cfg.run.rollout_num_gpus, 1))]
+    return at(0, share if ranks else 1.0), rollout, pg
 
 
 def launch(cfg: MilesConfig) -> Actors:

@@ -100,12 +100,12 @@ class DecodeAttention:
         dev = positions.device
         self.rows = torch.arange(n, device=dev)
         self.split = split if mode == "matmul" else None
-        short = self.split[0] if self.split is not None else length
+        self.short = self.split[0] if self.split is not None else length  # what every row reads
         # [n, 1, 1, S]: key j is visible to row b iff j <= positions[b].
-        self.mask = (torch.arange(short, device=dev)[None, :] <= positions[:, None])[:, None, None, :]
+        self.mask = (torch.arange(self.short, device=dev)[None, :] <= positions[:, None])[:, None, None, :]
         if self.split is not None:
             long_rows = self.split[1]
-            self.long_mask = (torch.arange(short, length, device=dev)[None, :]
+            self.long_mask = (torch.arange(self.short, length, device=dev)[None, :]
                               <= positions[long_rows][:, None])[:, None, None, :]
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -114,9 +114,8 @@ class DecodeAttention:
         kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
         kc[self.rows, :, self.positions] = k[:, :, 0]
         vc[self.rows, :, self.positions] = v[:, :, 0]
-        short = self.split[0] if self.split is not None else self.length
-        keys = kc[:n, :, :short]  # views: [n, KV, S, D]
-        values = vc[:n, :, :short]
+        keys = kc[:n, :, : self.short]  # views: [n, KV, S, D]
+        values = vc[:n, :, : self.short]
         qg = q.reshape(n, KV, H // KV, D)  # the GQA group becomes the query axis
         if self.mode == "sdpa":
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask)
@@ -132,15 +131,14 @@ class DecodeAttention:
                    scale: float) -> Tensor:
         """The long rows' attention over ``[0, length)``: their ``[0, S)`` scores from the
         common pass, ``[S, length)`` from gathered K/V, one softmax over both."""
-        short, idx = self.split
-        k2, v2 = kc[idx, :, short : self.length], vc[idx, :, short : self.length]  # gathers
+        idx = self.split[1]
+        k2, v2 = kc[idx, :, self.short : self.length], vc[idx, :, self.short : self.length]  # gathers
         s1 = scores[idx]
         s2 = (torch.matmul(qg[idx], k2.transpose(-1, -2)) * scale).float().masked_fill(~self.long_mask, float("-inf"))
         top = torch.maximum(s1.amax(-1, keepdim=True), s2.amax(-1, keepdim=True))
         p1, p2 = (s1 - top).exp(), (s2 - top).exp()
         total = p1.sum(-1, keepdim=True) + p2.sum(-1, keepdim=True)
-        num = torch.matmul((p1 / total).to(v2.dtype), values[idx]) + torch.matmul((p2 / total).to(v2.dtype), v2)
-        return num
+        return torch.matmul((p1 / total).to(v2.dtype), values[idx]) + torch.matmul((p2 / total).to(v2.dtype), v2)
 
 
 class VerifyAttention:

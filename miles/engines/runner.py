@@ -98,12 +98,11 @@ class ModelRunner:
         """One token per running request (host list, or device tensor from the previous
         step's samples); request i occupies slot i (i < n)."""
         L = self.context_bucket(max(positions) + 1)
+        split = self.choose_split(positions, L) if self.split and not self.config.deterministic else None
         self.kv_useful += sum(positions) + len(positions)
-        if self.config.deterministic:
-            self.kv_read += len(positions) * L
-            return self._decode_padded(tokens, positions, L)
-        split = self.choose_split(positions, L) if self.split else None
         self.kv_read += len(positions) * L if split is None else split[2]
+        if self.config.deterministic:
+            return self._decode_padded(tokens, positions, L)
         if self.graphs is not None and split is None:
             out = self.graphs.run(tokens, positions, L)
             if out is not None:

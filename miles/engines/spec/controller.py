@@ -45,13 +45,6 @@ WINDOW = 9  # recent rates per option whose median the rule uses
 DECAY = 0.98  # per-round decay of the acceptance counts
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """τ: tokens a row emits per round when each draft is accepted with probability α."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
 def bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
