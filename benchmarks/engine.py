@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--decode-attention", default="auto", choices=["auto", "matmul", "sdpa"])
+    ap.add_argument("--decode-attention", default="auto", choices=["auto", "matmul", "sdpa", "triton"])
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/RESULTS.md's H200 sections, one part per argument:
 #   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command; parts:
-#   tests failing engine-matmul profile engine long-tail trainer spec megatron weights async async-x2)
+#   tests failing engine-matmul engine-attn profile engine long-tail trainer spec megatron weights async async-x2)
 # On a machine without ray/msgspec/megatron-core, a .whl folder built by the project's
-# gpu-wheels tool is installed first. Env: TESTS (test paths), TESTS_TIMEOUT, WEIGHTS_ARGS, WEIGHTS_TIMEOUT,
+# gpu-wheels tool is installed first. Env: TESTS (test paths), ATTN (engine-attn's --decode-attention values), TESTS_TIMEOUT, WEIGHTS_ARGS, WEIGHTS_TIMEOUT,
 # ASYNC_ARGS / ASYNC_TIMEOUT (e.g. ASYNC_ARGS="--steps 8 --only sync async_eta2"), SPEC_STEPS, SPEC_ARGS
 # (e.g. "--batches 1 4 16 64 --repeats 1": the full sweep and 8 steps overran 300 s on the H200). Extra outputs go to $OUT (default: runs/gpu).
 set -uo pipefail
@@ -23,6 +23,7 @@ for part in "$@"; do
         tests)    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short ${TESTS:-tests/gpu} -p no:cacheprovider > "$OUT/tests.txt" 2>&1; tail -40 "$OUT/tests.txt" ;;
         failing)  timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider $FAILING > "$OUT/failing.txt" 2>&1; tail -5 "$OUT/failing.txt" ;;
         engine-matmul) timeout 200 python3 benchmarks/engine.py --device cuda --preset 0.5b --decode-attention matmul --no-hf ;;
+        engine-attn) for a in ${ATTN:-sdpa triton}; do timeout 200 python3 benchmarks/engine.py --device cuda --preset 0.5b --decode-attention $a --no-hf; done ;;
         profile)  timeout 200 python3 benchmarks/profile_decode.py --device cuda 2>&1 | tail -45 ;;
         engine)   timeout 300 python3 benchmarks/engine.py --device cuda --preset 0.5b ;;
         long-tail) timeout 300 python3 benchmarks/long_tail_decode.py --device cuda --preset 0.5b ;;

@@ -4,8 +4,9 @@ KV read (``EngineConfig.decode_split``), side by side in one process.
 A decode step reads every row's KV cache up to the batch's longest context, so in RL's
 long-tailed batches most of that read is padding. With the split, every row reads the short
 range and only the long rows read the rest (``DecodeAttention``). Each case runs the same
-requests through engines that differ only in ``decode_split`` (on CUDA also the default
-engine, whose CUDA graphs read the padded range), best of 3 after a warm-up.
+requests through engines that differ only in ``decode_split`` (on CUDA also engines whose
+CUDA graphs read the padded range, sdpa and matmul, and the length-aware Triton kernel's,
+``decode_attention="triton"``), best of 3 after a warm-up.
 
     python benchmarks/long_tail_decode.py                         # CPU: tiny and small presets
     python benchmarks/long_tail_decode.py --device cuda --preset 0.5b
@@ -80,11 +81,13 @@ async def main() -> None:
                         decode_attention="matmul")
             variants = {"no split": dict(decode_split=False, cuda_graphs=False),
                         "split": dict(decode_split=True, cuda_graphs=False)}
-            if cuda:
-                variants = {"graphs (padded)": dict(decode_split=False), **variants}
+            if cuda:  # CUDA graphs that read the padded range, and the length-aware triton kernel's
+                variants = {"graphs sdpa (padded)": dict(decode_split=False, decode_attention="sdpa"),
+                            "graphs matmul (padded)": dict(decode_split=False), **variants,
+                            "graphs triton": dict(decode_attention="triton")}
             out = {}
             for name, extra in variants.items():
-                out[name] = await timed(model.to(args.device), EngineConfig(**base, **extra), prompts,
+                out[name] = await timed(model.to(args.device), EngineConfig(**{**base, **extra}), prompts,
                                         args.new_tokens, args.repeats)
             ref = out["no split"][0]
             for name, (sec, useful) in out.items():

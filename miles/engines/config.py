@@ -23,8 +23,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # 128 on CUDA so CUDA graphs see few shapes, 16 on the CPU).
     kv_block: int = 0
     # "sdpa" (torch's fused kernel) or "matmul" (explicit q·Kᵀ, softmax, ·V) for decode and
-    # verify steps; "auto": matmul on the CPU (16% faster per tiny-model step than SDPA with a
-    # mask, which takes a slow path there), sdpa on CUDA.
+    # verify steps, both reading every row up to the batch's longest context; "triton"
+    # (CUDA; verify steps use sdpa) reads each row only up to its own length. "auto": matmul
+    # on the CPU (16% faster per tiny-model step than SDPA with a mask, which takes a slow
+    # path there); triton on CUDA where triton is installed and the head dim is a power of
+    # two ≥ 16, sdpa otherwise.
     decode_attention: str = "auto"
     # Long-tail decode: when a few rows' contexts are much longer than the rest, read the
     # short range for every row and the long range for those rows only (matmul attention;
@@ -65,24 +68,36 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return torch.device(self.device).type == "cuda"
         return self.overlap
 
-    def attention_mode(self) -> str:
+    def attention_mode(self, head_dim: int) -> str:
+        from miles.kernels import decode_attention as kernel
+
         if self.decode_attention != "auto":
             return self.decode_attention
-        return "matmul" if torch.device(self.device).type == "cpu" else "sdpa"
+        if torch.device(self.device).type == "cpu":
+            return "matmul"
+        return "triton" if kernel.available(self.device) and kernel.supports(head_dim) else "sdpa"
 
     def block(self) -> int:
         if self.kv_block > 0:
             return self.kv_block
         return 16 if torch.device(self.device).type == "cpu" else 128
 
-    def validate(self, max_position_embeddings: int) -> None:
+    def validate(self, max_position_embeddings: int, head_dim: int) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if not 1 < self.max_seq_len <= max_position_embeddings:
             raise ValueError(f"max_seq_len {self.max_seq_len} not in (1, max_position_embeddings="
                              f"{max_position_embeddings}]")
-        if self.decode_attention not in ("auto", "matmul", "sdpa"):
-            raise ValueError(f"decode_attention {self.decode_attention!r} not in auto/matmul/sdpa")
+        if self.decode_attention not in ("auto", "matmul", "sdpa", "triton"):
+            raise ValueError(f"decode_attention {self.decode_attention!r} not in auto/matmul/sdpa/triton")
+        if self.decode_attention == "triton":
+            from miles.kernels import decode_attention as kernel
+
+            if not kernel.available(self.device):
+                raise ValueError(f"decode_attention 'triton' needs triton and a CUDA device (device "
+                                 f"{self.device!r}, triton {'installed' if kernel.triton else 'not installed'})")
+            if not kernel.supports(head_dim):
+                raise ValueError(f"decode_attention 'triton' needs a power-of-two head_dim >= 16, got {head_dim}")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
         self.torch_dtype()

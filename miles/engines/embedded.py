@@ -74,7 +74,7 @@ class EmbeddedEngine:
         """Takes ownership of ``model`` (and ``draft``): moves it to ``config.device`` /
         dtype, freezes grads. Speculation needs both ``draft`` and an enabled ``speculative``."""
         self.config = config = config or EngineConfig()
-        config.validate(model.config.max_position_embeddings)
+        config.validate(model.config.max_position_embeddings, model.config.head_dim)
         self.device, self.dtype = torch.device(config.device), config.torch_dtype()
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         self.model.fuse_projections(compile_fast_path() if config.use_compile() else None)

@@ -17,7 +17,10 @@ Backends (see ``miles.models.layers.AttentionBackend``):
   attends over ``[0, positions[b]]`` of the row's slot. ``mode="matmul"`` (default) is
   explicit ``q·Kᵀ → masked softmax (float32) → ·V`` with the GQA group folded into the query
   axis, so K and V are each read once and never repeated; ``mode="sdpa"`` hands the same
-  views and mask to ``scaled_dot_product_attention``.
+  views and mask to ``scaled_dot_product_attention``. Both read every row up to ``L``;
+  ``mode="triton"`` (CUDA) reads each row only up to its own position
+  (``miles.kernels.decode_attention``), so its cost follows the useful KV positions and the
+  runner passes the whole cache length as ``L`` (one CUDA graph per batch bucket).
 
   With ``split = (S, long_rows)`` every row reads ``[0, S)`` and only the long rows read
   ``[S, L)`` (gathered), their partial softmaxes merged exactly: in a long-tailed batch a
@@ -41,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from miles.kernels import decode_attention as triton_decode
 from miles.models.config import ModelConfig
 
 
@@ -101,6 +105,9 @@ class DecodeAttention:
         self.rows = torch.arange(n, device=dev)
         self.split = split if mode == "matmul" else None
         self.short = self.split[0] if self.split is not None else length  # what every row reads
+        if mode == "triton":
+            self.lengths = positions + 1
+            return
         # [n, 1, 1, S]: key j is visible to row b iff j <= positions[b].
         self.mask = (torch.arange(self.short, device=dev)[None, :] <= positions[:, None])[:, None, None, :]
         if self.split is not None:
@@ -117,6 +124,9 @@ class DecodeAttention:
         keys = kc[:n, :, : self.short]  # views: [n, KV, S, D]
         values = vc[:n, :, : self.short]
         qg = q.reshape(n, KV, H // KV, D)  # the GQA group becomes the query axis
+        if self.mode == "triton":
+            out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length)
+            return out.reshape(n, H, 1, D)
         if self.mode == "sdpa":
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask)
             return out.reshape(n, H, 1, D)
@@ -164,7 +174,7 @@ class VerifyAttention:
         G = H // KV
         qg = q.reshape(n, KV, G * T, D)  # (group, token) rows per KV head
         mask = self.mask.expand(n, G, T, self.length).reshape(n, 1, G * T, self.length)
-        if self.mode == "sdpa":
+        if self.mode in ("sdpa", "triton"):  # the triton kernel is decode-only
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
         else:
             scores = torch.matmul(qg, keys.transpose(-1, -2)) * (1.0 / math.sqrt(D))

@@ -55,10 +55,14 @@ class ModelRunner:
         model.rotary.reserve(self.cache.length, self.device)
         self.verify_graphs: Any = None  # set by the speculative decoder on CUDA
         self.block = config.block()
+        self.attention = config.attention_mode(model.config.head_dim)
+        # the triton kernel reads each row only up to its own length, so decode passes the
+        # whole cache length as the context: one CUDA graph per batch bucket, no padding read
+        self.length_aware = self.attention == "triton"
         use_graphs = config.cuda_graphs and self.device.type == "cuda" and not self.is_moe
         self.graphs = DecodeGraphs(self) if use_graphs else None
         split = config.decode_split
-        self.split = (self.graphs is None if split is None else split) and config.attention_mode() == "matmul"
+        self.split = (self.graphs is None if split is None else split) and self.attention == "matmul"
         # Cache positions decode steps attended to (Σ contexts) and read (rows × bucket): a
         # step reads every row up to the longest context, so one long row in a batch of
         # short ones makes most of the KV read padding (engine/kv_read_useful_frac).
@@ -97,10 +101,11 @@ class ModelRunner:
     def decode(self, tokens: Tensor | list[int], positions: list[int]) -> StepOut:
         """One token per running request (host list, or device tensor from the previous
         step's samples); request i occupies slot i (i < n)."""
-        L = self.context_bucket(max(positions) + 1)
+        useful = sum(positions) + len(positions)
+        L = self.cache.length if self.length_aware else self.context_bucket(max(positions) + 1)
         split = self.choose_split(positions, L) if self.split and not self.config.deterministic else None
-        self.kv_useful += sum(positions) + len(positions)
-        self.kv_read += len(positions) * L if split is None else split[2]
+        self.kv_useful += useful
+        self.kv_read += useful if self.length_aware else len(positions) * L if split is None else split[2]
         if self.config.deterministic:
             return self._decode_padded(tokens, positions, L)
         if self.graphs is not None and split is None:
@@ -154,7 +159,7 @@ class ModelRunner:
 
     def decode_eager(self, tokens: Tensor, positions: Tensor, L: int, *,
                      split: tuple[int, Tensor] | None = None) -> StepOut:
-        backend = DecodeAttention(self.cache, positions, L, self.config.attention_mode(), split=split)
+        backend = DecodeAttention(self.cache, positions, L, self.attention, split=split)
         out = self.model(tokens[:, None], positions[:, None], kv_cache=backend, return_hidden=True,
                          return_routing=self.is_moe, check_inputs=False)
         routing = None if out.routing is None else out.routing[:, 0]
@@ -181,7 +186,7 @@ class ModelRunner:
     def verify_eager(self, tokens: Tensor, starts: Tensor, L: int, *, logits_index: Tensor | None = None,
                      logits: bool = True) -> StepOut:
         T = tokens.shape[1]
-        backend = VerifyAttention(self.cache, starts, T, L, self.config.attention_mode())
+        backend = VerifyAttention(self.cache, starts, T, L, self.attention)
         out = self.model(tokens, backend.positions, kv_cache=backend, return_hidden=True,
                          return_logits=logits, logits_index=logits_index,
                          return_routing=self.is_moe, check_inputs=False)

@@ -40,7 +40,7 @@ def _logprobs(ref: CausalLM, prompt: list[int], out) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("moe", [False, True])
-@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+@pytest.mark.parametrize("attention", ["sdpa", "matmul", "triton"])
 def test_engine_float32_logprobs_match_cpu_full_forward(moe: bool, attention: str) -> None:
     ref = _model(moe=moe)
     engine = _engine(copy.deepcopy(ref), decode_attention=attention)

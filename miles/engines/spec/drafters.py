@@ -175,6 +175,7 @@ class EagleDrafter(Drafter):
         self.cache = KVCache(model.config, config.max_batch_size, config.max_seq_len, self.device,
                              self.dtype, headroom=self.headroom)
         self.model.rotary.reserve(self.cache.length, self.device)
+        self.attention = config.attention_mode(model.config.head_dim)
         self.pending_hidden = torch.zeros(config.max_batch_size, CAPACITY + MAX_STEPS + 1,
                                           model.config.hidden_size, device=self.device, dtype=self.dtype)
         self.block = config.block()
@@ -211,7 +212,7 @@ class EagleDrafter(Drafter):
             r.draft_len = m - 1
 
     def _feed(self, ids: Tensor, starts: Tensor, L: int) -> Tensor:
-        backend = VerifyAttention(self.cache, starts, ids.shape[1], L, self.config.attention_mode())
+        backend = VerifyAttention(self.cache, starts, ids.shape[1], L, self.attention)
         return self._features(self.pending_hidden[: ids.shape[0], : ids.shape[1]], ids, backend.positions, backend)
 
     def flush(self, rows: list[Request]) -> None:
@@ -242,7 +243,7 @@ class EagleDrafter(Drafter):
         return self.policy.lm_head(f).float(), f
 
     def step(self, tokens: Tensor, positions: Tensor, state: Any, L: int, *, graphs: bool) -> tuple[Tensor, Any]:
-        backend = DecodeAttention(self.cache, positions, L, self.config.attention_mode())
+        backend = DecodeAttention(self.cache, positions, L, self.attention)
         f = self._features(state[:, None], tokens[:, None], positions[:, None], backend)[:, 0]
         return self.policy.lm_head(f).float(), f
 

@@ -112,3 +112,9 @@ def test_bad_engine_config() -> None:
         with pytest.raises(ValueError, match=msg):
             make_engine(model, **kw)
     assert EngineConfig().torch_dtype() == torch.float32
+
+
+def test_triton_decode_attention_needs_a_gpu(monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tests' CPU interpreter off: as on a user's CPU
+    with pytest.raises(ValueError, match="decode_attention 'triton' needs triton and a CUDA device"):
+        make_engine(make_model(), decode_attention="triton")
