@@ -24,7 +24,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_block: int = 0
     # "sdpa" (torch's fused kernel) or "matmul" (explicit q·Kᵀ, softmax, ·V) for decode and
     # verify steps, both reading every row up to the batch's longest context; "triton"
-    # (CUDA; verify steps use sdpa) reads each row only up to its own length. "auto": matmul
+    # (CUDA) reads each row only up to its own length. "auto": matmul
     # on the CPU (16% faster per tiny-model step than SDPA with a mask, which takes a slow
     # path there); triton on CUDA where triton is installed and the head dim is a power of
     # two ≥ 16, sdpa otherwise.

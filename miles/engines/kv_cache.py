@@ -19,8 +19,9 @@ Backends (see ``miles.models.layers.AttentionBackend``):
   axis, so K and V are each read once and never repeated; ``mode="sdpa"`` hands the same
   views and mask to ``scaled_dot_product_attention``. Both read every row up to ``L``;
   ``mode="triton"`` (CUDA) reads each row only up to its own position
-  (``miles.kernels.decode_attention``), so its cost follows the useful KV positions and the
-  runner passes the whole cache length as ``L`` (one CUDA graph per batch bucket).
+  (``miles.kernels.decode_attention``, also for ``VerifyAttention``), so its cost follows the
+  useful KV positions and the runner passes the whole cache length as ``L``: one CUDA graph
+  per batch bucket (and k, for speculative rounds) serves every context length.
 
   With ``split = (S, long_rows)`` every row reads ``[0, S)`` and only the long rows read
   ``[S, L)`` (gathered), their partial softmaxes merged exactly: in a long-tailed batch a
@@ -160,6 +161,9 @@ class VerifyAttention:
         dev = starts.device
         self.positions = starts[:, None] + torch.arange(T, device=dev)[None, :]  # [n, T]
         self.rows = torch.arange(n, device=dev)[:, None]
+        if mode == "triton":
+            self.lengths = starts + T
+            return
         # [n, 1, T, L]: key j is visible to query t of row b iff j <= starts[b] + t.
         self.mask = (torch.arange(length, device=dev)[None, None, :] <= self.positions[:, :, None])[:, None]
 
@@ -173,8 +177,11 @@ class VerifyAttention:
         values = vc[:n, :, : self.length]
         G = H // KV
         qg = q.reshape(n, KV, G * T, D)  # (group, token) rows per KV head
+        if self.mode == "triton":
+            out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length, tokens=T)
+            return out.reshape(n, H, T, D)
         mask = self.mask.expand(n, G, T, self.length).reshape(n, 1, G * T, self.length)
-        if self.mode in ("sdpa", "triton"):  # the triton kernel is decode-only
+        if self.mode == "sdpa":
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
         else:
             scores = torch.matmul(qg, keys.transpose(-1, -2)) * (1.0 / math.sqrt(D))

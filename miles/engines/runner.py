@@ -81,6 +81,12 @@ class ModelRunner:
         b = self.block
         return min(-(-longest // b) * b, self.cache.length)
 
+    def read_length(self, longest: int) -> int:
+        """The context a decode or verify step passes to attention: the padded bucket, or
+        with the length-aware kernel (which reads each row only up to its own length) the
+        whole cache, so that one CUDA graph shape serves every context length."""
+        return self.cache.length if self.length_aware else self.context_bucket(longest)
+
     # ---- prefill -----------------------------------------------------------------------
     def prefill(self, slots: list[int], seqs: list[list[int]], *, logits: bool,
                 hidden: bool = False, routing: bool = False) -> StepOut:
@@ -102,7 +108,7 @@ class ModelRunner:
         """One token per running request (host list, or device tensor from the previous
         step's samples); request i occupies slot i (i < n)."""
         useful = sum(positions) + len(positions)
-        L = self.cache.length if self.length_aware else self.context_bucket(max(positions) + 1)
+        L = self.read_length(max(positions) + 1)
         split = self.choose_split(positions, L) if self.split and not self.config.deterministic else None
         self.kv_useful += useful
         self.kv_read += useful if self.length_aware else len(positions) * L if split is None else split[2]
@@ -173,7 +179,7 @@ class ModelRunner:
         [n, V] at ``logits_index``), hidden [n, T, H] and routing [n, T, L_moe, k] (MoE)."""
         T = tokens.shape[1]
         if L is None:
-            L = self.context_bucket(max(starts) + T)
+            L = self.read_length(max(starts) + T)
         graphs = self.verify_graphs
         if graphs is not None and logits and logits_index is None:
             out = graphs.run(tokens, starts, L)

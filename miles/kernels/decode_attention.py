@@ -16,6 +16,9 @@ Two launches per layer:
    ``tl.dot``) and store the chunk's running max, denominator and weighted sum (float32).
 2. ``_merge``: grid (rows, KV heads): merges the row's valid chunks exactly.
 
+The same kernel serves a speculative verify step (several new tokens per row, causal among
+them): each query row's own limit masks the keys it may not see.
+
 Each row's result depends only on its own query and cache (fixed chunking, fixed order):
 the kernel is batch-invariant. Used by ``DecodeAttention`` when ``decode_attention`` is
 ``"triton"`` (CUDA; on the CPU only under ``TRITON_INTERPRET=1``, which the tests use).
@@ -58,14 +61,16 @@ def supports(head_dim: int) -> bool:
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float,
-                     max_len: int) -> Tensor:
-    """Attention of one query per row over the first ``lengths[b]`` cache positions.
+                     max_len: int, tokens: int = 1) -> Tensor:
+    """Attention of ``tokens`` new queries per row over the row's cache, causal among them:
+    query t of row b sees positions ``[0, lengths[b] - tokens + t]`` (one token: a decode
+    step; several: a speculative verify step, the new tokens' K/V already written).
 
-    ``q`` [n, KV, G, D] (the GQA group on the third axis); ``k_cache`` / ``v_cache`` one
-    layer's cache [slots ≥ n, KV, positions, D], row b in slot b; ``lengths`` [n] int (≥ 1,
-    ≤ ``max_len`` ≤ positions). ``max_len`` only sizes the grid. Returns [n, KV, G, D] in
-    ``q``'s dtype."""
-    n, KV, G, D = q.shape
+    ``q`` [n, KV, G × tokens, D] (query rows per KV head, index g × tokens + t); ``k_cache``
+    / ``v_cache`` one layer's cache [slots ≥ n, KV, positions, D], row b in slot b;
+    ``lengths`` [n] int (≥ tokens, ≤ ``max_len`` ≤ positions). ``max_len`` only sizes the
+    grid. Returns q's shape and dtype."""
+    n, KV, G, D = q.shape  # G: query rows per KV head
     chunks = triton.cdiv(max_len, CHUNK)
     acc = torch.empty((n, KV, chunks, G, D), device=q.device, dtype=torch.float32)
     stats = torch.empty((2, n, KV, chunks, G), device=q.device, dtype=torch.float32)  # max, denominator
@@ -75,7 +80,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     _partial[(n, KV, chunks)](
         q, k_cache, v_cache, lengths, acc, stats, scale,
         *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3], *acc.stride()[:4], *stats.stride()[:5],
-        G=G, G_PAD=G_PAD, D=D, CHUNK=CHUNK, BLOCK_N=BLOCK_N, EXACT=exact,
+        G=G, G_PAD=G_PAD, D=D, T=tokens, CHUNK=CHUNK, BLOCK_N=BLOCK_N, EXACT=exact,
     )
     _merge[(n, KV)](
         acc, stats, lengths, out, *acc.stride()[:4], *stats.stride()[:5], *out.stride(),
@@ -90,8 +95,8 @@ if triton is not None:
     def _partial(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, st_ptr, scale,
                  sq_b, sq_h, sq_g, sq_d, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                  sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
-                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                 BLOCK_N: tl.constexpr, EXACT: tl.constexpr):
+                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+                 CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, EXACT: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
@@ -102,6 +107,7 @@ if triton is not None:
         d = tl.arange(0, D)
         q = tl.load(q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :] * sq_d,
                     mask=g[:, None] < G, other=0.0)
+        limit = length - (T - 1) + g % T  # keys each query row sees (causal among new tokens)
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         den = tl.zeros((G_PAD,), tl.float32)
         acc = tl.zeros((G_PAD, D), tl.float32)
@@ -115,10 +121,11 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(live[None, :], s * scale, float("-inf"))
+            s = tl.where(t[None, :] < limit[:, None], s * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            alpha = tl.exp(m - m_use)
+            p = tl.exp(s - m_use[:, None])
             den = den * alpha + tl.sum(p, 1)
             v = tl.load(v_base + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)
             if EXACT:
@@ -153,7 +160,8 @@ if triton is not None:
             acc_c = tl.load(acc_ptr + b * sa_b + h * sa_h + c * sa_c + g[:, None] * sa_g + d[None, :],
                             mask=rows[:, None], other=0.0)
             m_new = tl.maximum(m, m_c)
-            alpha, beta = tl.exp(m - m_new), tl.exp(m_c - m_new)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # chunks a query row sees nothing of
+            alpha, beta = tl.exp(m - m_use), tl.exp(m_c - m_use)
             den = den * alpha + den_c * beta
             acc = acc * alpha[:, None] + acc_c * beta[:, None]
             m = m_new

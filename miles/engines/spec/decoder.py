@@ -81,8 +81,13 @@ class SpecDecoder:
         return any(self.drafter.pending(r) >= CAPACITY - 1 for r in reqs)
 
     def context_bucket(self, reqs: list[Request], k: int) -> int:
-        """Cache positions every forward of the round reads (policy and draft)."""
-        return self.runner.context_bucket(max(r.kv_len for r in reqs) + k + 2)
+        """The context every forward of the round passes to attention (policy and draft): the
+        whole cache where both read only each row's own length (one round graph per batch
+        bucket and k), else the longest context rounded up."""
+        longest = max(r.kv_len for r in reqs) + k + 2
+        if self.drafter.length_aware:
+            return self.runner.read_length(longest)
+        return self.runner.context_bucket(longest)
 
     def core(self, rp: RoundParams, io: RoundIO, k: int, L: int, generator: torch.Generator | None, *,
              captured: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:

@@ -55,6 +55,7 @@ class Drafter:
     kind = "base"
     needs_hidden = False
     step_offset = 0  # draft step j (1..k-1) feeds its entry at position kv_len + step_offset + j
+    length_aware = False  # its attention reads each row only up to its length (triton)
 
     def __init__(self, model: Any, config: EngineConfig, *, version: int = 0) -> None:
         self.config = config
@@ -123,6 +124,7 @@ class LMDrafter(Drafter):
     def __init__(self, model: CausalLM, config: EngineConfig, *, version: int = 0) -> None:
         super().__init__(model, config, version=version)
         self.runner = ModelRunner(self.model, config, headroom=self.headroom)
+        self.length_aware = self.runner.length_aware
 
     def pending(self, r: Request) -> int:
         return r.kv_len + 1 - r.draft_len  # the pending last token counts (it may be in flight)
@@ -176,6 +178,7 @@ class EagleDrafter(Drafter):
                              self.dtype, headroom=self.headroom)
         self.model.rotary.reserve(self.cache.length, self.device)
         self.attention = config.attention_mode(model.config.head_dim)
+        self.length_aware = self.attention == "triton"
         self.pending_hidden = torch.zeros(config.max_batch_size, CAPACITY + MAX_STEPS + 1,
                                           model.config.hidden_size, device=self.device, dtype=self.dtype)
         self.block = config.block()

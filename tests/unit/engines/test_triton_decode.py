@@ -46,6 +46,25 @@ def test_kernel_matches_softmax_reference(group: int, head_dim: int) -> None:
     torch.testing.assert_close(out, _reference(q, kc, vc, lengths), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("tokens", [2, 5])
+def test_kernel_verify_step_is_causal_among_new_tokens(tokens: int) -> None:
+    """Several new tokens per row (a speculative verify): query t sees ``[0, length - T + t]``."""
+    g = torch.Generator().manual_seed(tokens)
+    KV, G, D, T = 2, 2, 16, kernel.CHUNK + 70
+    lengths = [tokens, tokens + 3, kernel.CHUNK + 1, kernel.CHUNK + tokens - 1, T]  # new tokens across a chunk edge
+    n = len(lengths)
+    kc = torch.randn(n, KV, T, D, generator=g).to(DEVICE)
+    vc = torch.randn(n, KV, T, D, generator=g).to(DEVICE)
+    q = torch.randn(n, KV, G * tokens, D, generator=g).to(DEVICE)  # row index g × tokens + t
+    out = kernel.decode_attention(q, kc, vc, torch.tensor(lengths, device=DEVICE), 1 / math.sqrt(D), T,
+                                  tokens=tokens)
+    for b, m in enumerate(lengths):
+        for r in range(G * tokens):
+            t = r % tokens
+            want = _reference(q[b : b + 1, :, r : r + 1], kc[b : b + 1], vc[b : b + 1], [m - tokens + 1 + t])
+            torch.testing.assert_close(out[b : b + 1, :, r : r + 1], want, atol=2e-5, rtol=2e-5)
+
+
 def test_kernel_never_reads_past_a_rows_length() -> None:
     """Positions past each row's length hold NaN: a read of any of them would show."""
     g = torch.Generator().manual_seed(0)
@@ -104,6 +123,26 @@ def test_engine_with_triton_decode_matches_matmul_engine() -> None:
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs),
                                    atol=1e-5, rtol=0)
     assert useful == 1.0 and ref_useful < 0.5  # one long row pads the matmul engine's reads
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle"])
+def test_speculative_engine_with_triton_matches_matmul(kind: str) -> None:
+    """Verify steps and draft steps through the kernel: the same tokens as the matmul engine."""
+    from .spec_helpers import generate_all, make_model, spec_engine
+
+    policy = make_model()
+    g = torch.Generator().manual_seed(3)
+    requests = [GenerateRequest(rid=str(i), input_ids=torch.randint(5, 250, (m,), generator=g).tolist(),
+                                sampling=SamplingParams(max_new_tokens=10, seed=i, ignore_eos=True))
+                for i, m in enumerate((4, 30, 120))]
+    outs = {}
+    for attention in ("matmul", "triton"):
+        engine = spec_engine(policy, kind, k=3, device=DEVICE, decode_attention=attention, decode_split=False)
+        outs[attention] = generate_all(engine, requests)
+        assert engine.stepper.stats.counters["spec_rounds"] > 0
+    for a, b in zip(outs["matmul"], outs["triton"]):
+        assert a.output_ids == b.output_ids and a.spec_accepted_tokens == b.spec_accepted_tokens
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
 
 
 def test_engine_config_rejects_triton_where_it_cannot_run() -> None:
