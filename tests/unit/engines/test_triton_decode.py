@@ -137,7 +137,8 @@ def test_speculative_engine_with_triton_matches_matmul(kind: str) -> None:
                 for i, m in enumerate((4, 30, 120))]
     outs = {}
     for attention in ("matmul", "triton"):
-        engine = spec_engine(policy, kind, k=3, device=DEVICE, decode_attention=attention, decode_split=False)
+        engine = spec_engine(policy, kind, k=3, device=DEVICE, dtype="float32", decode_attention=attention,
+                             decode_split=False)
         outs[attention] = generate_all(engine, requests)
         assert engine.stepper.stats.counters["spec_rounds"] > 0
     for a, b in zip(outs["matmul"], outs["triton"]):
