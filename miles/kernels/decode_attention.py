@@ -78,25 +78,30 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     G_PAD = max(16, triton.next_power_of_2(G))
     exact = q.dtype == torch.float32  # fp32 dots stay fp32 (tl.dot would use tf32)
     _partial[(n, KV, chunks)](
-        q, k_cache, v_cache, lengths, acc, stats, scale,
+        q, k_cache, v_cache, lengths, acc, stats, scale, G, tokens,
         *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3], *acc.stride()[:4], *stats.stride()[:5],
-        G=G, G_PAD=G_PAD, D=D, T=tokens, CHUNK=CHUNK, BLOCK_N=BLOCK_N, EXACT=exact,
+        G_PAD=G_PAD, D=D, CHUNK=CHUNK, BLOCK_N=BLOCK_N, EXACT=exact,
     )
     _merge[(n, KV)](
-        acc, stats, lengths, out, *acc.stride()[:4], *stats.stride()[:5], *out.stride(),
-        G=G, G_PAD=G_PAD, D=D, CHUNK=CHUNK,
+        acc, stats, lengths, out, G, *acc.stride()[:4], *stats.stride()[:5], *out.stride(),
+        G_PAD=G_PAD, D=D, CHUNK=CHUNK,
     )
     return out
 
 
 if triton is not None:
 
-    @triton.jit
-    def _partial(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, st_ptr, scale,
+    # G (query rows per KV head) and T (new tokens per row) are runtime values, not
+    # specialised: a speculative engine meets many T (k + 1 per round, any backlog width
+    # when the draft catches up), and a fresh compile for each cost ~0.1-0.2 s per new
+    # value on the H200 — more than the rounds it served. Only the tile size G_PAD compiles
+    # (and the statistics' strides, which follow n × G, are not specialised either).
+    @triton.jit(do_not_specialize=["G", "T", "ss_w", "ss_b", "ss_h", "ss_c"])
+    def _partial(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, st_ptr, scale, G, T,
                  sq_b, sq_h, sq_g, sq_d, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                  sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
-                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
-                 CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, EXACT: tl.constexpr):
+                 G_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                 EXACT: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
@@ -140,10 +145,9 @@ if triton is not None:
         tl.store(st, m, mask=keep)
         tl.store(st + ss_w, den, mask=keep)
 
-    @triton.jit
-    def _merge(acc_ptr, st_ptr, len_ptr, out_ptr, sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
-               so_b, so_h, so_g, so_d, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-               CHUNK: tl.constexpr):
+    @triton.jit(do_not_specialize=["G", "ss_w", "ss_b", "ss_h", "ss_c"])
+    def _merge(acc_ptr, st_ptr, len_ptr, out_ptr, G, sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
+               so_b, so_h, so_g, so_d, G_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         length = tl.load(len_ptr + b)

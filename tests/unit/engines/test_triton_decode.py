@@ -125,6 +125,32 @@ def test_engine_with_triton_decode_matches_matmul_engine() -> None:
     assert useful == 1.0 and ref_useful < 0.5  # one long row pads the matmul engine's reads
 
 
+def test_length_aware_decode_needs_one_graph_per_batch_bucket() -> None:
+    """The kernel reads each row only to its length, so decode passes the whole cache length
+    and the CUDA graphs (replayed eagerly here) are keyed by batch bucket alone."""
+    from .test_graph_plumbing import _fake_graphs
+
+    torch.manual_seed(0)
+    model = CausalLM(tiny_config(initializer_range=0.1)).eval()
+    engine = EmbeddedEngine(model, config=EngineConfig(max_batch_size=4, max_seq_len=300, device=DEVICE,
+                                                       dtype="float32", decode_attention="triton", kv_block=16))
+    graphs = _fake_graphs(engine)
+    g = torch.Generator().manual_seed(4)
+    sp = [SamplingParams(max_new_tokens=m, seed=i, ignore_eos=True) for i, m in enumerate((6, 20, 12, 3, 9))]
+    prompts = [torch.randint(5, 250, (m,), generator=g).tolist() for m in (3, 40, 200, 17, 90)]
+
+    async def go():
+        outs = await asyncio.gather(*(engine.generate(GenerateRequest(rid=str(i), input_ids=p, sampling=s))
+                                      for i, (p, s) in enumerate(zip(prompts, sp))))
+        await engine.close()
+        return outs
+
+    outs = asyncio.run(go())
+    assert [len(o.output_ids) for o in outs] == [s.max_new_tokens for s in sp]
+    assert len({nb for nb, _ in graphs.graphs}) > 1  # several batch sizes ...
+    assert {L for _, L in graphs.graphs} == {engine.runner.cache.length}  # ... and one context for all
+
+
 @pytest.mark.parametrize("kind", ["draft", "eagle"])
 def test_speculative_engine_with_triton_matches_matmul(kind: str) -> None:
     """Verify steps and draft steps through the kernel: the same tokens as the matmul engine."""
