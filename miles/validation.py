@@ -96,6 +96,13 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
         # Only the synchronous schedule makes every token's policy version independent of
         # timing; async modes train on whatever finished first.
         yield "--deterministic needs --mode sync without --over-sampling-batch-size"
+    engine = cfg.engine
+    if engine.decode_attention not in ("auto", "matmul", "sdpa", "triton"):
+        yield f"--decode-attention {engine.decode_attention!r}: choose auto, matmul, sdpa or triton"
+    elif (engine.decode_attention == "triton" and run.rollout_backend == "embedded"
+          and not str(engine.device).startswith("cuda")):
+        yield (f"--decode-attention triton is a CUDA kernel; the engines run on {engine.device!r} "
+               "(use auto, or --device cuda)")
     yield from _env_problems(cfg)
     yield from _megatron_problems(cfg)
     yield from transport_problems(cfg)

@@ -104,6 +104,8 @@ def test_incompatible_flags(files, capsys) -> None:
     _fails(_argv(files, "--env-path", "examples/agentic/calculator.py:CalculatorEnv", "--use-rollout-routing-replay"),
            capsys, "environment tokens have no recorded routing")
     _fails(_argv(files, "--advantage-estimator", "ppo"), capsys, "no critic yet")
+    _fails(_argv(files, "--decode-attention", "triton"), capsys, "--decode-attention triton is a CUDA kernel")
+    _fails(_argv(files, "--decode-attention", "flash"), capsys, "choose auto, matmul, sdpa or triton")
     # GPU layouts that Ray could not place (a worker past the placement group's last GPU, or
     # two NCCL ranks on one GPU): refused before anything starts
     _fails(_argv(files, "--actor-num-gpus-per-node", "1"), capsys, "--rollout-num-gpus for the engines' own GPUs")
