@@ -20,8 +20,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for part in "$@"; do
     echo "=== $part $(date +%T)"
     case "$part" in
-        tests)    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short ${TESTS:-tests/gpu} -p no:cacheprovider > "$OUT/tests.txt" 2>&1; tail -40 "$OUT/tests.txt" ;;
-        failing)  timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider $FAILING > "$OUT/failing.txt" 2>&1; tail -5 "$OUT/failing.txt" ;;
+        tests)    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short ${TESTS:-tests/gpu} -p no:cacheprovider > "$OUT/tests.txt" 2>&1
+                  rc=$?; tail -40 "$OUT/tests.txt"; (exit $rc) ;;
+        failing)  timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider $FAILING > "$OUT/failing.txt" 2>&1
+                  rc=$?; tail -5 "$OUT/failing.txt"; (exit $rc) ;;
         engine-matmul) timeout 200 python3 benchmarks/engine.py --device cuda --preset 0.5b --decode-attention matmul --no-hf ;;
         engine-attn) for a in ${ATTN:-sdpa triton}; do timeout 200 python3 benchmarks/engine.py --device cuda --preset 0.5b --decode-attention $a --no-hf; done ;;
         profile)  timeout 200 python3 benchmarks/profile_decode.py --device cuda 2>&1 | tail -45 ;;
@@ -33,9 +35,10 @@ for part in "$@"; do
         weights)  timeout ${WEIGHTS_TIMEOUT:-300} python3 benchmarks/weight_sync.py --device cuda ${WEIGHTS_ARGS:-} ;;
         async)    timeout ${ASYNC_TIMEOUT:-540} python3 benchmarks/async_vs_sync.py --device cuda ${ASYNC_ARGS:-} ;;
         async-x2) timeout ${ASYNC_TIMEOUT:-540} python3 benchmarks/async_vs_sync.py --device cuda --disaggregated ${ASYNC_ARGS:-} ;;
-        *) echo "unknown part $part" ;;
+        *) echo "unknown part $part"; false ;;
     esac
-    echo "=== $part done $(date +%T) rc=$?"
+    rc=$?  # the part's own status (a pipe's first failure: pipefail), before anything else runs
+    echo "=== $part done $(date +%T) rc=$rc"
     cp benchmarks/RESULTS.md "$OUT/RESULTS.md"  # after every part: a later timeout keeps what ran
     case "$part" in async*) tar czf "$OUT/$part-metrics.tgz" runs/async_vs_sync/*/metrics.jsonl 2>/dev/null ;; esac
 done
