@@ -75,7 +75,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return self.decode_attention
         if torch.device(self.device).type == "cpu":
             return "matmul"
-        return "triton" if kernel.available(self.device) and kernel.supports(head_dim) else "sdpa"
+        if kernel.failure(self.device, self.torch_dtype(), head_dim) is None:
+            return "triton"
+        return "sdpa"
 
     def block(self) -> int:
         if self.kv_block > 0:
@@ -93,11 +95,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.decode_attention == "triton":
             from miles.kernels import decode_attention as kernel
 
-            if not kernel.available(self.device):
-                raise ValueError(f"decode_attention 'triton' needs triton and a CUDA device (device "
-                                 f"{self.device!r}, triton {'installed' if kernel.triton else 'not installed'})")
-            if not kernel.supports(head_dim):
-                raise ValueError(f"decode_attention 'triton' needs a power-of-two head_dim >= 16, got {head_dim}")
+            reason = kernel.failure(self.device, self.torch_dtype(), head_dim)
+            if reason is not None:
+                raise ValueError(f"decode_attention 'triton' cannot run here: the kernel {reason}")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
         self.torch_dtype()

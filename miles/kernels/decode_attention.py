@@ -26,6 +26,8 @@ the kernel is batch-invariant. Used by ``DecodeAttention`` when ``decode_attenti
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import torch
@@ -36,6 +38,8 @@ try:
     import triton.language as tl
 except ImportError:  # the CPU install has no triton; available() says so
     triton = None
+
+log = logging.getLogger(__name__)
 
 CHUNK = 256  # positions per partial program
 BLOCK_N = 64  # positions per inner iteration
@@ -58,6 +62,46 @@ def available(device: torch.device | str) -> bool:
 def supports(head_dim: int) -> bool:
     """``tl.dot`` tiles need a power-of-two head dim of at least 16."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def failure(device: str, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the kernel cannot serve an engine here (completing "the kernel ..."), or None.
+    Beyond the static checks, one tiny launch (which also compiles it) is checked against
+    a plain softmax, once per (device, dtype, head_dim): a GPU whose triton cannot compile
+    the kernel (an old architecture without bf16 tensor-core dots, a broken install) must
+    not take down an engine that asked for "auto" — it gets torch's attention instead."""
+    if triton is None:
+        return "needs triton and a CUDA device (triton is not installed)"
+    if not available(device):
+        return f"needs triton and a CUDA device (device {device!r})"
+    if not supports(head_dim):
+        return f"needs a power-of-two head_dim >= 16, got {head_dim}"
+    return _launch_failure(str(device), dtype, head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_failure(device: str, dtype: torch.dtype, head_dim: int) -> str | None:
+    reason = _probe(device, dtype, head_dim)
+    if reason is not None:
+        log.warning("the Triton decode attention %s on %s (%s, head_dim %d): engines use torch's attention",
+                    reason, device, dtype, head_dim)
+    return reason
+
+
+def _probe(device: str, dtype: torch.dtype, head_dim: int) -> str | None:
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, kc, vc = (torch.randn(shape, generator=g).to(device, dtype) for shape in
+                     ((2, 1, 2, head_dim), (2, 1, 300, head_dim), (2, 1, 300, head_dim)))
+        out = decode_attention(q, kc, vc, torch.tensor([1, 300], device=device), head_dim ** -0.5, 300)
+        ref = torch.stack([torch.softmax(q[b, 0].float() @ kc[b, 0, :m].float().T * head_dim ** -0.5, -1)
+                           @ vc[b, 0, :m].float() for b, m in ((0, 1), (1, 300))])[:, None]
+        err = (out.float() - ref).abs().max().item()
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use it here
+        return f"failed to run: {type(exc).__name__}: {exc}"
+    if not err <= (1e-4 if dtype == torch.float32 else 5e-2):
+        return f"disagreed with a plain softmax by {err:.3g}"
+    return None
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float,

@@ -116,5 +116,5 @@ def test_bad_engine_config() -> None:
 
 def test_triton_decode_attention_needs_a_gpu(monkeypatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the tests' CPU interpreter off: as on a user's CPU
-    with pytest.raises(ValueError, match="decode_attention 'triton' needs triton and a CUDA device"):
+    with pytest.raises(ValueError, match="decode_attention 'triton' cannot run here: the kernel needs triton and a CUDA device"):
         make_engine(make_model(), decode_attention="triton")

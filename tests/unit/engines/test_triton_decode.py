@@ -176,3 +176,22 @@ def test_engine_config_rejects_triton_where_it_cannot_run() -> None:
     model = CausalLM(tiny_config(head_dim=8, hidden_size=32)).eval()
     with pytest.raises(ValueError, match="head_dim >= 16, got 8"):
         EmbeddedEngine(model, config=EngineConfig(device=DEVICE, decode_attention="triton", max_seq_len=64))
+
+
+def test_a_kernel_that_fails_its_probe_is_not_used_by_auto(monkeypatch) -> None:
+    """Where the kernel cannot compile or run, "auto" picks torch's attention and an explicit
+    "triton" is refused with the kernel's own error."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("no bf16 dot on this GPU")
+
+    monkeypatch.setattr(kernel, "decode_attention", broken)
+    kernel._launch_failure.cache_clear()
+    try:
+        reason = kernel.failure(DEVICE, torch.float32, 16)
+        assert reason == "failed to run: RuntimeError: no bf16 dot on this GPU"
+        if DEVICE == "cuda":
+            assert EngineConfig(device=DEVICE).attention_mode(16) == "sdpa"
+        with pytest.raises(ValueError, match="the kernel failed to run: RuntimeError: no bf16 dot"):
+            EngineConfig(device=DEVICE, decode_attention="triton").validate(4096, 16)
+    finally:
+        kernel._launch_failure.cache_clear()
