@@ -24,10 +24,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_block: int = 0
     # "sdpa" (torch's fused kernel) or "matmul" (explicit q·Kᵀ, softmax, ·V) for decode and
     # verify steps, both reading every row up to the batch's longest context; "triton"
-    # (CUDA) reads each row only up to its own length. "auto": matmul
-    # on the CPU (16% faster per tiny-model step than SDPA with a mask, which takes a slow
-    # path there); triton on CUDA where triton is installed and the head dim is a power of
-    # two ≥ 16, sdpa otherwise.
+    # (CUDA, miles.kernels) reads each row only up to its own length. "auto": matmul on the
+    # CPU (16% faster per tiny-model step than SDPA with a mask, which takes a slow path
+    # there); on CUDA triton where its probe launch works (triton installed, a power-of-two
+    # head dim ≥ 16, a GPU it compiles for), sdpa otherwise.
     decode_attention: str = "auto"
     # Long-tail decode: when a few rows' contexts are much longer than the rest, read the
     # short range for every row and the long range for those rows only (matmul attention;
