@@ -18,6 +18,7 @@ token was sampled from — the positions whose log-probs carry loss.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -90,6 +91,16 @@ def rewards_of(trajs: Sequence[Trajectory], reward_key: str | None) -> Tensor:
     return rewards
 
 
+def _padded(rows: Sequence[Sequence[float | int]], lens: Sequence[int], width: int, dtype: torch.dtype) -> Tensor:
+    """[N, width] zero-padded from ragged rows, converting only the real entries: in a
+    long-tailed batch the padded rectangle is mostly padding (256 rows padded to 2048 for
+    ~20k real tokens), and building it from Python lists cost ~15 ms per tensor."""
+    out = torch.zeros(len(rows), width, dtype=dtype)
+    flat = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=dtype)
+    out[torch.arange(width)[None, :] < torch.tensor(lens)[:, None]] = flat  # row-major: rows in order
+    return out
+
+
 def build_batch(
     trajs: Sequence[Trajectory],
     *,
@@ -118,12 +129,9 @@ def build_batch(
     resp_lens = [len(t.response_tokens) for t in trajs]
     N, L, R = len(trajs), max(seq_lens), max(resp_lens)
 
-    def pad(rows: list[list], width: int, fill: float | int) -> list[list]:
-        return [r + [fill] * (width - len(r)) for r in rows]
-
     dev = torch.device(device)
-    lp = torch.tensor(pad([t.logprobs for t in trajs], R, 0.0), dtype=torch.float32).reshape(N, R)
-    mask = torch.tensor(pad([t.loss_mask for t in trajs], R, 0), dtype=torch.float32).reshape(N, R)
+    lp = _padded([t.logprobs for t in trajs], resp_lens, R, torch.float32)
+    mask = _padded([t.loss_mask for t in trajs], resp_lens, R, torch.float32)
     bad = (mask > 0) & ~torch.isfinite(lp)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
@@ -143,15 +151,13 @@ def build_batch(
                 routing[n, : len(r)] = got
         routing = routing.to(dev)
     return TokenBatch(
-        input_ids=torch.tensor(pad([t.prompt_tokens + t.response_tokens for t in trajs], L, 0),
-                               dtype=torch.long).reshape(N, L).to(dev),
+        input_ids=_padded([t.prompt_tokens + t.response_tokens for t in trajs], seq_lens, L, torch.long).to(dev),
         prompt_lens=torch.tensor([len(t.prompt_tokens) for t in trajs], dtype=torch.long, device=dev),
         response_lens=torch.tensor(resp_lens, dtype=torch.long, device=dev),
-        response_ids=torch.tensor(pad([t.response_tokens for t in trajs], R, 0),
-                                  dtype=torch.long).reshape(N, R).to(dev),
+        response_ids=_padded([t.response_tokens for t in trajs], resp_lens, R, torch.long).to(dev),
         loss_mask=mask.to(dev),
         logp_rollout=lp.to(dev),
-        versions=torch.tensor(pad([t.versions for t in trajs], R, 0), dtype=torch.long).reshape(N, R).to(dev),
+        versions=_padded([t.versions for t in trajs], resp_lens, R, torch.long).to(dev),
         routing=routing,
         seq_lens=seq_lens,
         resp_lens=resp_lens,

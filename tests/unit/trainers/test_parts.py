@@ -68,6 +68,14 @@ def test_batch_layout() -> None:
     assert pos.tolist() == [2, 3, 0, 1, 2, 3]  # logits at P + j - 1 predict token j
     sub = batch.select([0])
     assert sub.input_ids.shape == (1, 5) and sub.response_ids.shape == (1, 2)
+    # ragged rows, an empty response among them: every per-token tensor zero-padded in place
+    c = make_traj("c", 1, [9, 9], [], version=0)
+    d = make_traj("d", 1, [4], [16, 17, 18], version=3, logprobs=[-0.5, -1.5, -2.5])
+    batch = build_batch([c, d, a], device="cpu", vocab_size=288)
+    assert batch.input_ids.tolist() == [[9, 9, 0, 0, 0], [4, 16, 17, 18, 0], [5, 6, 7, 10, 11]]
+    assert batch.logp_rollout.tolist() == [[0.0, 0.0, 0.0], [-0.5, -1.5, -2.5], [-1.0, 0.0, 0.0]]
+    assert batch.versions.tolist() == [[0, 0, 0], [3, 3, 3], [0, 0, 0]]
+    assert batch.response_lens.tolist() == [0, 3, 2] and batch.prompt_lens.tolist() == [2, 1, 3]
 
 
 def test_linear_logprobs_matches_log_softmax_and_its_gradient() -> None:
