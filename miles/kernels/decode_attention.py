@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 CHUNK = 256  # positions per partial program
 BLOCK_N = 64  # positions per inner iteration
+MAX_ROWS = 64  # query rows per KV head in one launch (G × tokens; wider steps launch in slices)
 
 
 def available(device: torch.device | str) -> bool:
@@ -114,23 +115,33 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     / ``v_cache`` one layer's cache [slots ≥ n, KV, positions, D], row b in slot b;
     ``lengths`` [n] int (≥ tokens, ≤ ``max_len`` ≤ positions). ``max_len`` only sizes the
     grid. Returns q's shape and dtype."""
-    n, KV, G, D = q.shape  # G: query rows per KV head
+    out = torch.empty_like(q)
+    for row0 in range(0, q.shape[2], MAX_ROWS):  # a verify step of a wide GQA group: in slices
+        rows = slice(row0, row0 + MAX_ROWS)
+        _launch(q[:, :, rows], k_cache, v_cache, lengths, scale, max_len, tokens, row0, out[:, :, rows])
+    return out
+
+
+def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float, max_len: int,
+            tokens: int, row0: int, out: Tensor) -> None:
+    n, KV, G, D = q.shape  # G: query rows per KV head in this slice, from row ``row0``
     chunks = triton.cdiv(max_len, CHUNK)
     acc = torch.empty((n, KV, chunks, G, D), device=q.device, dtype=torch.float32)
     stats = torch.empty((2, n, KV, chunks, G), device=q.device, dtype=torch.float32)  # max, denominator
-    out = torch.empty_like(q)
     G_PAD = max(16, triton.next_power_of_2(G))
     exact = q.dtype == torch.float32  # fp32 dots stay fp32 (tl.dot would use tf32)
     _partial[(n, KV, chunks)](
-        q, k_cache, v_cache, lengths, acc, stats, scale, G, tokens,
+        q, k_cache, v_cache, lengths, acc, stats, scale, G, tokens, row0,
         *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3], *acc.stride()[:4], *stats.stride()[:5],
         G_PAD=G_PAD, D=D, CHUNK=CHUNK, BLOCK_N=BLOCK_N, EXACT=exact,
+        # float32 tiles are twice the size: unpipelined they fit any GPU's shared memory
+        # (3 stages took 143-230 KB on sm80/sm90; an A100 has 164 KB)
+        num_stages=1 if exact else 3,
     )
     _merge[(n, KV)](
         acc, stats, lengths, out, G, *acc.stride()[:4], *stats.stride()[:5], *out.stride(),
         G_PAD=G_PAD, D=D, CHUNK=CHUNK,
     )
-    return out
 
 
 if triton is not None:
@@ -140,8 +151,8 @@ if triton is not None:
     # when the draft catches up), and a fresh compile for each cost ~0.1-0.2 s per new
     # value on the H200 — more than the rounds it served. Only the tile size G_PAD compiles
     # (and the statistics' strides, which follow n × G, are not specialised either).
-    @triton.jit(do_not_specialize=["G", "T", "ss_w", "ss_b", "ss_h", "ss_c"])
-    def _partial(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, st_ptr, scale, G, T,
+    @triton.jit(do_not_specialize=["G", "T", "row0", "ss_w", "ss_b", "ss_h", "ss_c"])
+    def _partial(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, st_ptr, scale, G, T, row0,
                  sq_b, sq_h, sq_g, sq_d, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                  sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
                  G_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -156,7 +167,7 @@ if triton is not None:
         d = tl.arange(0, D)
         q = tl.load(q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :] * sq_d,
                     mask=g[:, None] < G, other=0.0)
-        limit = length - (T - 1) + g % T  # keys each query row sees (causal among new tokens)
+        limit = length - (T - 1) + (row0 + g) % T  # keys each query row sees (causal among new tokens)
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         den = tl.zeros((G_PAD,), tl.float32)
         acc = tl.zeros((G_PAD, D), tl.float32)

@@ -46,11 +46,11 @@ def test_kernel_matches_softmax_reference(group: int, head_dim: int) -> None:
     torch.testing.assert_close(out, _reference(q, kc, vc, lengths), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("tokens", [2, 5])
-def test_kernel_verify_step_is_causal_among_new_tokens(tokens: int) -> None:
+@pytest.mark.parametrize("G,tokens", [(2, 2), (2, 5), (8, 9)])  # 8 × 9 rows: two launches
+def test_kernel_verify_step_is_causal_among_new_tokens(G: int, tokens: int) -> None:
     """Several new tokens per row (a speculative verify): query t sees ``[0, length - T + t]``."""
     g = torch.Generator().manual_seed(tokens)
-    KV, G, D, T = 2, 2, 16, kernel.CHUNK + 70
+    KV, D, T = 2, 16, kernel.CHUNK + 70
     lengths = [tokens, tokens + 3, kernel.CHUNK + 1, kernel.CHUNK + tokens - 1, T]  # new tokens across a chunk edge
     n = len(lengths)
     kc = torch.randn(n, KV, T, D, generator=g).to(DEVICE)
