@@ -57,6 +57,42 @@ def test_micro_batch_plan() -> None:
     assert rows == [0, 1, 2, 3, 4]
 
 
+def test_micro_batch_plan_splits_off_the_long_tail() -> None:
+    """One long row among short ones: padding them all to it costs more than a second
+    micro-batch, so the long row goes alone (no limits set, the default in a run)."""
+    lens = [5] * 20 + [100]
+    plan = plan_micro_batches(range(21), lens, micro_batch_size=None, max_tokens=None)
+    assert plan == [[20], list(range(20))]
+    assert plan_micro_batches(range(21), lens, micro_batch_size=None, max_tokens=None, cost=10**6) == [
+        [20, *range(20)]]  # when a micro-batch costs more than any padding: one
+
+
+def test_micro_batch_plan_is_the_cheapest_cut_of_the_sorted_order() -> None:
+    """Against every way to cut the longest-first order into consecutive micro-batches."""
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    for _ in range(30):
+        n = rng.randint(1, 8)
+        lens = [rng.choice([1, 2, 3, 50, 400]) + rng.randint(0, 3) for _ in range(n)]
+        limit, rows_cap, cost = rng.choice([None, 400, 800]), rng.choice([None, 2, 3]), rng.choice([0, 30, 500])
+        order = sorted(range(n), key=lambda r: -lens[r])
+
+        def price(plan):
+            if any(rows_cap and len(m) > rows_cap for m in plan):
+                return float("inf")
+            if any(limit and len(m) > 1 and len(m) * lens[m[0]] > limit for m in plan):
+                return float("inf")
+            return sum(len(m) * lens[m[0]] + cost for m in plan)
+
+        cuts = [[order[a:b] for a, b in zip((0, *c), (*c, n))]
+                for k in range(n) for c in itertools.combinations(range(1, n), k)]
+        plan = plan_micro_batches(range(n), lens, micro_batch_size=rows_cap, max_tokens=limit, cost=cost)
+        assert sorted(r for m in plan for r in m) == list(range(n))
+        assert price(plan) == min(price(c) for c in cuts)
+
+
 def test_batch_layout() -> None:
     a = make_traj("a", 0, [5, 6, 7], [10, 11], env=(1,))
     b = make_traj("b", 0, [8], [12, 13, 14, 15])
