@@ -6,7 +6,9 @@ long-tailed batches most of that read is padding. With the split, every row read
 range and only the long rows read the rest (``DecodeAttention``). Each case runs the same
 requests through engines that differ only in ``decode_split`` (on CUDA also engines whose
 CUDA graphs read the padded range, sdpa and matmul, and the length-aware Triton kernel's,
-``decode_attention="triton"``), best of 3 after a warm-up.
+``decode_attention="triton"``), best of 3 after a warm-up. The same prompts are also
+prefilled alone: each admission padded to its longest prompt, or grouped by length (the
+engine's default).
 
     python benchmarks/long_tail_decode.py                         # CPU: tiny and small presets
     python benchmarks/long_tail_decode.py --device cuda --preset 0.5b
@@ -28,7 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine import build_model, machine  # noqa: E402
+import miles.engines.stepper as stepper  # noqa: E402
 from miles.engines import EmbeddedEngine, EngineConfig  # noqa: E402
+from miles.engines.stepper import PREFILL_COST  # noqa: E402
 from miles.types import GenerateRequest, SamplingParams  # noqa: E402
 
 
@@ -76,7 +80,7 @@ async def main() -> None:
     # (batch, long rows, long prompt, short prompt)
     cases = [(64, 1, 2000, 60), (256, 4, 2000, 60)] if cuda else [(32, 1, 1500, 30), (64, 1, 2000, 60)]
     g = torch.Generator().manual_seed(0)
-    rows = []
+    rows, prefill_rows = [], []
     for preset in presets:
         model = build_model(preset)
         for n, n_long, long_len, short_len in cases:
@@ -94,6 +98,13 @@ async def main() -> None:
             for name, extra in variants.items():
                 out[name] = await timed(model.to(args.device), EngineConfig(**{**base, **extra}), prompts,
                                         args.new_tokens, args.repeats)
+            # the same prompts prefilled as admitted (each admission padded to its longest
+            # prompt, as before), or grouped by length (the engine's default, miles.utils.cuts)
+            for name, cost in (("padded to the longest", 1e18), ("grouped by length", PREFILL_COST)):
+                stepper.PREFILL_COST = cost
+                sec, _ = await timed(model.to(args.device), EngineConfig(**base), prompts, 1, args.repeats)
+                prefill_rows.append((preset, n, n_long, long_len, short_len, name, sec))
+            stepper.PREFILL_COST = PREFILL_COST
             ref = out["no split"][0]
             for name, (sec, useful) in out.items():
                 rows.append((preset, n, n_long, long_len, short_len, name, sec, n * args.new_tokens / sec,
@@ -105,6 +116,12 @@ async def main() -> None:
     for preset, n, n_long, long_len, short_len, name, sec, tps, useful, ratio in rows:
         lines.append(f"| {preset} | {n} | {n_long} × {long_len} + {n - n_long} × {short_len} | {name} | "
                      f"{sec:.3f} | {tps:.0f} | {useful:.0%} | {ratio:.2f}× |")
+    one = {r[:5]: r[6] for r in prefill_rows if r[5] == "padded to the longest"}
+    lines += ["", "Prefill alone (the same prompts, 1 new token each):", "",
+              "| preset | batch | prompts | variant | s | × padded |", "|---|---|---|---|---|---|"]
+    for preset, n, n_long, long_len, short_len, name, sec in prefill_rows:
+        lines.append(f"| {preset} | {n} | {n_long} × {long_len} + {n - n_long} × {short_len} | {name} | "
+                     f"{sec:.3f} | {one[(preset, n, n_long, long_len, short_len)] / sec:.2f}× |")
     report = "\n".join([
         f"## long_tail_decode — {datetime.datetime.now():%Y-%m-%d %H:%M}", "",
         f"Command: `python benchmarks/long_tail_decode.py {' '.join(sys.argv[1:])}`  ",

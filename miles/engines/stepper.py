@@ -33,9 +33,15 @@ from miles.engines.config import EngineConfig
 from miles.engines.requests import Request
 from miles.engines.runner import ModelRunner, StepOut
 from miles.engines.sampling import SamplingBatch, sample, to_device
+from miles.utils.cuts import cut_by_length
 
 if TYPE_CHECKING:
     from miles.engines.spec.decoder import SpecDecoder
+
+# A prefill forward's fixed cost in padded tokens' worth: a batch of prompts is cut into
+# several prefills where that saves more padding (resumed partial rollouts re-prefill long
+# contexts next to short fresh prompts).
+PREFILL_COST = 512
 
 
 @dataclass
@@ -105,6 +111,13 @@ class Stepper:
             for r in rows:  # alone: its padded length never depends on its neighbours
                 self._prefill([r])
             return
+        if len(rows) > 1:  # resumed long contexts among fresh prompts: not all padded to one
+            groups = cut_by_length(range(len(rows)), [len(r.context) for r in rows], max_rows=None,
+                                   max_tokens=self.config.max_prefill_tokens, cost=PREFILL_COST)
+            if len(groups) > 1:
+                for g in groups:
+                    self._prefill([rows[i] for i in g])
+                return
         # A fresh request prefills its whole context and samples its first token; a
         # recomputed one re-prefills all but its pending last token and samples nothing.
         seqs = [r.context if r.kv_len == 0 else r.context[:-1] for r in rows]
