@@ -4,6 +4,7 @@ prompts. The outputs do not depend on the grouping."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import pytest
@@ -27,11 +28,14 @@ def _generate(monkeypatch, cost: float, ps: list[list[int]]) -> tuple[list, list
     engine.runner.prefill = recording
 
     async def go():
-        import asyncio
-
-        outs = await asyncio.gather(*(engine.generate(GenerateRequest(
-            rid=str(i), input_ids=p, sampling=SamplingParams(max_new_tokens=6, seed=i, ignore_eos=True)))
-            for i, p in enumerate(ps)))
+        await engine.pause()  # every request queued before the engine admits any: one admission
+        tasks = [asyncio.create_task(engine.generate(GenerateRequest(
+            rid=str(i), input_ids=p, sampling=SamplingParams(max_new_tokens=6, seed=i, ignore_eos=True))))
+            for i, p in enumerate(ps)]
+        while len(engine._waiting) < len(ps):
+            await asyncio.sleep(0.001)
+        await engine.resume()
+        outs = await asyncio.gather(*tasks)
         await engine.close()
         return outs
 
