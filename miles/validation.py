@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from miles.engines.config import DECODE_ATTENTION
 from miles.transports.config import transport_problems
 
 _ESTIMATORS_NEEDING_GROUPS = {"grpo", "dr_grpo", "rloo"}
@@ -97,8 +98,9 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
         # timing; async modes train on whatever finished first.
         yield "--deterministic needs --mode sync without --over-sampling-batch-size"
     engine = cfg.engine
-    if engine.decode_attention not in ("auto", "matmul", "sdpa", "triton"):
-        yield f"--decode-attention {engine.decode_attention!r}: choose auto, matmul, sdpa or triton"
+    if engine.decode_attention not in DECODE_ATTENTION:
+        yield (f"--decode-attention {engine.decode_attention!r}: choose {', '.join(DECODE_ATTENTION[:-1])} "
+               f"or {DECODE_ATTENTION[-1]}")
     elif (engine.decode_attention == "triton" and run.rollout_backend == "embedded"
           and not str(engine.device).startswith("cuda")):
         yield (f"--decode-attention triton is a CUDA kernel; the engines run on {engine.device!r} "

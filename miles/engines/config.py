@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgspec
 import torch
 
+DECODE_ATTENTION = ("auto", "matmul", "sdpa", "triton")  # --decode-attention's choices
+
 
 class EngineConfig(msgspec.Struct, kw_only=True):
     # KV-cache slots = the most requests decoding at once; more requests wait in a queue.
@@ -32,8 +34,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Long-tail decode: when a few rows' contexts are much longer than the rest, read the
     # short range for every row and the long range for those rows only (matmul attention;
     # runner.choose_split). None = auto: on where decode runs eagerly (the CPU, MoE, no CUDA
-    # graphs); True also bypasses the CUDA graphs on the steps it splits (not yet measured
-    # on a GPU).
+    # graphs); True also bypasses the CUDA graphs on the steps it splits, which loses on the
+    # H200 (benchmarks/RESULTS.md, long_tail_decode): there the triton attention is the answer.
     decode_split: bool | None = None
     # CUDA graphs for dense decode steps (ignored on the CPU and for MoE models).
     cuda_graphs: bool = True
@@ -90,8 +92,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if not 1 < self.max_seq_len <= max_position_embeddings:
             raise ValueError(f"max_seq_len {self.max_seq_len} not in (1, max_position_embeddings="
                              f"{max_position_embeddings}]")
-        if self.decode_attention not in ("auto", "matmul", "sdpa", "triton"):
-            raise ValueError(f"decode_attention {self.decode_attention!r} not in auto/matmul/sdpa/triton")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention {self.decode_attention!r} not in {'/'.join(DECODE_ATTENTION)}")
         if self.decode_attention == "triton":
             from miles.kernels import decode_attention as kernel
 

@@ -122,12 +122,12 @@ class DecodeAttention:
         kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
         kc[self.rows, :, self.positions] = k[:, :, 0]
         vc[self.rows, :, self.positions] = v[:, :, 0]
-        keys = kc[:n, :, : self.short]  # views: [n, KV, S, D]
-        values = vc[:n, :, : self.short]
         qg = q.reshape(n, KV, H // KV, D)  # the GQA group becomes the query axis
         if self.mode == "triton":
             out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length)
             return out.reshape(n, H, 1, D)
+        keys = kc[:n, :, : self.short]  # views: [n, KV, S, D]
+        values = vc[:n, :, : self.short]
         if self.mode == "sdpa":
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask)
             return out.reshape(n, H, 1, D)

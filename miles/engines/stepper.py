@@ -107,17 +107,15 @@ class Stepper:
     def _prefill(self, rows: list[Request]) -> None:
         if self.spec is not None:
             return self._prefill_spec(rows)
-        if self.config.deterministic and len(rows) > 1:
-            for r in rows:  # alone: its padded length never depends on its neighbours
-                self._prefill([r])
-            return
-        if len(rows) > 1:  # resumed long contexts among fresh prompts: not all padded to one
+        if self.config.deterministic:
+            groups = [[i] for i in range(len(rows))]  # alone: its padded length never depends on its neighbours
+        else:  # resumed long contexts among fresh prompts: not all padded to one
             groups = cut_by_length(range(len(rows)), [len(r.context) for r in rows], max_rows=None,
                                    max_tokens=self.config.max_prefill_tokens, cost=PREFILL_COST)
-            if len(groups) > 1:
-                for g in groups:
-                    self._prefill([rows[i] for i in g])
-                return
+        for g in groups:
+            self._prefill_group([rows[i] for i in g])
+
+    def _prefill_group(self, rows: list[Request]) -> None:
         # A fresh request prefills its whole context and samples its first token; a
         # recomputed one re-prefills all but its pending last token and samples nothing.
         seqs = [r.context if r.kv_len == 0 else r.context[:-1] for r in rows]
