@@ -13,6 +13,15 @@ addressee finished with it (``release``, called by the PolicyTrainer when the br
 says so) — and even a buffer dropped earlier stays allocated while a consumer maps it
 (torch's IPC "limbo").
 
+Full updates reuse their buffers (a pool of ``POOL`` per sender, taken back on ``release``)
+and receivers keep the last ``POOL`` full-update buffers mapped: torch opens an IPC handle
+only when no live mapping of it exists in the process, so an update into a reused buffer
+costs the engine no ``cudaIpcOpenMemHandle`` (a fixed ~10 ms: on the H200, 0.5B-sized updates
+reached 4% of the copy ceiling and 7B-sized 44% while every update mapped a fresh buffer).
+Reuse is safe because ``release`` comes after every addressee committed or discarded, and
+a commit waits for its copies to finish on the device. Changed-only updates vary in size and
+get fresh buffers, freed on release as before.
+
 Receiver (rollout worker): opens its handle on the GPU with the trainer's UUID (so differing
 ``CUDA_VISIBLE_DEVICES`` orders do not matter), views the bucket's tensors and stages them
 *borrowed*: the trainer's buffer is the engine's staging area, and the commit is the one
@@ -24,6 +33,7 @@ touch the stream the engine decodes on.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +41,8 @@ import torch
 
 from miles.transports.base import IpcBucket, IpcHandle, NamedTensors, Stage, TransportError, WeightUpdate
 from miles.weights import layout, pack_into, views
+
+POOL = 2  # full-update buffers a sender keeps for reuse, and mappings a receiver keeps open
 
 
 def gpu_uuid(device: torch.device | int) -> str:
@@ -83,6 +95,9 @@ class CudaIpcSender:
             raise TransportError(f"cuda_ipc needs the trainer on a GPU, not {self.device}")
         self.dtype = dtype
         self.live: dict[int, list[torch.Tensor]] = {}
+        self.full_versions: set[int] = set()
+        self.pool: list[torch.Tensor] = []  # released full-update buffers, reused by size
+        self.allocations = 0  # buffers allocated (a steady run of full updates stops at POOL + in flight)
 
     def prepare(self, version: int, plans: Sequence[NamedTensors], *, full: bool = True, base_version: int = -1,
                 members: Sequence[str] = ()) -> WeightUpdate:
@@ -91,21 +106,38 @@ class CudaIpcSender:
         buckets = []
         with torch.cuda.device(self.device):
             metas, size = layout(tensors, self.dtype)
-            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+            buf = self._buffer(size, reuse=full)
             pack_into(buf, tensors, metas)
             if size:  # the share records the event the engines wait on: after the packing
                 buckets.append(IpcBucket(metas=metas, nbytes=size, gpu_uuid=uuid,
                                          handles={w: share(buf) for w in members}))
         self.live[version] = [buf]
+        if full:
+            self.full_versions.add(version)
         return WeightUpdate(version=version, transport="cuda_ipc", buckets=buckets, full=full,
                             base_version=base_version, members=list(members))
+
+    def _buffer(self, size: int, *, reuse: bool) -> torch.Tensor:
+        if reuse:
+            for i, buf in enumerate(self.pool):
+                if buf.numel() == size:
+                    return self.pool.pop(i)
+        self.allocations += 1
+        return torch.empty(size, dtype=torch.uint8, device=self.device)
 
     def transfer(self, update: WeightUpdate) -> None:
         pass  # the engines map the buffers themselves
 
     def release(self, version: int) -> None:
-        if self.live.pop(version, None) is not None:
-            torch.cuda.ipc_collect()  # buffers whose consumers are done go back to the allocator
+        """Every addressee of ``version`` committed or discarded it: its buffer may be
+        rewritten (full updates, into the pool) or freed."""
+        bufs = self.live.pop(version, None)
+        if bufs is None:
+            return
+        if version in self.full_versions:
+            self.full_versions.discard(version)
+            self.pool = (self.pool + [b for b in bufs if b.numel()])[-POOL:]
+        torch.cuda.ipc_collect()  # dropped buffers whose consumers are done go back to the allocator
 
     @property
     def live_bytes(self) -> int:
@@ -114,12 +146,16 @@ class CudaIpcSender:
     def close(self) -> None:
         for version in list(self.live):
             self.release(version)
+        self.pool.clear()
+        torch.cuda.ipc_collect()
 
 
 class CudaIpcReceiver:
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
         self._streams: dict[int, Any] = {}
+        # the last POOL full-update buffers, kept mapped so a reused one opens without a new mapping
+        self._mapped: OrderedDict[bytes, torch.Tensor] = OrderedDict()
 
     async def receive(self, update: WeightUpdate, stage: Stage) -> int:
         return await asyncio.to_thread(self._receive, update, stage)
@@ -142,6 +178,8 @@ class CudaIpcReceiver:
                 for bucket, h in zip(update.buckets, mine):
                     if h is not None:
                         flat = open_handle(h, device)
+                        if update.full:
+                            self._keep(h.handle, flat)
                     unused += 1
                     if h is not None:
                         staged += stage(views(flat, bucket.metas))
@@ -151,6 +189,12 @@ class CudaIpcReceiver:
                     release_handle(h)
             raise
         return staged
+
+    def _keep(self, handle: bytes, flat: torch.Tensor) -> None:
+        self._mapped[handle] = flat  # the older storage of this handle goes, returning its count
+        self._mapped.move_to_end(handle)
+        while len(self._mapped) > POOL:
+            self._mapped.popitem(last=False)
 
     def discard(self, update: WeightUpdate) -> None:
         """Return this worker's counts of an update it will not apply."""

@@ -59,12 +59,14 @@ def test_cuda_ipc_round_trip_is_bitwise() -> None:
     trainer = _model(seed=2).cuda()  # float32 master weights; bf16 on the wire
     tracker = ChangeTracker()
     try:
-        for version in (1, 2):
-            if version == 2:
+        # full, changed-only, then two full updates into the first one's buffer (reused: the
+        # engine keeps it mapped, so what it reads must be the new version's bytes)
+        for version in (1, 2, 3, 4):
+            if version > 1:
                 with torch.no_grad():
                     trainer.model.layers[0].mlp.down_proj.weight.add_(0.5)  # one tensor changes
             plans = list(plan_buckets(trainer.state_dict().items(), 1 << 14))
-            full = version == 1
+            full = version != 2
             kept, prints = tracker.select(plans, full=full)
             update = sender.prepare(version, kept, full=full, base_version=tracker.version, members=["w0"])
             inbox.put(update)
@@ -77,6 +79,7 @@ def test_cuda_ipc_round_trip_is_bitwise() -> None:
             assert n == (len(trainer.state_dict()) if full else 1)
             for name, t in trainer.state_dict().items():
                 assert torch.equal(weights[name], t.to(torch.bfloat16).cpu()), (version, name)
+        assert sender.allocations == 2  # versions 3 and 4 reused version 1's buffer
     finally:
         inbox.put(None)
         proc.join(timeout=TIMEOUT)
