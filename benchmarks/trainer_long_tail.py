@@ -78,6 +78,24 @@ def padded_tokens(plan, groups, max_tokens) -> tuple[int, int, int]:
     return sum(len(m) * max(lens[r] for r in m) for m in mbs), sum(lens), len(mbs)
 
 
+def profile_steps(trainers: dict[str, EmbeddedTrainer], batch: list[list[Trajectory]], device: str) -> None:
+    """Where a step's time goes, per planner: the top ops by device time and by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    for name, trainer in trainers.items():
+        embedded.plan_micro_batches = PLANNERS[name]
+        sync(device)
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            trainer.train_step(batch)
+            sync(device)
+        print(f"\n### profile: {name} planner, one step of {time.perf_counter() - t0:.3f} s")
+        table = prof.key_averages()
+        for key in (["cuda_time_total"] if len(activities) > 1 else []) + ["self_cpu_time_total"]:
+            print(table.table(sort_by=key, row_limit=15, max_name_column_width=50))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
@@ -86,6 +104,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None, help="padded tokens per micro-batch (default 32768 GPU, none CPU)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one more step of each planner (torch.profiler: top ops by device and host time)")
     ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
@@ -114,6 +134,8 @@ def main() -> None:
             sync(args.device)
             if i:
                 times[name].append(time.perf_counter() - t0)
+    if args.profile:
+        profile_steps(trainers, batches[-1], args.device)
     embedded.plan_micro_batches = plan_micro_batches
     rows = []
     for name in PLANNERS:
