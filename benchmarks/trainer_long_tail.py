@@ -11,7 +11,7 @@ their train steps interleaved in one process:
   each micro-batch filled up to the limits, so the first ones pad dozens of short rows to
   a long one;
 - ``balanced``: ``miles.trainers.batching.plan_micro_batches`` — the same order cut where
-  padded tokens + a per-micro-batch cost are smallest.
+  padded tokens + a per-micro-batch cost (the device's, ``micro_batch_cost``) are smallest.
 
 Reports padded tokens per step, the median step time and trained (real) tokens/s, and
 appends them to benchmarks/RESULTS.md.
@@ -36,7 +36,7 @@ from benchmarks.trainer import PRESETS, machine, sync  # noqa: E402
 from miles.algorithms import AlgorithmConfig  # noqa: E402
 from miles.models import CausalLM  # noqa: E402
 from miles.trainers import EmbeddedTrainer, TrainerConfig  # noqa: E402
-from miles.trainers.batching import plan_micro_batches  # noqa: E402
+from miles.trainers.batching import micro_batch_cost, plan_micro_batches  # noqa: E402
 from miles.types import Trajectory  # noqa: E402
 
 
@@ -72,9 +72,9 @@ def make_batch(rng: random.Random, vocab: int, max_len: int, prompt: int = 6) ->
     return groups
 
 
-def padded_tokens(plan, groups, max_tokens) -> tuple[int, int, int]:
+def padded_tokens(plan, groups, max_tokens, device: str) -> tuple[int, int, int]:
     lens = [len(t.prompt_tokens) + len(t.response_tokens) for g in groups for t in g]
-    mbs = plan(range(len(lens)), lens, micro_batch_size=None, max_tokens=max_tokens)
+    mbs = plan(range(len(lens)), lens, micro_batch_size=None, max_tokens=max_tokens, cost=micro_batch_cost(device))
     return sum(len(m) * max(lens[r] for r in m) for m in mbs), sum(lens), len(mbs)
 
 
@@ -139,7 +139,7 @@ def main() -> None:
     embedded.plan_micro_batches = plan_micro_batches
     rows = []
     for name in PLANNERS:
-        pad = [padded_tokens(PLANNERS[name], b, max_tokens) for b in batches[1:]]
+        pad = [padded_tokens(PLANNERS[name], b, max_tokens, args.device) for b in batches[1:]]
         padded, real, mbs = (statistics.fmean(p[k] for p in pad) for k in range(3))
         step = statistics.median(times[name])
         rows.append((name, mbs, padded, real, step, real / step))

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from miles.algorithms.config import AlgorithmConfig
 from miles.algorithms.corrections import LOG_RATIO_CLAMP, importance_weights, loglinear_prox_logp
-from miles.algorithms.masked import as_bool, masked_mean, zero_masked
+from miles.algorithms.masked import as_bool, finite_checks, masked_mean, zero_masked
 
 
 # ---- building blocks ------------------------------------------------------------------
@@ -164,6 +164,8 @@ def _validate(batch: PolicyBatch, m: Tensor) -> None:
     adv = batch.advantages
     if adv.shape not in (shape, shape[:1]):
         raise ValueError(f"advantages must be [batch] or [batch, tokens], got {tuple(adv.shape)}")
+    if not finite_checks():
+        return
     finite = torch.isfinite(batch.logp) & torch.isfinite(batch.logp_rollout)
     for t in (batch.logp_prox, batch.logp_ref, adv if adv.ndim == 2 else None):
         if t is not None:

@@ -7,8 +7,32 @@ arithmetic, so their gradient is exactly zero too). Empty masks give 0, never Na
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
+
+_FINITE_CHECKS = contextvars.ContextVar("miles_finite_checks", default=True)
+
+
+@contextlib.contextmanager
+def deferred_finite_checks() -> Iterator[None]:
+    """Within it, the losses and corrections skip their own "non-finite value on a loss
+    token" checks (each one a device read that makes the host wait for the GPU). For a
+    caller that checks finiteness itself once per step, on the device, as the embedded
+    trainer does: a non-finite micro-batch then skips the optimizer step instead of raising."""
+    token = _FINITE_CHECKS.set(False)
+    try:
+        yield
+    finally:
+        _FINITE_CHECKS.reset(token)
+
+
+def finite_checks() -> bool:
+    """False inside ``deferred_finite_checks``."""
+    return _FINITE_CHECKS.get()
 
 
 def as_bool(mask: Tensor) -> Tensor:

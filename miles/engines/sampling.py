@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from miles.types import SamplingParams
+from miles.utils.device import to_device
 
 GREEDY_EPS = 1e-6
 _M64 = (1 << 64) - 1
@@ -139,14 +140,6 @@ def truncate(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     keep &= (before < top_p[:, None]) | (rank == 0)
     kept = sorted_logits.masked_fill(~keep, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, kept)
-
-
-def to_device(data: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A small host list → device tensor without a blocking copy on CUDA (pinned staging)."""
-    t = torch.tensor(data, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
 
 
 def sample(logits: Tensor, batch: SamplingBatch, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:

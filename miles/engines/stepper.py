@@ -32,8 +32,9 @@ from torch import Tensor
 from miles.engines.config import EngineConfig
 from miles.engines.requests import Request
 from miles.engines.runner import ModelRunner, StepOut
-from miles.engines.sampling import SamplingBatch, sample, to_device
+from miles.engines.sampling import SamplingBatch, sample
 from miles.utils.cuts import cut_by_length
+from miles.utils.device import to_device
 
 if TYPE_CHECKING:
     from miles.engines.spec.decoder import SpecDecoder

@@ -22,11 +22,13 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from miles.types import Trajectory, TrajectoryError
 from miles.utils.cuts import cut_by_length
+from miles.utils.device import to_device
 
 
 @dataclass
@@ -39,8 +41,9 @@ class TokenBatch:
     logp_rollout: Tensor  # [N, R] float32, 0 on padding
     versions: Tensor  # [N, R] long
     routing: Tensor | None  # [N, R, L_moe, k] long, replayed expert ids
-    seq_lens: list[int]  # host copies for planning
+    seq_lens: list[int]  # host copies for planning, and so a step needs no device reads
     resp_lens: list[int]
+    loss_tokens: list[int]  # each row's loss-carrying tokens (loss mask > 0)
 
     @property
     def size(self) -> int:
@@ -48,7 +51,7 @@ class TokenBatch:
 
     def select(self, rows: Sequence[int]) -> TokenBatch:
         """The sub-batch of ``rows``, trimmed to its own longest sequence and response."""
-        idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.input_ids.device)
+        idx = to_device(list(rows), torch.long, self.input_ids.device)
         seq = [self.seq_lens[r] for r in rows]
         resp = [self.resp_lens[r] for r in rows]
         L, R = max(seq, default=0), max(resp, default=0)
@@ -62,16 +65,19 @@ class TokenBatch:
                 elif v.ndim >= 2:
                     v = v[:, :R]
             out[f.name] = v
-        out.update(seq_lens=seq, resp_lens=resp)
+        out.update(seq_lens=seq, resp_lens=resp, loss_tokens=[self.loss_tokens[r] for r in rows])
         return TokenBatch(**out)
 
     def response_positions(self) -> tuple[Tensor, Tensor, Tensor]:
         """(rows, cols, positions) of every real response token: [n, R] index (rows, cols)
         and the input position whose logits predict it (P + col − 1)."""
-        R = self.response_ids.shape[1]
-        valid = torch.arange(R, device=self.response_ids.device)[None, :] < self.response_lens[:, None]
-        rows, cols = valid.nonzero(as_tuple=True)
-        return rows, cols, self.prompt_lens[rows] + cols - 1
+        # built from the host lengths: a device ``nonzero`` would wait for the GPU's queue
+        resp = np.asarray(self.resp_lens, dtype=np.int64)
+        rows = np.repeat(np.arange(len(resp)), resp)
+        cols = np.arange(len(rows)) - np.repeat(np.cumsum(resp) - resp, resp)
+        pos = np.repeat(np.asarray(self.seq_lens, dtype=np.int64) - resp, resp) + cols - 1
+        dev = self.response_ids.device
+        return (to_device(rows, torch.long, dev), to_device(cols, torch.long, dev), to_device(pos, torch.long, dev))
 
 
 def trajectories_of(groups: Sequence[Sequence[Trajectory]]) -> tuple[list[Trajectory], list[int]]:
@@ -162,13 +168,21 @@ def build_batch(
         routing=routing,
         seq_lens=seq_lens,
         resp_lens=resp_lens,
+        loss_tokens=[sum(1 for x in t.loss_mask if x > 0) for t in trajs],
     )
 
 
 # What one more micro-batch costs, in padded tokens' worth: its fixed work (a forward and a
-# backward's kernel launches and Python) against the padding a split saves. At ~1k tokens
-# a split pays for itself once it saves that much padding.
-MICRO_BATCH_COST = 1024
+# backward's kernel launches and Python) against the padding a split saves. On the CPU the
+# compute dominates: ~1k tokens. On a GPU the host's work per micro-batch (~3.7k kernel
+# launches for the 0.5B shape, ~0.18 s eager on the H200) is worth ~8-11k tokens of device
+# time (16-22 us per padded token, torch.profiler in trainer_long_tail.py --profile): with
+# the CPU's figure the H200 step took 6 micro-batches and ran 0.71-0.84x the greedy plan's.
+MICRO_BATCH_COST = {"cpu": 1024, "cuda": 8192}
+
+
+def micro_batch_cost(device: torch.device | str) -> int:
+    return MICRO_BATCH_COST.get(torch.device(device).type, MICRO_BATCH_COST["cuda"])
 
 
 def plan_micro_batches(
@@ -177,7 +191,7 @@ def plan_micro_batches(
     *,
     micro_batch_size: int | None,
     max_tokens: int | None,
-    cost: int = MICRO_BATCH_COST,
+    cost: int = MICRO_BATCH_COST["cpu"],
 ) -> list[list[int]]:
     """Split ``rows`` into micro-batches of at most ``micro_batch_size`` rows and at most
     ``max_tokens`` padded tokens (rows × longest row); a single row longer than

@@ -31,13 +31,16 @@ from torch import Tensor, nn
 
 from miles.algorithms import AlgorithmConfig, LossDenominators, PolicyBatch, compute_advantages, compute_loss
 from miles.algorithms.losses import kl_estimate
+from miles.algorithms.masked import deferred_finite_checks
 from miles.trainers import state as ckpt
-from miles.trainers.batching import TokenBatch, build_batch, plan_micro_batches, rewards_of, trajectories_of
+from miles.trainers.batching import (TokenBatch, build_batch, micro_batch_cost, plan_micro_batches, rewards_of,
+                                     trajectories_of)
 from miles.trainers.config import TrainerConfig, lr_at
 from miles.trainers.fsdp import maybe_fully_shard
 from miles.trainers.logprobs import full_routing, response_logprobs
 from miles.trainers.metrics import MetricAccumulator, batch_metrics
 from miles.types import Trajectory
+from miles.utils.device import to_device
 from miles.weights import plan_buckets
 
 
@@ -189,10 +192,13 @@ class EmbeddedTrainer:
             current_version=self._version if check_versions else None,
         )
 
+    def _plan(self, batch: TokenBatch, rows: Sequence[int]) -> list[list[int]]:
+        return plan_micro_batches(rows, batch.seq_lens, micro_batch_size=self.config.micro_batch_size,
+                                  max_tokens=self.config.max_tokens_per_micro_batch,
+                                  cost=micro_batch_cost(self.device))
+
     def _micro_batches(self, batch: TokenBatch, rows: Sequence[int]) -> list[TokenBatch]:
-        plan = plan_micro_batches(rows, batch.seq_lens, micro_batch_size=self.config.micro_batch_size,
-                                  max_tokens=self.config.max_tokens_per_micro_batch)
-        return [batch.select(p) for p in plan]
+        return [batch.select(p) for p in self._plan(batch, rows)]
 
     def _forward(self, model: nn.Module, mb: TokenBatch, entropy: str) -> tuple[Tensor, Tensor | None]:
         routing = full_routing(model, mb, self.compute_dtype) if mb.routing is not None else None
@@ -203,13 +209,10 @@ class EmbeddedTrainer:
     @torch.no_grad()
     def _no_grad_logprobs(self, model: nn.Module, batch: TokenBatch) -> Tensor:
         out = torch.zeros_like(batch.logp_rollout)
-        for plan in plan_micro_batches(range(batch.size), batch.seq_lens,
-                                       micro_batch_size=self.config.micro_batch_size,
-                                       max_tokens=self.config.max_tokens_per_micro_batch):
+        for plan in self._plan(batch, range(batch.size)):
             mb = batch.select(plan)
             logp, _ = self._forward(model, mb, "none")
-            idx = torch.as_tensor(plan, device=self.device)
-            out[idx, : logp.shape[1]] = logp
+            out[to_device(plan, torch.long, self.device), : logp.shape[1]] = logp
         return out
 
     def _advantages(self, batch: TokenBatch, rewards: Tensor, group_index: list[int],
@@ -231,37 +234,37 @@ class EmbeddedTrainer:
                         logp_prox: Tensor | None, logp_ref: Tensor | None, acc: MetricAccumulator) -> bool:
         """Accumulate gradients over the micro-batches of ``rows`` and step. Returns False
         if the step was skipped as non-finite."""
-        idx = torch.as_tensor(rows, device=self.device)
-        den = LossDenominators.of(batch.loss_mask.index_select(0, idx))
-        den = den._replace(max_tokens=batch.loss_mask.shape[1])
+        den = LossDenominators(num_tokens=float(sum(batch.loss_tokens[r] for r in rows)),
+                               num_seqs=float(sum(batch.loss_tokens[r] > 0 for r in rows)),
+                               max_tokens=batch.loss_mask.shape[1])
         entropy_mode = "grad" if self.algo.entropy_coef > 0 else "metric"
-        finite = True
+        # Finiteness is checked once per step, on the device: a check per micro-batch (or
+        # inside each loss function) would make the host wait for the GPU every time, and a
+        # host that waits cannot queue the next micro-batch's kernels meanwhile.
+        finite = torch.ones((), dtype=torch.bool, device=self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        for mb_rows in plan_micro_batches(rows, batch.seq_lens, micro_batch_size=self.config.micro_batch_size,
-                                          max_tokens=self.config.max_tokens_per_micro_batch):
-            mb = batch.select(mb_rows)
-            if not bool((mb.loss_mask > 0).any()):
-                continue
-            logp, entropy = self._forward(self.model, mb, entropy_mode)
-            R = logp.shape[1]
-            sel = torch.as_tensor(mb_rows, device=self.device)
-            mask = mb.loss_mask
-            if not bool(torch.isfinite(logp[mask > 0]).all()):
-                finite = False
-                break
-            pb = PolicyBatch(
-                logp=logp, logp_rollout=mb.logp_rollout, advantages=advantages[sel, :R], loss_mask=mask,
-                logp_prox=(logp.detach() if logp_prox is None else logp_prox[sel, :R]),
-                versions=mb.versions, entropy=entropy,
-                logp_ref=None if logp_ref is None else logp_ref[sel, :R],
-            )
-            loss, metrics = compute_loss(pb, self.algo, trainer_version=self._version, denominators=den)
-            loss.backward()
-            acc.add(metrics, weight=float(mask.sum()), sums=("train/loss", "train/pg_loss"))
+        with deferred_finite_checks():
+            for mb_rows in self._plan(batch, rows):
+                if not any(batch.loss_tokens[r] for r in mb_rows):
+                    continue
+                mb = batch.select(mb_rows)
+                logp, entropy = self._forward(self.model, mb, entropy_mode)
+                R = logp.shape[1]
+                sel = to_device(mb_rows, torch.long, self.device)
+                mask = mb.loss_mask
+                pb = PolicyBatch(
+                    logp=logp, logp_rollout=mb.logp_rollout, advantages=advantages[sel, :R], loss_mask=mask,
+                    logp_prox=(logp.detach() if logp_prox is None else logp_prox[sel, :R]),
+                    versions=mb.versions, entropy=entropy,
+                    logp_ref=None if logp_ref is None else logp_ref[sel, :R],
+                )
+                loss, metrics = compute_loss(pb, self.algo, trainer_version=self._version, denominators=den)
+                finite &= torch.isfinite(torch.where(mask > 0, logp.detach(), 0.0)).all() & torch.isfinite(loss)
+                loss.backward()
+                acc.add(metrics, weight=float(sum(mb.loss_tokens)), sums=("train/loss", "train/pg_loss"))
         acc.end_group()
         grad_norm = self._clip_grad_norm()
-        finite = finite and bool(torch.isfinite(grad_norm))
-        if not finite:
+        if not bool(finite & torch.isfinite(grad_norm)):  # the step's one device read
             self.optimizer.zero_grad(set_to_none=True)
             return self._nonfinite()
         for group in self.optimizer.param_groups:

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from miles.engines.requests import Request
 from miles.engines.runner import ModelRunner
-from miles.engines.sampling import to_device
+from miles.utils.device import to_device
 from miles.engines.spec.config import SpeculativeConfig
 from miles.engines.spec.controller import SpecController
 from miles.engines.spec.drafters import CAPACITY, Drafter

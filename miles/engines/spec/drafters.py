@@ -35,7 +35,7 @@ from miles.engines.config import EngineConfig
 from miles.engines.kv_cache import DecodeAttention, KVCache, PrefillAttention, VerifyAttention
 from miles.engines.requests import Request
 from miles.engines.runner import ModelRunner
-from miles.engines.sampling import to_device
+from miles.utils.device import to_device
 from miles.engines.spec.config import MAX_STEPS
 from miles.engines.weights import WeightStager
 from miles.models.draft import EagleHead

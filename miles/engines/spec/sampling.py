@@ -87,7 +87,7 @@ class RoundParams:
 
     @classmethod
     def build(cls, params: list[SamplingParams], base: list[int], device: torch.device) -> RoundParams:
-        from miles.engines.sampling import to_device
+        from miles.utils.device import to_device
 
         greedy = [p.temperature <= GREEDY_EPS for p in params]
         floats = [[1.0 if g else p.temperature for p, g in zip(params, greedy)],

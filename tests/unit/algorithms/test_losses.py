@@ -241,6 +241,24 @@ def test_non_finite_inputs_on_loss_tokens_rejected() -> None:
         compute_loss(_batch(advantages=torch.ones(3)), AlgorithmConfig())
 
 
+def test_deferred_finite_checks_leave_the_check_to_the_caller() -> None:
+    # the embedded trainer checks finiteness once per step on the device; inside the
+    # context a non-finite input gives a non-finite loss instead of a ValueError (a device
+    # read per call), and the checks are back on after it
+    from miles.algorithms.masked import deferred_finite_checks
+
+    b = _batch()
+    t = b.logp_rollout.detach().clone()
+    t[1, 1] = float("nan")
+    b.logp_rollout = t
+    config = AlgorithmConfig(use_tis=True)
+    with deferred_finite_checks():
+        loss, _ = compute_loss(b, config)
+    assert not torch.isfinite(loss)
+    with pytest.raises(ValueError, match="non-finite"):
+        compute_loss(b, config)
+
+
 def test_gradient_is_weight_times_policy_gradient() -> None:
     # prox = π_θ (first step on the batch): d loss / d logp_t = -A_t w_t / N exactly, i.e. no
     # gradient flows through the TIS weights w_t = clamp(π_θ/π_behav, 0, 2).

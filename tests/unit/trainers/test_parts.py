@@ -112,6 +112,11 @@ def test_batch_layout() -> None:
     assert batch.logp_rollout.tolist() == [[0.0, 0.0, 0.0], [-0.5, -1.5, -2.5], [-1.0, 0.0, 0.0]]
     assert batch.versions.tolist() == [[0, 0, 0], [3, 3, 3], [0, 0, 0]]
     assert batch.response_lens.tolist() == [0, 3, 2] and batch.prompt_lens.tolist() == [2, 1, 3]
+    assert batch.loss_tokens == [0, 3, 1]  # host counts: a step plans and weighs without device reads
+    rows, cols, pos = batch.response_positions()  # built on the host, an empty row among them
+    assert rows.tolist() == [1, 1, 1, 2, 2] and cols.tolist() == [0, 1, 2, 0, 1]
+    assert pos.tolist() == [0, 1, 2, 2, 3]
+    assert batch.select([2, 1]).loss_tokens == [1, 3]
 
 
 def test_linear_logprobs_matches_log_softmax_and_its_gradient() -> None:
