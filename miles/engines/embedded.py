@@ -11,7 +11,8 @@ enqueues requests and control messages and awaits futures that the thread resolv
 event loop — rewards, environment steps and other coroutines interleave with decoding
 (torch kernels release the GIL; the thread's Python overhead is shared at the interpreter's
 switch interval). The thread loops: apply control (aborts, weight commits, pause) → admit
-waiting requests and prefill them (batched, right-padded) → one decode step for every
+waiting requests and prefill them (batched, right-padded, grouped by length; on CUDA a
+trickle of arrivals is admitted in batches, ``EngineConfig.admit_min``) → one decode step for every
 running request (continuous batching: requests join and leave between steps) → sample →
 hand finished requests back (``stepper.py``; on CUDA the next step is launched before the
 previous one is read back). Model and cache state are touched by that thread only.
@@ -101,6 +102,7 @@ class EmbeddedEngine:
         self._cv = threading.Condition()  # guards queues and control flags
         self._stage_lock = threading.Lock()  # staging vs applying weights, not decoding
         self._waiting: deque[Request] = deque()
+        self._deferred_steps = 0  # steps that left waiting requests waiting (see _admit_now)
         self._abort_rids: set[str] = set()
         self._abort_all = False
         self._commits: deque[tuple[int, bool, asyncio.AbstractEventLoop, asyncio.Future]] = deque()
@@ -376,7 +378,7 @@ class EmbeddedEngine:
                 if self._paused:
                     continue
                 try:
-                    new = self._take_waiting()
+                    new = self._take_waiting() if self._admit_now() else []
                     if new or any(r.needs_prefill for r in self.stepper.running):
                         self.stepper.admit(new)
                     if self.stepper.running:
@@ -444,6 +446,20 @@ class EmbeddedEngine:
         self.spec.drafter.version = version
         self.spec.drafter.weights_changed(self.stepper.running)
         self.stats_.counters["draft_updates"] += 1
+
+    def _admit_now(self) -> bool:
+        """Whether this step admits the waiting requests (``EngineConfig.admit_min``): at
+        once when nothing decodes, else once enough wait or the oldest waited long enough."""
+        waiting = len(self._waiting)
+        free = self.config.max_batch_size - len(self.stepper.running)
+        if not waiting or free <= 0:
+            return False
+        if (not self.stepper.running or waiting >= min(free, self.config.admit_threshold())
+                or self._deferred_steps >= self.config.admit_max_wait_steps):
+            self._deferred_steps = 0
+            return True
+        self._deferred_steps += 1
+        return False
 
     def _take_waiting(self) -> list[Request]:
         """Waiting requests that fit the free slots and the prefill token budget."""

@@ -1,0 +1,82 @@
+"""While requests decode, newly waiting ones are admitted in batches (``EngineConfig.admit_min``)
+or after ``admit_max_wait_steps`` steps, not one prefill per arrival; an idle engine admits at
+once; the outputs do not depend on when a request was admitted."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from miles.engines import EngineConfig
+from miles.types import GenerateRequest, SamplingParams
+
+from .helpers import make_engine, make_model, prompts, run
+
+
+def _request(rid: str, ids: list[int], new: int, seed: int) -> GenerateRequest:
+    return GenerateRequest(rid=rid, input_ids=ids, sampling=SamplingParams(max_new_tokens=new, seed=seed, ignore_eos=True))
+
+
+def _arrivals(**config) -> tuple[list, list[int], int]:
+    """A long request decodes; three short ones arrive one at a time while it does. Returns
+    the short outputs, the size of each admission, and the long request's decode steps at the
+    moment the last short one arrived."""
+    engine = make_engine(make_model(seed=4), max_batch_size=8, max_seq_len=512, **config)
+    sizes: list[int] = []
+    admit = engine.stepper.admit
+
+    def recording(new):
+        if new:
+            sizes.append(len(new))
+        return admit(new)
+
+    engine.stepper.admit = recording
+    ps = prompts(4, seed=2)
+
+    async def go():
+        long = asyncio.create_task(engine.generate(_request("long", ps[0], 400, 0)))
+        while (engine.progress("long") or 0) < 2:
+            await asyncio.sleep(0.001)
+        tasks = []
+        for i in (1, 2, 3):
+            tasks.append(asyncio.create_task(engine.generate(_request(str(i), ps[i], 5, i))))
+            seen = engine.progress("long")
+            while engine.progress("long") < seen + 3:  # the long request goes on meanwhile
+                await asyncio.sleep(0.001)
+        at = engine.progress("long")
+        outs = await asyncio.gather(*tasks)
+        await long
+        await engine.close()
+        return outs, at
+
+    outs, at = run(go)
+    return outs, sizes, at
+
+
+def test_arrivals_wait_for_admit_min_and_come_in_one_admission() -> None:
+    outs, sizes, _ = _arrivals(admit_min=3, admit_max_wait_steps=10_000)
+    assert sizes == [1, 3]  # the long request alone (idle engine: at once), then the three together
+    eager, eager_sizes, _ = _arrivals(admit_min=1)
+    assert eager_sizes == [1, 1, 1, 1]  # admit_min 1: each as it arrives
+    # the same tokens whenever a request joined (log-probs to float rounding: the batch differs)
+    for a, b in zip(outs, eager):
+        assert a.output_ids == b.output_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_the_oldest_waits_at_most_admit_max_wait_steps() -> None:
+    # admit_min 3 is never reached before the wait runs out: each arrival is admitted
+    # within the wait (the long request moved 3 steps between arrivals, the wait is 2)
+    _, sizes, _ = _arrivals(admit_min=3, admit_max_wait_steps=2)
+    assert sizes == [1, 1, 1, 1]
+
+
+def test_admission_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="admit_min"):
+        EngineConfig(admit_min=0).validate(4096, 16)
+    with pytest.raises(ValueError, match="admit_max_wait_steps"):
+        EngineConfig(admit_max_wait_steps=-1).validate(4096, 16)
+    assert EngineConfig(max_batch_size=256, device="cuda").admit_threshold() == 16
+    assert EngineConfig(max_batch_size=8, device="cuda").admit_threshold() == 1
+    assert EngineConfig(max_batch_size=256).admit_threshold() == 1  # the CPU admits each arrival
