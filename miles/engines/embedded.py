@@ -454,8 +454,10 @@ class EmbeddedEngine:
         free = self.config.max_batch_size - len(self.stepper.running)
         if not waiting or free <= 0:
             return False
-        if (not self.stepper.running or waiting >= min(free, self.config.admit_threshold())
-                or self._deferred_steps >= self.config.admit_max_wait_steps):
+        running = self.stepper.running
+        if (not running or waiting >= min(free, self.config.admit_threshold())
+                or self._deferred_steps >= self.config.admit_max_wait_steps
+                or any(r.needs_prefill for r in running)):  # a prefill runs anyway: join it
             self._deferred_steps = 0
             return True
         self._deferred_steps += 1
