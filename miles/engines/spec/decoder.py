@@ -78,7 +78,7 @@ class SpecDecoder:
         return self.controller.choose(batch)
 
     def needs_flush(self, reqs: list[Request]) -> bool:
-        return any(self.drafter.pending(r) >= CAPACITY - 1 for r in reqs)
+        return self.drafter.bounded_backlog and any(self.drafter.pending(r) >= CAPACITY - 1 for r in reqs)
 
     def context_bucket(self, reqs: list[Request], k: int) -> int:
         """The context every forward of the round passes to attention (policy and draft): the

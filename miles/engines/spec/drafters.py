@@ -56,6 +56,12 @@ class Drafter:
     needs_hidden = False
     step_offset = 0  # draft step j (1..k-1) feeds its entry at position kv_len + step_offset + j
     length_aware = False  # its attention reads each row only up to its length (triton)
+    # Whether plain steps must feed the draft every so often (``CAPACITY``): EAGLE keeps the
+    # policy's hidden states of plain steps in a fixed buffer until they are fed. An
+    # independent LM's backlog is just context tokens, fed at the next round, so while
+    # speculation is off (above --speculative-max-batch-size, or not chosen) plain steps pay
+    # nothing for it (benchmarks/spec_overhead.py measures what a draft costs a plain step).
+    bounded_backlog = False
 
     def __init__(self, model: Any, config: EngineConfig, *, version: int = 0) -> None:
         self.config = config
@@ -169,6 +175,7 @@ class EagleDrafter(Drafter):
 
     kind = "eagle"
     needs_hidden = True
+    bounded_backlog = True
     step_offset = -1
 
     def __init__(self, model: EagleHead, policy: CausalLM, config: EngineConfig, *, version: int = 0) -> None:

@@ -183,6 +183,32 @@ def test_batch_size_cap_switches_speculation_off() -> None:
     assert any(k > 0 for n, k in sizes if n <= 2)
 
 
+def test_an_lm_draft_is_fed_only_when_speculation_resumes() -> None:
+    # Above the cap plain steps feed an independent draft nothing (its backlog is context
+    # tokens, fed at the next round); the round after a plain stretch far longer than the
+    # old flush interval (31 steps) catches the draft up and the tokens stay plain
+    # decoding's (coupled mode). EAGLE keeps its bounded flushes (hidden states in a buffer).
+    from miles.engines.spec.drafters import CAPACITY
+
+    from .helpers import make_engine
+
+    policy = make_model(seed=9)
+    engine = spec_engine(policy, "draft", mode="coupled", spec={"speculative_max_batch_size": 2})
+    flushes, catch_ups = [], []
+    flush, catch_up = engine.spec.drafter.flush, engine.spec.drafter.catch_up
+    engine.spec.drafter.flush = lambda rows: flushes.append(len(rows)) or flush(rows)
+    engine.spec.drafter.catch_up = lambda tokens, *a: catch_ups.append(tokens.shape[1]) or catch_up(tokens, *a)
+    ps = prompts(4, seed=10)
+    sps = [SamplingParams(max_new_tokens=n, seed=i, ignore_eos=True) for i, n in enumerate((120, 120, 50, 50))]
+    reqs = [GenerateRequest(rid=str(i), input_ids=p, sampling=s) for i, (p, s) in enumerate(zip(ps, sps))]
+    outs = generate_all(engine, reqs)
+    plain = generate_all(make_engine(policy), reqs)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in plain]
+    assert flushes == []  # nothing fed while the batch was above the cap
+    assert max(catch_ups) > CAPACITY  # the first round fed the whole backlog at once
+    assert engine.stats()["spec/rounds"] > 0
+
+
 def test_controller_rule() -> None:
     cfg = SpeculativeConfig(speculative_algorithm="draft", speculative_num_steps=3, speculative_probe_interval=10)
     c = SpecController(cfg)
