@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/RESULTS.md's H200 sections, one part per argument:
 #   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command; parts:
-#   tests failing engine-matmul engine-attn profile engine long-tail trainer trainer-long-tail spec megatron weights async async-x2)
+#   tests failing engine-matmul engine-attn engine-rollout profile engine long-tail trainer trainer-long-tail spec spec-overhead megatron weights async async-x2)
 # On a machine without ray/msgspec/megatron-core, a .whl folder built by the project's
 # gpu-wheels tool is installed first. Env: TESTS (test paths), ATTN (engine-attn's --decode-attention values), TESTS_TIMEOUT, WEIGHTS_ARGS, WEIGHTS_TIMEOUT,
 # ASYNC_ARGS / ASYNC_TIMEOUT (e.g. ASYNC_ARGS="--steps 8 --only sync async_eta2"), SPEC_STEPS, SPEC_ARGS
@@ -26,12 +26,14 @@ for part in "$@"; do
                   rc=$?; tail -5 "$OUT/failing.txt"; (exit $rc) ;;
         engine-matmul) timeout 200 python3 benchmarks/engine.py --device cuda --preset 0.5b --decode-attention matmul --no-hf ;;
         engine-attn) for a in ${ATTN:-sdpa triton}; do timeout 200 python3 benchmarks/engine.py --device cuda --preset 0.5b --decode-attention $a --no-hf; done ;;
+        engine-rollout) timeout 300 python3 benchmarks/engine.py --device cuda --preset 0.5b --workload rollout --no-hf ;;
         profile)  timeout 200 python3 benchmarks/profile_decode.py --device cuda 2>&1 | tail -45 ;;
         engine)   timeout 300 python3 benchmarks/engine.py --device cuda --preset 0.5b ;;
         long-tail) timeout 300 python3 benchmarks/long_tail_decode.py --device cuda --preset 0.5b ;;
         trainer)  timeout 300 python3 benchmarks/trainer.py --device cuda --preset 0.5b --compile ;;
         trainer-long-tail) timeout 300 python3 benchmarks/trainer_long_tail.py --device cuda ;;
         spec)     timeout 480 python3 benchmarks/speculative.py --device cuda --steps ${SPEC_STEPS:-16} --plot "$OUT/speculative_cuda.png" ${SPEC_ARGS:-} ;;
+        spec-overhead) timeout 300 python3 benchmarks/spec_overhead.py --device cuda ;;
         megatron) timeout 300 python3 benchmarks/megatron_trainer.py --device cuda ;;
         weights)  timeout ${WEIGHTS_TIMEOUT:-300} python3 benchmarks/weight_sync.py --device cuda ${WEIGHTS_ARGS:-} ;;
         async)    timeout ${ASYNC_TIMEOUT:-540} python3 benchmarks/async_vs_sync.py --device cuda ${ASYNC_ARGS:-} ;;
