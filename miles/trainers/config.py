@@ -41,8 +41,9 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
 
     # --- batching ------------------------------------------------------------------------
     # Limits of one forward/backward: most sequences, most padded tokens (rows × longest).
-    # Within them the planner cuts where padding + a per-micro-batch cost is least
-    # (batching.plan_micro_batches), so long-tailed batches are not padded to their longest.
+    # Within them the planner cuts where padding + a per-micro-batch cost (per device:
+    # batching.micro_batch_cost) is least (batching.plan_micro_batches), so long-tailed
+    # batches are not padded to their longest.
     micro_batch_size: int | None = None
     max_tokens_per_micro_batch: int | None = None
     num_steps_per_rollout: int = 1  # optimizer steps per train_step (PPO mini-batches)
