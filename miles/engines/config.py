@@ -25,9 +25,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # step in flight and runs a prefill forward, whose cost on a GPU is mostly fixed (an eager
     # forward's kernel launches, ~ms) — so while requests finish one or two per step, as RL's
     # long-tailed rollouts do, admitting each at once costs a prefill per decode step. While
-    # others decode, waiting requests are admitted once ``admit_min`` of them wait (or as many
-    # as there are free slots, if fewer) or the oldest has waited ``admit_max_wait_steps``
-    # steps; an idle engine admits at once. None = auto: max_batch_size // 16 (at least 1) on
+    # others decode, waiting requests are admitted once an admission would take ``admit_min``
+    # of them (that many waiting and that many free slots) or the oldest has waited
+    # ``admit_max_wait_steps`` steps; an idle engine admits at once. None = auto: max_batch_size // 16 (at least 1) on
     # CUDA, 1 on the CPU (a prefill there costs its tokens, not a fixed overhead: batching
     # measured 0.98-1.01x); admit_max_wait_steps 0 = admit every step.
     admit_min: int | None = None

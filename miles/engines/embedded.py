@@ -449,13 +449,15 @@ class EmbeddedEngine:
 
     def _admit_now(self) -> bool:
         """Whether this step admits the waiting requests (``EngineConfig.admit_min``): at
-        once when nothing decodes, else once enough wait or the oldest waited long enough."""
+        once when nothing decodes, else once the admission would take ``admit_min`` of them
+        (enough waiting and enough free slots: a full engine whose requests finish one by one
+        must not admit one by one either) or the oldest waited long enough."""
         waiting = len(self._waiting)
         free = self.config.max_batch_size - len(self.stepper.running)
         if not waiting or free <= 0:
             return False
         running = self.stepper.running
-        if (not running or waiting >= min(free, self.config.admit_threshold())
+        if (not running or min(waiting, free) >= self.config.admit_threshold()
                 or self._deferred_steps >= self.config.admit_max_wait_steps
                 or any(r.needs_prefill for r in running)):  # a prefill runs anyway: join it
             self._deferred_steps = 0

@@ -65,6 +65,33 @@ def test_arrivals_wait_for_admit_min_and_come_in_one_admission() -> None:
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
+def test_a_full_engine_admits_once_enough_slots_are_free() -> None:
+    # three slots, five requests: three start at once (idle engine); the fourth and fifth
+    # wait for two free slots (admit_min 2), not one each as their neighbours finish
+    engine = make_engine(make_model(seed=4), max_batch_size=3, max_seq_len=512, admit_min=2,
+                         admit_max_wait_steps=10_000)
+    sizes: list[int] = []
+    admit = engine.stepper.admit
+    engine.stepper.admit = lambda new: (sizes.append(len(new)) if new else None) or admit(new)
+    ps = prompts(5, seed=3)
+    lengths = (10, 20, 200, 5, 5)
+
+    async def go():
+        await engine.pause()  # all five queued before the first admission
+        tasks = [asyncio.create_task(engine.generate(_request(str(i), p, n, i)))
+                 for i, (p, n) in enumerate(zip(ps, lengths))]
+        while len(engine._waiting) < 5:
+            await asyncio.sleep(0.001)
+        await engine.resume()
+        outs = await asyncio.gather(*tasks)
+        await engine.close()
+        return outs
+
+    outs = run(go)
+    assert [len(o.output_ids) for o in outs] == list(lengths)
+    assert sizes == [3, 2]
+
+
 def test_the_oldest_waits_at_most_admit_max_wait_steps() -> None:
     # admit_min 3 is never reached before the wait runs out: each arrival is admitted
     # within the wait (the long request moved 3 steps between arrivals, the wait is 2)
