@@ -242,6 +242,7 @@ class EmbeddedTrainer:
         # inside each loss function) would make the host wait for the GPU every time, and a
         # host that waits cannot queue the next micro-batch's kernels meanwhile.
         finite = torch.ones((), dtype=torch.bool, device=self.device)
+        pending: list[tuple[dict[str, Tensor], float]] = []  # metrics kept only if the step is taken
         self.optimizer.zero_grad(set_to_none=True)
         with deferred_finite_checks():
             for mb_rows in self._plan(batch, rows):
@@ -261,12 +262,14 @@ class EmbeddedTrainer:
                 loss, metrics = compute_loss(pb, self.algo, trainer_version=self._version, denominators=den)
                 finite &= torch.isfinite(torch.where(mask > 0, logp.detach(), 0.0)).all() & torch.isfinite(loss)
                 loss.backward()
-                acc.add(metrics, weight=float(sum(mb.loss_tokens)), sums=("train/loss", "train/pg_loss"))
-        acc.end_group()
+                pending.append((metrics, float(sum(mb.loss_tokens))))
         grad_norm = self._clip_grad_norm()
         if not bool(finite & torch.isfinite(grad_norm)):  # the step's one device read
             self.optimizer.zero_grad(set_to_none=True)
             return self._nonfinite()
+        for metrics, weight in pending:
+            acc.add(metrics, weight=weight, sums=("train/loss", "train/pg_loss"))
+        acc.end_group()
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.optimizer_steps, self.config)
         self.optimizer.step()

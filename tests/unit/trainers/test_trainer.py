@@ -190,6 +190,7 @@ def test_nonfinite_steps_are_skipped_counted_and_raise_after_k(groups) -> None:
     flag["on"] = True
     m = tr.train_step(groups)
     assert m["train/skipped_steps"] == 1.0 and m["train/optimizer_steps"] == 0.0
+    assert "train/loss" not in m  # a skipped step's (non-finite) losses are not reported
     assert all(torch.equal(before[k], v) for k, v in _weights(tr).items())
     assert tr.version == 1  # the (unchanged) weights are still published as a new version
     flag["on"] = False
