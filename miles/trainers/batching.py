@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from miles.algorithms import LossDenominators
 from miles.types import Trajectory, TrajectoryError
 from miles.utils.cuts import cut_by_length
 from miles.utils.device import to_device
@@ -67,6 +68,12 @@ class TokenBatch:
             out[f.name] = v
         out.update(seq_lens=seq, resp_lens=resp, loss_tokens=[self.loss_tokens[r] for r in rows])
         return TokenBatch(**out)
+
+    def denominators(self, rows: Sequence[int]) -> LossDenominators:
+        """The loss denominators of the (mini-)batch ``rows``, from the host counts."""
+        return LossDenominators(num_tokens=float(sum(self.loss_tokens[r] for r in rows)),
+                                num_seqs=float(sum(self.loss_tokens[r] > 0 for r in rows)),
+                                max_tokens=self.loss_mask.shape[1])
 
     def response_positions(self) -> tuple[Tensor, Tensor, Tensor]:
         """(rows, cols, positions) of every real response token: [n, R] index (rows, cols)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from miles.algorithms import AlgorithmConfig, LossDenominators, PolicyBatch, compute_advantages, compute_loss
+from miles.algorithms import AlgorithmConfig, PolicyBatch, compute_advantages, compute_loss
 from miles.algorithms.losses import kl_estimate
 from miles.algorithms.masked import deferred_finite_checks
 from miles.trainers import state as ckpt
@@ -234,9 +234,7 @@ class EmbeddedTrainer:
                         logp_prox: Tensor | None, logp_ref: Tensor | None, acc: MetricAccumulator) -> bool:
         """Accumulate gradients over the micro-batches of ``rows`` and step. Returns False
         if the step was skipped as non-finite."""
-        den = LossDenominators(num_tokens=float(sum(batch.loss_tokens[r] for r in rows)),
-                               num_seqs=float(sum(batch.loss_tokens[r] > 0 for r in rows)),
-                               max_tokens=batch.loss_mask.shape[1])
+        den = batch.denominators(rows)
         entropy_mode = "grad" if self.algo.entropy_coef > 0 else "metric"
         # Finiteness is checked once per step, on the device: a check per micro-batch (or
         # inside each loss function) would make the host wait for the GPU every time, and a

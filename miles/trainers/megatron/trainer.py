@@ -186,7 +186,7 @@ class MegatronTrainer:
         skipped, local_tokens = 0, 0.0
         for rows in (order[i::steps] for i in range(steps)):
             if rows:
-                ctx = _StepContext(advantages, logp_prox, logp_ref, self._denominators(batch, rows), acc)
+                ctx = _StepContext(advantages, logp_prox, logp_ref, batch.denominators(rows), acc)
                 skipped += not self._optimizer_step(batch, rows, ctx)
                 local_tokens += ctx.tokens
         self._version += 1
@@ -253,11 +253,6 @@ class MegatronTrainer:
         mbs += [make_micro_batch(batch.select(filler), filler, self.layout, weight=0.0)
                 for _ in range(count - len(plan))]
         return mbs
-
-    def _denominators(self, batch: TokenBatch, rows: list[int]) -> LossDenominators:
-        idx = torch.as_tensor(rows, device=self.device)
-        den = LossDenominators.of(batch.loss_mask.index_select(0, idx))
-        return den._replace(max_tokens=batch.loss_mask.shape[1])
 
     def _advantages(self, batch: TokenBatch, rewards: Tensor, group_index: list[int],
                     logp_ref: Tensor | None) -> Tensor:

@@ -117,6 +117,12 @@ def test_batch_layout() -> None:
     assert rows.tolist() == [1, 1, 1, 2, 2] and cols.tolist() == [0, 1, 2, 0, 1]
     assert pos.tolist() == [0, 1, 2, 2, 3]
     assert batch.select([2, 1]).loss_tokens == [1, 3]
+    # the host counts give the denominators the device mask gives
+    from miles.algorithms import LossDenominators
+
+    rows = [0, 2]
+    dev = LossDenominators.of(batch.loss_mask[rows])._replace(max_tokens=batch.loss_mask.shape[1])
+    assert batch.denominators(rows) == dev
 
 
 def test_linear_logprobs_matches_log_softmax_and_its_gradient() -> None:
