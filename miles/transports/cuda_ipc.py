@@ -94,8 +94,7 @@ class CudaIpcSender:
         if self.device.type != "cuda":
             raise TransportError(f"cuda_ipc needs the trainer on a GPU, not {self.device}")
         self.dtype = dtype
-        self.live: dict[int, list[torch.Tensor]] = {}
-        self.full_versions: set[int] = set()
+        self.live: dict[int, tuple[torch.Tensor, bool]] = {}  # version → (its buffer, a full update)
         self.pool: list[torch.Tensor] = []  # released full-update buffers, reused by size
         self.allocations = 0  # buffers allocated (a steady run of full updates stops at POOL + in flight)
 
@@ -111,9 +110,7 @@ class CudaIpcSender:
             if size:  # the share records the event the engines wait on: after the packing
                 buckets.append(IpcBucket(metas=metas, nbytes=size, gpu_uuid=uuid,
                                          handles={w: share(buf) for w in members}))
-        self.live[version] = [buf]
-        if full:
-            self.full_versions.add(version)
+        self.live[version] = (buf, full)
         return WeightUpdate(version=version, transport="cuda_ipc", buckets=buckets, full=full,
                             base_version=base_version, members=list(members))
 
@@ -131,17 +128,16 @@ class CudaIpcSender:
     def release(self, version: int) -> None:
         """Every addressee of ``version`` committed or discarded it: its buffer may be
         rewritten (full updates, into the pool) or freed."""
-        bufs = self.live.pop(version, None)
-        if bufs is None:
+        buf, full = self.live.pop(version, (None, False))
+        if buf is None:
             return
-        if version in self.full_versions:
-            self.full_versions.discard(version)
-            self.pool = (self.pool + [b for b in bufs if b.numel()])[-POOL:]
+        if full and buf.numel():
+            self.pool = (self.pool + [buf])[-POOL:]
         torch.cuda.ipc_collect()  # dropped buffers whose consumers are done go back to the allocator
 
     @property
     def live_bytes(self) -> int:
-        return sum(b.numel() for bufs in self.live.values() for b in bufs)
+        return sum(buf.numel() for buf, _ in self.live.values())
 
     def close(self) -> None:
         for version in list(self.live):
