@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine import build_model, machine  # noqa: E402
+from benchmarks.trainer import append_section  # noqa: E402
 import miles.engines.stepper as stepper  # noqa: E402
 from miles.engines import EmbeddedEngine, EngineConfig  # noqa: E402
 from miles.engines.stepper import PREFILL_COST  # noqa: E402
@@ -130,8 +131,7 @@ async def main() -> None:
         "best of 3 after a warm-up; all variants in one process.", "", *lines, ""])
     print(report)
     if not args.no_record:
-        with open(args.results, "a") as fh:
-            fh.write("\n" + report)
+        append_section(Path(args.results), "\n" + report)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine import build_model, machine  # noqa: E402
+from benchmarks.trainer import append_section  # noqa: E402
 from miles.engines import EmbeddedEngine, EngineConfig  # noqa: E402
 from miles.engines.spec import SpeculativeConfig  # noqa: E402
 from miles.models.draft import build_draft  # noqa: E402
@@ -119,8 +120,7 @@ async def main() -> None:
         "", *lines, ""])
     print(report)
     if not args.no_record:
-        with open(args.results, "a") as fh:
-            fh.write("\n" + report)
+        append_section(Path(args.results), "\n" + report)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import miles.trainers.embedded as embedded  # noqa: E402
-from benchmarks.trainer import PRESETS, machine, sync  # noqa: E402
+from benchmarks.trainer import PRESETS, append_section, machine, sync  # noqa: E402
 from miles.algorithms import AlgorithmConfig  # noqa: E402
 from miles.models import CausalLM  # noqa: E402
 from miles.trainers import EmbeddedTrainer, TrainerConfig  # noqa: E402
@@ -158,8 +158,7 @@ def main() -> None:
         "", *lines, ""])
     print(report)
     if not args.no_record:
-        with open(args.results, "a") as fh:
-            fh.write("\n" + report)
+        append_section(Path(args.results), "\n" + report)
 
 
 if __name__ == "__main__":
