@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from miles.engines import EmbeddedEngine, EngineConfig  # noqa: E402
+from miles.engines.config import DECODE_ATTENTION  # noqa: E402
 from miles.models import CausalLM, save_pretrained, tiny_config  # noqa: E402
 from miles.types import GenerateRequest, SamplingParams  # noqa: E402
 
@@ -194,7 +195,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--decode-attention", default="auto", choices=["auto", "matmul", "sdpa", "triton"])
+    ap.add_argument("--decode-attention", default="auto", choices=DECODE_ATTENTION)
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
