@@ -186,6 +186,9 @@ def main() -> None:
     parser.add_argument("--disaggregated", action="store_true", help="GPU: trainer and engine on GPUs of their own")
     parser.add_argument("--only", nargs="*", default=None,
                         help="configs to run, by name or slug (sync, one-step-off, async_eta2, async_eta2_partial; default all)")
+    parser.add_argument("--compile", action="store_true",
+                        help="the trainer's decoder layers under torch.compile in every config (--compile; "
+                             "the engine compiles on CUDA either way)")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     args = parser.parse_args()
 
@@ -224,6 +227,8 @@ def main() -> None:
     for name, extra in configs:
         out = work / name.replace(" ", "_").replace("=", "").replace("+", "")
         flags = dict(base, output_dir=str(out), num_rollout=steps, progress=False, seed=1, **extra)
+        if args.compile:
+            flags["compile"] = True
         start = time.monotonic()
         (out / "metrics.jsonl").unlink(missing_ok=True)
         sampler = GpuUtilization(out / "metrics.jsonl", steps) if gpu else None

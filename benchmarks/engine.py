@@ -293,15 +293,16 @@ def machine() -> str:
 
 
 def report(args, rows: list[dict], info: dict) -> None:
+    decode = [r for r in rows if "step_s" in r]
     lines = ["| system | batch | total s | total tok/s | decode tok/s | step ms | roofline | × HF |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in (r for r in rows if "step_s" in r):
+             "|---|---|---|---|---|---|---|---|"] if decode else []
+    for r in decode:
         vs = f"{r['vs_hf']:.2f}×" if "vs_hf" in r else ""
         lines.append(f"| {r['system']} | {r['batch']} | {r['total_s']:.2f} | {r['total_tps']:.0f} | "
                      f"{r['decode_tps']:.0f} | {1000 * r['step_s']:.2f} | {100 * r['roofline']:.1f}% | {vs} |")
     rollout = [r for r in rows if r.get("workload") == "rollout"]
     if rollout:
-        lines += ["", "| rollout workload | slots | requests | total s | useful tok/s | × HF | × admit each |",
+        lines += [""] * bool(lines) + ["| rollout workload | slots | requests | total s | useful tok/s | × HF | × admit each |",
                   "|---|---|---|---|---|---|---|"]
         for r in rollout:
             vs = f"{r['vs_hf_rollout']:.2f}×" if "vs_hf_rollout" in r else ""

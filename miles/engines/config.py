@@ -50,6 +50,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     decode_split: bool | None = None
     # CUDA graphs for dense decode steps (ignored on the CPU and for MoE models).
     cuda_graphs: bool = True
+    # Capture every batch bucket's decode graph when the engine starts (one per bucket with
+    # the triton attention), as SGLang does, instead of the first time a bucket is met.
+    capture_graphs_at_start: bool = True
     # torch.compile the layers' step functions (fuses RMSNorm/RoPE/SiLU/residual kernels).
     # None = auto: on for CUDA, off on the CPU (where it needs a C++ compiler and ~10 s).
     compile: bool | None = None

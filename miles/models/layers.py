@@ -113,6 +113,10 @@ class FullAttention:
     def __init__(self, mask: Tensor | None) -> None:
         self.mask = mask
 
+    # Left out of a compiled trainer layer's graph: inductor's backward of SDPA with dynamic
+    # shapes asserts on the saved inputs' strides (torch 2.13, CPU). The fusions worth having
+    # (norms, RoPE, SwiGLU, residuals) sit around it and still compile.
+    @torch.compiler.disable
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         gqa = q.shape[1] != k.shape[1]
         if self.mask is None:

@@ -100,7 +100,7 @@ class EmbeddedTrainer:
             _checkpoint_layers(self.model)
         if config.compile:
             for layer in self.model.model.layers:
-                layer.compile()
+                layer.compile(dynamic=True)
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.to(self.device).eval().requires_grad_(False)

@@ -118,3 +118,38 @@ def test_bf16_engine_runs_and_tracks_full_forward() -> None:
             lp = token_logprobs(bf16_ref(ids).logits[0, len(p) - 1 : -1], ids[0, len(p):]).cpu()
         # bf16: KV-cache decode vs full forward differ by rounding; means stay close.
         assert (lp - torch.tensor(out.logprobs)).abs().mean() < 0.05
+
+
+@pytest.mark.parametrize("at_start", [True, False])
+def test_decode_graphs_are_captured_at_start_for_every_batch_bucket(at_start: bool) -> None:
+    """With the length-aware kernel the engine captures one decode graph per batch bucket
+    when it starts, so batches of changing size never stop for a capture; with the option
+    off, graphs come lazily, only for the buckets met."""
+    from miles.engines.runner import GRAPH_CAPTURES
+
+    ref = _model()
+    engine = _engine(copy.deepcopy(ref), decode_attention="triton", capture_graphs_at_start=at_start)
+    graphs = engine.runner.graphs
+    ps = _prompts(3)
+    sp = SamplingParams(max_new_tokens=20, seed=3, ignore_eos=True)
+
+    async def go():
+        first = await engine.generate(GenerateRequest(rid="a", input_ids=ps[0], sampling=sp))
+        captured = GRAPH_CAPTURES["count"]
+        rest = await asyncio.gather(*(engine.generate(GenerateRequest(rid=str(i), input_ids=p, sampling=sp))
+                                      for i, p in enumerate(ps)))
+        await engine.close()
+        return first, captured, rest
+
+    before = GRAPH_CAPTURES["count"]
+    first, captured, rest = asyncio.run(go())
+    assert not graphs.failed
+    L = engine.runner.cache.length
+    if at_start:
+        assert set(graphs.graphs) == {(nb, L) for nb in graphs.buckets}  # 1, 2, 4, 8
+        assert GRAPH_CAPTURES["count"] == captured  # batches of 3 and 1 captured nothing new
+    else:
+        assert (1, L) in graphs.graphs and len(graphs.graphs) < len(graphs.buckets)
+    assert captured - before == (len(graphs.buckets) if at_start else 1)
+    for p, out in zip([ps[0], *ps], [first, *rest]):
+        assert (_logprobs(ref, p, out) - torch.tensor(out.logprobs)).abs().max() < 1e-4
