@@ -42,3 +42,23 @@ def test_compiled_trainer_matches_eager_over_changing_shapes() -> None:
         # each step from the same weights rather than letting the copies drift apart
         compiled.model.load_state_dict(eager.model.state_dict())
     assert len(shapes) >= 4, shapes
+
+
+def test_compiled_layers_share_their_graphs() -> None:
+    """Each decoder layer must reuse the same compiled graphs: a per-layer guard (the layer's
+    index read inside the graph) recompiled every layer, and past dynamo's limit of 8 the
+    deeper layers of a real model silently ran eager."""
+    from torch._dynamo.utils import counters
+
+    graphs = []
+    for layers in (2, 5):
+        torch._dynamo.reset()
+        counters.clear()
+        tr = EmbeddedTrainer(make_model(num_hidden_layers=layers),
+                             config=TrainerConfig(lr=1e-3, compile=True, max_tokens_per_micro_batch=24),
+                             algo=AlgorithmConfig())
+        groups = random_groups()
+        set_behaviour(tr, groups)
+        tr.train_step(groups)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[1] > 0, graphs
