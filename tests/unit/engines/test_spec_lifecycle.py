@@ -240,6 +240,35 @@ def test_controller_rule() -> None:
     assert {fixed.choose(n) for n in (1, 7, 64)} == {5}
 
 
+def test_controller_backs_off_probing_while_its_choice_holds() -> None:
+    """Probes that confirm the choice double the interval (up to MAX_BACKOFF×); a probe that
+    finds a better option resets it, so a draft that becomes good is still picked up."""
+    from miles.engines.spec.controller import MAX_BACKOFF
+
+    c = SpecController(SpeculativeConfig(speculative_algorithm="draft", speculative_num_steps=2,
+                                         speculative_probe_interval=10))
+    alpha = 0.0
+
+    def step() -> int:
+        k = c.choose(8)
+        if k == 0:
+            c.observe_plain(8, 1.0, 8)
+        else:
+            a = int(8 * alpha * k)
+            c.observe_round(8, k, 1.0 + 0.2 * k, 0, rows=8, drafted=8 * k, accepted=a, rejections=8, emitted=8 + a)
+        return k
+
+    picks = [step() for _ in range(1000)]
+    spec_after_warmup = sum(k != 0 for k in picks[9:])
+    assert 6 <= spec_after_warmup <= 12  # probes at +10, +20, +40, +80, +160, then every 160
+    assert c.interval[8] == MAX_BACKOFF * 10
+    assert c.stats(0)["spec/probes"] == spec_after_warmup
+    alpha = 0.9  # the draft got good: the next probes find it and the interval resets
+    later = [step() for _ in range(2 * MAX_BACKOFF * 10)]
+    assert later[-50:].count(0) <= 10
+    assert c.interval[8] < MAX_BACKOFF * 10
+
+
 def test_controller_does_not_flip_on_noise() -> None:
     """Two options within a few percent of each other: the rule stays with the one it has;
     a clearly faster one (≥ 5%) takes over."""
