@@ -11,6 +11,7 @@ import math
 from typing import Literal
 
 import msgspec
+import torch
 
 DecayStyle = Literal["constant", "cosine", "linear"]
 Dtype = Literal["auto", "float32", "bfloat16"]
@@ -55,8 +56,10 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     device: str = "cpu"
     seed: int = 0
     rollout_temperature: float = 1.0  # logits are divided by it, as the engine samples
-    # torch.compile each decoder layer (GPU throughput); shares --compile with the engine,
-    # where None means "auto" — for the trainer None means off
+    # torch.compile each decoder layer (dynamic shapes: one set of graphs for every micro-batch
+    # shape; the attention call stays eager). Shares --compile with the engine. None = auto:
+    # on for CUDA (1.55x the eager step on RL's long-tailed batches on the H200, after a
+    # ~8 s first step), off on the CPU (a C++ compiler and ~10-20 s for ~1.2x there).
     compile: bool | None = None
     gradient_checkpointing: bool = False  # recompute decoder layers in backward
     fsdp: bool | None = None  # None → FSDP2 when torch.distributed has > 1 rank
@@ -68,6 +71,11 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     # --- MoE / rewards -------------------------------------------------------------------
     use_rollout_routing_replay: bool = False
     reward_key: str | None = None  # which entry of a dict reward to train on (None → sum)
+
+    def use_compile(self) -> bool:
+        if self.compile is None:
+            return torch.device(self.device).type == "cuda"
+        return self.compile
 
     def __post_init__(self) -> None:
         validate(self)

@@ -98,7 +98,7 @@ class EmbeddedTrainer:
         self.fused_logprobs = not self.sharded
         if config.gradient_checkpointing:
             _checkpoint_layers(self.model)
-        if config.compile:
+        if config.use_compile():
             for layer in self.model.model.layers:
                 layer.compile(dynamic=True)
         self.ref_model = ref_model
