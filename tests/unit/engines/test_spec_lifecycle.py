@@ -209,20 +209,26 @@ def test_an_lm_draft_is_fed_only_when_speculation_resumes() -> None:
     assert engine.stats()["spec/rounds"] > 0
 
 
+def _simulated_step(c: SpecController, alpha: float) -> int:
+    """One step of batch 8 under ``c``: a plain step costs 1 s, a round 1 + 0.2 k s, and a
+    fraction ``alpha`` of the drafts is accepted."""
+    k = c.choose(8)
+    if k == 0:
+        c.observe_plain(8, 1.0, 8)
+    else:
+        a = int(8 * alpha * k)
+        c.observe_round(8, k, 1.0 + 0.2 * k, 0, rows=8, drafted=8 * k, accepted=a,
+                        rejections=8 if alpha < 1 else 0, emitted=8 + a)
+    return k
+
+
 def test_controller_rule() -> None:
     cfg = SpeculativeConfig(speculative_algorithm="draft", speculative_num_steps=3, speculative_probe_interval=10)
     c = SpecController(cfg)
     alpha = 0.8  # a round costs 1 + 0.2 k plain steps; drafts are accepted 80% of the time
 
     def step() -> int:
-        k = c.choose(8)
-        if k == 0:
-            c.observe_plain(8, 1.0, 8)
-        else:
-            a = int(8 * alpha * k)
-            c.observe_round(8, k, 1.0 + 0.2 * k, 0, rows=8, drafted=8 * k, accepted=a,
-                            rejections=8 if alpha < 1 else 0, emitted=8 + a)
-        return k
+        return _simulated_step(c, alpha)
 
     assert sorted(step() for _ in range(12)) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]  # warm-up: 3 each
     picks = [step() for _ in range(40)]
@@ -250,13 +256,7 @@ def test_controller_backs_off_probing_while_its_choice_holds() -> None:
     alpha = 0.0
 
     def step() -> int:
-        k = c.choose(8)
-        if k == 0:
-            c.observe_plain(8, 1.0, 8)
-        else:
-            a = int(8 * alpha * k)
-            c.observe_round(8, k, 1.0 + 0.2 * k, 0, rows=8, drafted=8 * k, accepted=a, rejections=8, emitted=8 + a)
-        return k
+        return _simulated_step(c, alpha)
 
     picks = [step() for _ in range(1000)]
     spec_after_warmup = sum(k != 0 for k in picks[9:])
