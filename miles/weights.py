@@ -88,16 +88,23 @@ def layout(tensors: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype | Non
     offset = 0
     for name, t in tensors:
         dt = wire_dtype(t, dtype)
-        nbytes = t.numel() * torch.empty((), dtype=dt).element_size()
+        nbytes = t.numel() * dt.itemsize
         metas.append(TensorMeta(name, dtype_name(dt), tuple(t.shape), offset, nbytes))
         offset += (nbytes + 15) // 16 * 16
     return metas, offset
 
 
-def pack_into(flat: torch.Tensor, tensors: Sequence[tuple[str, torch.Tensor]], metas: Sequence[TensorMeta]) -> None:
+def slots(flat: torch.Tensor, metas: Sequence[TensorMeta]) -> list[torch.Tensor]:
+    """Each tensor's slot in ``flat`` (uint8, any device) as a view of its dtype and shape."""
+    return [flat[m.offset : m.offset + m.nbytes].view(_DTYPES[m.dtype]).view(m.shape) for m in metas]
+
+
+def pack_into(flat: torch.Tensor, tensors: Sequence[tuple[str, torch.Tensor]], metas: Sequence[TensorMeta],
+              *, dsts: list[torch.Tensor] | None = None) -> None:
     """Copy (and cast) each tensor into its slot of ``flat`` (uint8, any device): one
-    multi-tensor copy (a few kernel launches on CUDA, not one per tensor)."""
-    dsts = [flat[m.offset : m.offset + m.nbytes].view(_DTYPES[m.dtype]).view(m.shape) for m in metas]
+    multi-tensor copy (a few kernel launches on CUDA, not one per tensor). ``dsts``: the
+    slots (``slots(flat, metas)``) kept from an earlier update into the same buffer."""
+    dsts = slots(flat, metas) if dsts is None else dsts
     if dsts:
         torch._foreach_copy_(dsts, [t.detach() for _, t in tensors])
 
