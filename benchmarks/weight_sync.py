@@ -57,6 +57,7 @@ from miles.transports.changed import fingerprints  # noqa: E402
 from miles.weights import plan_buckets  # noqa: E402
 from weight_sync_engine import EngineSide, serve  # noqa: E402
 
+PHASES = ("prepare_s", "trip_s", "receive_s", "wait_s")  # the parts of 'to staged'
 ENGINE_ID = "engine0"  # EngineSide's worker id: the addressee of IPC handles
 GOAL_RATIO = 0.80
 GOAL_STALL_S = 0.050
@@ -159,11 +160,12 @@ def publish_once(sender: Any, remote: Remote, version: int, plans: list, device:
     sync(device)
     t0 = time.monotonic()
     update = sender.prepare(version, plans, full=True, base_version=-1, members=[ENGINE_ID])
+    t_prepared = time.monotonic()
     pending = remote.start(method, update, *extra)
     sender.transfer(update)
     result = remote.result(pending)
     sender.release(version)
-    return t0, result
+    return t0, {**result, "t_prepared": t_prepared}
 
 
 def bench_transport(kind: str, size: str, args: argparse.Namespace, ceilings: dict[str, float]) -> dict[str, Any]:
@@ -180,7 +182,11 @@ def bench_transport(kind: str, size: str, args: argparse.Namespace, ceilings: di
         for r in range(args.repeats + 1):  # the first run warms up allocators and connections
             t0, res = publish_once(sender, remote, r + 1, plans, device)
             if r:
-                runs.append({"staged_s": res["t_staged"] - t0, "swap_s": res["swap_s"]})
+                # phases (host clocks of both processes: CLOCK_MONOTONIC is system-wide)
+                runs.append({"staged_s": res["t_staged"] - t0, "swap_s": res["swap_s"],
+                             "prepare_s": res["t_prepared"] - t0, "trip_s": res["t_in"] - res["t_prepared"],
+                             "receive_s": res["t_received"] - res["t_in"],
+                             "wait_s": res["t_staged"] - res["t_received"]})
         exact = remote.call("fingerprint") == fingerprints(named)
         ceiling_key = {"cuda_ipc": "d2d_copy", "object_store": "object_store_raw"}.get(kind, f"{kind}_bcast")
         ceilings[f"{ceiling_key}/{size}"] = measure_ceiling(kind, nbytes, sender, remote, device)
@@ -194,7 +200,8 @@ def bench_transport(kind: str, size: str, args: argparse.Namespace, ceilings: di
     gbps = nbytes / staged / 1e9
     ceiling = ceilings[f"{ceiling_key}/{size}"]
     return {"size": size, "transport": kind, "bytes": nbytes, "buckets": buckets, "staged_s": staged,
-            "swap_s": statistics.median(r["swap_s"] for r in runs), "gbps": gbps, "ceiling_key": ceiling_key,
+            **{k: statistics.median(r[k] for r in runs) for k in ("swap_s", *PHASES)},
+            "gbps": gbps, "ceiling_key": ceiling_key,
             "ceiling_gbps": ceiling, "ratio": gbps / ceiling if ceiling else 0.0, "exact": exact,
             "runs": runs}
 
@@ -386,6 +393,13 @@ def report(rows: list[dict], stalls: list[dict], ceilings: dict[str, float], not
         lines.append(f"| {r['size']} | {r['transport']} | {r['bytes'] / 1e9:.2f} | {r['buckets']} | "
                      f"{r['staged_s']:.3f} | {r['gbps']:.1f} | {r['ceiling_key']} {r['ceiling_gbps']:.1f} | "
                      f"{100 * r['ratio']:.0f}% | {r['swap_s']:.4f} | {'yes' if r['exact'] else 'NO'} | {verdict} |")
+    lines += ["", "Where 'to staged' goes (medians, ms): prepare = the sender's `prepare` on the host (the "
+              "pack is launched, asynchronous on CUDA); trip = to the engine process; receive = the "
+              "receiver's host work (map, views, stage); wait = from there until the device is done.", "",
+              "| state dict | transport | to staged | prepare | trip | receive | wait |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['size']} | {r['transport']} | {1e3 * r['staged_s']:.1f} | "
+                     + " | ".join(f"{1e3 * r[k]:.1f}" for k in PHASES) + " |")
     if "host_memcpy" in ceilings:
         lines.append(f"\nHost memcpy (one thread): {ceilings['host_memcpy']:.1f} GB/s.")
     if stalls:

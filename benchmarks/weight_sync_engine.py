@@ -59,12 +59,14 @@ class EngineSide:
         """Stage ``update`` (borrowed), note when it is all there, then commit (timed)."""
         t_in = time.monotonic()
         n = await self._receiver(update.transport).receive(update, lambda named: self.stager.stage(named, borrow=True))
+        t_received = time.monotonic()
         self._sync()
         t_staged = time.monotonic()
         start = time.perf_counter()
         self.stager.apply()
         self._sync()
-        return {"t_in": t_in, "t_staged": t_staged, "tensors": float(n), "swap_s": time.perf_counter() - start}
+        return {"t_in": t_in, "t_received": t_received, "t_staged": t_staged, "tensors": float(n),
+                "swap_s": time.perf_counter() - start}
 
     async def fingerprint(self) -> dict[str, tuple[int, int]]:
         return fingerprints(list(self.params.items()))
