@@ -4,7 +4,7 @@
 #   tests failing engine-matmul engine-attn engine-rollout profile engine long-tail trainer trainer-long-tail spec spec-overhead megatron weights async async-x2)
 # On a machine without ray/msgspec/megatron-core, a .whl folder built by the project's
 # gpu-wheels tool is installed first. Env: TESTS (test paths), ATTN (engine-attn's --decode-attention values), TESTS_TIMEOUT, WEIGHTS_ARGS, WEIGHTS_TIMEOUT,
-# TLT_ARGS (trainer-long-tail, e.g. --compile), ASYNC_ARGS / ASYNC_TIMEOUT (e.g. ASYNC_ARGS="--steps 8 --only sync async_eta2"), SPEC_STEPS, SPEC_ARGS
+# TLT_ARGS (trainer-long-tail, e.g. --compile; --profile), TRAINER_ARGS (trainer, e.g. --profile), ASYNC_ARGS / ASYNC_TIMEOUT (e.g. ASYNC_ARGS="--steps 8 --only sync async_eta2"), SPEC_STEPS, SPEC_ARGS
 # (e.g. "--batches 1 4 16 64 --repeats 1": the full sweep and 8 steps overran 300 s on the H200). Extra outputs go to $OUT (default: runs/gpu).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -30,7 +30,7 @@ for part in "$@"; do
         profile)  timeout 200 python3 benchmarks/profile_decode.py --device cuda 2>&1 | tail -45 ;;
         engine)   timeout 300 python3 benchmarks/engine.py --device cuda --preset 0.5b ;;
         long-tail) timeout 300 python3 benchmarks/long_tail_decode.py --device cuda --preset 0.5b ;;
-        trainer)  timeout 300 python3 benchmarks/trainer.py --device cuda --preset 0.5b --compile ;;
+        trainer)  timeout 300 python3 benchmarks/trainer.py --device cuda --preset 0.5b --compile ${TRAINER_ARGS:-} ;;
         trainer-long-tail) timeout 300 python3 benchmarks/trainer_long_tail.py --device cuda ${TLT_ARGS:-} ;;
         spec)     timeout 480 python3 benchmarks/speculative.py --device cuda --steps ${SPEC_STEPS:-16} --plot "$OUT/speculative_cuda.png" ${SPEC_ARGS:-} ;;
         spec-overhead) timeout 300 python3 benchmarks/spec_overhead.py --device cuda ;;

@@ -33,6 +33,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -149,6 +150,23 @@ class Variant:
             torch.cuda.empty_cache()
 
 
+def print_profile(title: str, run: Any, device: str, rows: int = 15) -> None:
+    """Profile one call of ``run`` (torch.profiler) and print its top ops by device time (on
+    CUDA) and by host time: where a train step goes, for the MFU work."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        run()
+        sync(device)
+    print(f"\n### profile: {title}, one step of {time.perf_counter() - t0:.3f} s")
+    table = prof.key_averages()
+    for key in (["cuda_time_total"] if len(activities) > 1 else []) + ["self_cpu_time_total"]:
+        print(table.table(sort_by=key, row_limit=rows, max_name_column_width=50))
+
+
 def run_variants(names: list[str], args: argparse.Namespace, groups: list[list[Trajectory]]) -> dict[str, dict]:
     """GPU: one variant after another (stable clocks; one model in memory at a time).
     CPU: all variants built, then their steps interleaved round-robin and the median taken,
@@ -162,6 +180,8 @@ def run_variants(names: list[str], args: argparse.Namespace, groups: list[list[T
                 v = Variant(name, args)
                 for i in range(args.warmup + args.steps):
                     v.step(groups, timed=i >= args.warmup)
+                if args.profile:
+                    print_profile(f"{name} trainer", lambda: v.step(groups, timed=False), args.device)
             except torch.cuda.OutOfMemoryError:
                 print(f"{name}: out of GPU memory (try a smaller --max-tokens)", file=sys.stderr)
                 rows[name] = {"step_s": float("nan"), "tokens_per_s": float("nan"), "tflops": float("nan"),
@@ -176,6 +196,8 @@ def run_variants(names: list[str], args: argparse.Namespace, groups: list[list[T
     for i in range(args.warmup + args.steps):
         for v in variants:
             v.step(groups, timed=i >= args.warmup)
+    for v in variants if args.profile else []:
+        print_profile(f"{v.name} trainer", lambda: v.step(groups, timed=False), args.device)
     return {v.name: v.result(groups, 0.0) for v in variants}
 
 
@@ -207,6 +229,8 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=None, help="sequences per train step")
     p.add_argument("--max-tokens", type=int, default=None, help="max padded tokens per micro-batch")
     p.add_argument("--compile", action="store_true", help="also run the torch.compile variant")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile one more step of each variant (top ops by device and host time)")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--peak-tflops", type=float, default=None, help="override the peak used for MFU")
     p.add_argument("--quick", action="store_true", help="fewer steps (smoke mode)")

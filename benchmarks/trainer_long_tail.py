@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import miles.trainers.embedded as embedded  # noqa: E402
-from benchmarks.trainer import PRESETS, append_section, machine, sync  # noqa: E402
+from benchmarks.trainer import PRESETS, append_section, machine, print_profile, sync  # noqa: E402
 from miles.algorithms import AlgorithmConfig  # noqa: E402
 from miles.models import CausalLM  # noqa: E402
 from miles.trainers import EmbeddedTrainer, TrainerConfig  # noqa: E402
@@ -81,20 +81,9 @@ def padded_tokens(plan, groups, max_tokens, device: str) -> tuple[int, int, int]
 
 def profile_steps(trainers: dict[str, EmbeddedTrainer], batch: list[list[Trajectory]], device: str) -> None:
     """Where a step's time goes, per planner: the top ops by device time and by host time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     for name, trainer in trainers.items():
         embedded.plan_micro_batches = PLANNERS[name]
-        sync(device)
-        with profile(activities=activities) as prof:
-            t0 = time.perf_counter()
-            trainer.train_step(batch)
-            sync(device)
-        print(f"\n### profile: {name} planner, one step of {time.perf_counter() - t0:.3f} s")
-        table = prof.key_averages()
-        for key in (["cuda_time_total"] if len(activities) > 1 else []) + ["self_cpu_time_total"]:
-            print(table.table(sort_by=key, row_limit=15, max_name_column_width=50))
+        print_profile(f"{name} planner", lambda: trainer.train_step(batch), device)
 
 
 def main() -> None:
