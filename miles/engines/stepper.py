@@ -237,7 +237,8 @@ class Stepper:
         self.stats.counters["decode_steps"] += 1
         self.stats.counters["spec_rounds"] += 1
         self.stats.occupancy.append(len(reqs) / self.config.max_batch_size)
-        self.spec.controller.observe_round(len(reqs), k, time.perf_counter() - start, self.version, rows=len(reqs),
+        seconds = time.perf_counter() - start - self.spec.flush_s  # a backlog feed is the switch's cost
+        self.spec.controller.observe_round(len(reqs), k, seconds, self.version, rows=len(reqs),
                                            drafted=drafted, accepted=accepted, rejections=rejections, emitted=total)
         for r in done:
             self.release(r)

@@ -24,6 +24,7 @@ version, applies stop rules token by token, and reports the round to the control
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,7 @@ class SpecDecoder:
         self.round_graphs = None  # graphs.RoundGraphs, set by the engine on CUDA
         self.graph_rounds = 0  # rounds that replayed (or captured) a round graph
         self.backlog_flushes = 0  # plain-step backlogs fed to the draft before a round
+        self.flush_s = 0.0  # the last round's backlog feed, in seconds (not the round's cost)
 
     def plan(self, batch: int) -> int:
         return self.controller.choose(batch)
@@ -120,11 +122,19 @@ class SpecDecoder:
         entries = [d.entries(r) for r in reqs]  # empty only for an EAGLE row with a 1-token prompt
         width = max(max(len(e) for e in entries), 1)
         graphs = self.round_graphs
-        if graphs is not None and not graphs.failed and rp.all_seeded and width > T:
+        self.flush_s = 0.0
+        if width > T:
             # Plain steps left a backlog (the adaptive rule switched speculation back on):
-            # feed it to the draft first, so that this round replays its CUDA graph instead
+            # feed it to the draft first, so that this round can replay its CUDA graph instead
             # of running the draft and the verify eagerly (several times slower on a GPU).
+            # Timed apart (``flush_s``, device work included): it is the cost of the switch,
+            # not of a round, and counted in the round it made a probe look slower than
+            # speculation is (the 1024-step backlog of an LM draft costs several rounds).
+            start = time.perf_counter()
             d.flush(reqs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.flush_s = time.perf_counter() - start
             entries = [d.entries(r) for r in reqs]
             width = max(max(len(e) for e in entries), 1)
             self.backlog_flushes += 1

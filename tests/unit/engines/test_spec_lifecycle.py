@@ -194,18 +194,28 @@ def test_an_lm_draft_is_fed_only_when_speculation_resumes() -> None:
 
     policy = make_model(seed=9)
     engine = spec_engine(policy, "draft", mode="coupled", spec={"speculative_max_batch_size": 2})
-    flushes, catch_ups = [], []
-    flush, catch_up = engine.spec.drafter.flush, engine.spec.drafter.catch_up
-    engine.spec.drafter.flush = lambda rows: flushes.append(len(rows)) or flush(rows)
-    engine.spec.drafter.catch_up = lambda tokens, *a: catch_ups.append(tokens.shape[1]) or catch_up(tokens, *a)
+    flushes, in_round = [], []  # (fed during a round?, the longest backlog fed)
+    drafter, run = engine.spec.drafter, engine.spec.run
+    flush = drafter.flush
+    drafter.flush = lambda rows: flushes.append((bool(in_round), max(map(drafter.pending, rows)))) or flush(rows)
+
+    def round_(*a):
+        in_round.append(True)
+        try:
+            return run(*a)
+        finally:
+            in_round.pop()
+
+    engine.spec.run = round_
     ps = prompts(4, seed=10)
     sps = [SamplingParams(max_new_tokens=n, seed=i, ignore_eos=True) for i, n in enumerate((120, 120, 50, 50))]
     reqs = [GenerateRequest(rid=str(i), input_ids=p, sampling=s) for i, (p, s) in enumerate(zip(ps, sps))]
     outs = generate_all(engine, reqs)
     plain = generate_all(make_engine(policy), reqs)
     assert [o.output_ids for o in outs] == [o.output_ids for o in plain]
-    assert flushes == []  # nothing fed while the batch was above the cap
-    assert max(catch_ups) > CAPACITY  # the first round fed the whole backlog at once
+    assert flushes and all(during for during, _ in flushes)  # nothing fed between rounds
+    assert max(n for _, n in flushes) > CAPACITY  # the first round fed the whole backlog at once
+    assert engine.spec.flush_s >= 0.0
     assert engine.stats()["spec/rounds"] > 0
 
 
@@ -307,3 +317,24 @@ def token_logprobs_from(policy, prompt, out) -> torch.Tensor:
         logits = policy(ids).logits[0, len(prompt) - 1 : -1]
     kept = truncate(logits, torch.full((len(out.output_ids),), -1), torch.full((len(out.output_ids),), 0.9))
     return token_logprobs(kept, torch.tensor(out.output_ids))
+
+
+def test_a_backlog_feed_is_not_counted_as_the_rounds_cost() -> None:
+    """The round after plain steps first feeds the draft their backlog: that is the switch's
+    cost, so the controller's measured round time leaves it out (counted in, it made every
+    probe after a plain stretch look slower than speculation is)."""
+    import time
+
+    policy = make_model(seed=9)
+    engine = spec_engine(policy, "draft", spec={"speculative_max_batch_size": 2})
+    drafter, controller = engine.spec.drafter, engine.spec.controller
+    flush, observe = drafter.flush, controller.observe_round
+    drafter.flush = lambda rows: time.sleep(0.3) or flush(rows)  # a slow feed
+    rounds: list[tuple[float, float]] = []  # (seconds the controller saw, the feed's seconds)
+    controller.observe_round = lambda b, k, seconds, *a, **kw: (
+        rounds.append((seconds, engine.spec.flush_s)) or observe(b, k, seconds, *a, **kw))
+    ps = prompts(4, seed=10)
+    sps = [SamplingParams(max_new_tokens=n, seed=i, ignore_eos=True) for i, n in enumerate((60, 60, 20, 20))]
+    generate_all(engine, [GenerateRequest(rid=str(i), input_ids=p, sampling=s) for i, (p, s) in enumerate(zip(ps, sps))])
+    fed = [(seconds, feed) for seconds, feed in rounds if feed > 0]
+    assert fed and all(feed >= 0.3 and seconds < 0.3 for seconds, feed in fed), fed
