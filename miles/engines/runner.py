@@ -10,8 +10,9 @@ spare cache positions past ``max_seq_len`` for draft tokens.
 CUDA graphs (dense models on CUDA only): the decode forward for a batch padded up to a
 bucket size ``nb`` and a context bucket ``L`` is captured once into a shared memory pool
 (lazily, or for every batch bucket at engine start with the length-aware kernel, whose
-context is always the whole cache: ``EngineConfig.capture_graphs_at_start``), reading tokens/positions from static buffers and writing logits and hidden states
-into static outputs. Padding rows use free slots (``n..nb-1``) at position 0, so they never
+context is always the whole cache: ``EngineConfig.capture_graphs_at_start``), reading
+tokens/positions from static buffers and writing logits and hidden states into static
+outputs. Padding rows use free slots (``n..nb-1``) at position 0, so they never
 touch a running request's cache. Weight updates copy into the parameters in place, so
 captured graphs stay valid. Any capture failure disables graphs and decode continues
 eagerly.

@@ -58,8 +58,8 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     rollout_temperature: float = 1.0  # logits are divided by it, as the engine samples
     # torch.compile each decoder layer (dynamic shapes: one set of graphs for every micro-batch
     # shape; the attention call stays eager). Shares --compile with the engine. None = auto:
-    # on for CUDA (1.55x the eager step on RL's long-tailed batches on the H200, after a
-    # ~8 s first step), off on the CPU (a C++ compiler and ~10-20 s for ~1.2x there).
+    # on for CUDA (1.94x the eager step on RL's long-tailed batches on the H200; the first
+    # step compiles, ~30 s), off on the CPU (a C++ compiler and ~10-20 s for ~1.2x there).
     compile: bool | None = None
     gradient_checkpointing: bool = False  # recompute decoder layers in backward
     fsdp: bool | None = None  # None → FSDP2 when torch.distributed has > 1 rank

@@ -203,7 +203,10 @@ class CudaIpcReceiver:
         """Keep ``flat`` mapped (the older storage of this handle goes, returning its count);
         returns its named views, reused while the handle's storage and layout are the same."""
         old = self._mapped.get(handle)
-        same = old is not None and old[1] == metas and old[0].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        ptr = flat.untyped_storage().data_ptr()
+        same = old is not None and old[1] == metas and old[0].untyped_storage().data_ptr() == ptr
+        # reused views keep the first storage object of this mapping alive as well (one more
+        # count, returned with the rest when the handle leaves the POOL kept here)
         named = old[2] if same else views(flat, metas)
         self._mapped[handle] = (flat, metas, named)
         self._mapped.move_to_end(handle)

@@ -21,8 +21,9 @@ accepted drafts over accepted + first rejections — is still reported.) The rul
    steps run the least recently measured option once, so a draft that improves (online
    training) or a policy that drifts away from it is noticed. A probe after which the rule
    keeps its choice doubles that batch size's interval (up to ``MAX_BACKOFF``×); one that
-   changes it, or that alone measured ≥ 5% faster than the choice, resets the interval: a probe is a switch and back (on the H200 at batch 64, a
-   probe every 64 steps cost the adaptive engine 18% against plain decoding).
+   changes the choice, or alone measured ≥ 5% faster than it, resets the interval. A probe
+   is a switch and back: on the H200 at batch 64, a probe every 64 steps cost the adaptive
+   engine 18% against plain decoding (1-8% with the back-off).
 
 Why this shape: where decode is memory-bound (small batches) a verify step of k + 1 tokens
 per row costs about one plain step, so any decent acceptance wins; as the batch grows the
