@@ -98,7 +98,10 @@ class EmbeddedTrainer:
         self.fused_logprobs = not self.sharded
         if config.gradient_checkpointing:
             _checkpoint_layers(self.model)
-        if config.use_compile():
+        compiled = config.compile
+        if compiled is None:  # auto: see TrainerConfig.compile
+            compiled = self.device.type == "cuda" and not self.is_moe and not self.sharded
+        if compiled:
             for layer in self.model.model.layers:
                 layer.compile(dynamic=True)
         self.ref_model = ref_model

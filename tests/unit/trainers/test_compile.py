@@ -62,3 +62,14 @@ def test_compiled_layers_share_their_graphs() -> None:
         tr.train_step(groups)
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] == graphs[1] > 0, graphs
+
+
+def test_compile_is_off_by_default_on_the_cpu() -> None:
+    """None = auto: a dense model on one GPU compiles; on the CPU the layers stay eager
+    unless asked (--compile)."""
+    def compiled(flag: bool | None) -> list[bool]:
+        tr = EmbeddedTrainer(make_model(), config=TrainerConfig(lr=1e-3, compile=flag), algo=AlgorithmConfig())
+        return [layer._compiled_call_impl is not None for layer in tr.model.model.layers]
+
+    assert not any(compiled(None)) and not any(compiled(False))
+    assert all(compiled(True))
