@@ -20,6 +20,7 @@ attention part and the eager expert dispatch (data-dependent shapes).
 from __future__ import annotations
 
 import logging
+import types
 from typing import Any
 
 import torch
@@ -107,13 +108,22 @@ def _compiled_or_eager(fn: Any, kw: dict[str, Any]) -> Any:
     return call
 
 
-def compile_fast_path(**compile_kwargs: Any) -> FastPath:
-    """One compiled copy of each step function, shared by all layers and all models in the
-    process (dynamic shapes, so batch and sequence length changes do not recompile)."""
+def _own_code(fn: Any) -> Any:
+    """``fn`` with a code object of its own: dynamo keeps compiled variants, and counts them
+    against its recompile limit, per code object."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def compile_fast_path(role: str = "policy", **compile_kwargs: Any) -> FastPath:
+    """One compiled copy of each step function per ``role``, shared by all layers and all
+    models of that role in the process (dynamic shapes, so batch and sequence length changes
+    do not recompile). A draft model (``role="draft"``) gets copies of its own: sharing the
+    policy's, its shapes and dtypes passed dynamo's limit of 8 variants in a speculative
+    engine (spec_overhead on the H200), and the policy's prefill then ran eagerly too."""
     kw = {"dynamic": True, "fullgraph": True, **compile_kwargs}
-    key = tuple(sorted(kw.items()))
+    key = (role, *sorted(kw.items()))
     if key not in _COMPILED:
-        _COMPILED[key] = FastPath(lambda fn: _compiled_or_eager(fn, kw))
+        _COMPILED[key] = FastPath(lambda fn: _compiled_or_eager(_own_code(fn), kw))
     return _COMPILED[key]
 
 

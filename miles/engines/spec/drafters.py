@@ -67,7 +67,7 @@ class Drafter:
         self.config = config
         self.device, self.dtype = torch.device(config.device), config.torch_dtype()
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
-        self.model.fuse_projections(compile_fast_path() if config.use_compile() else None)
+        self.model.fuse_projections(compile_fast_path("draft") if config.use_compile() else None)
         self.stager = WeightStager(self.model, self.device, self.dtype)
         self.version = version
         self.headroom = MAX_STEPS + 2
