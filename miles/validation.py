@@ -8,6 +8,7 @@ outputs behind.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,11 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
           and not str(engine.device).startswith("cuda")):
         yield (f"--decode-attention triton is a CUDA kernel; the engines run on {engine.device!r} "
                "(use auto, or --device cuda)")
+    cpu_compile = [section for section in (engine, cfg.trainer)
+                   if section.compile and not str(section.device).startswith("cuda")]
+    if cpu_compile and not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+        yield ("--compile on the CPU needs a C++ compiler on PATH (c++, g++ or clang++) for torch's inductor; "
+               "install one, or leave --compile off (the CPU default)")
     yield from _env_problems(cfg)
     yield from _megatron_problems(cfg)
     yield from transport_problems(cfg)

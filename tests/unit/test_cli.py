@@ -96,6 +96,13 @@ def test_bad_choice_and_type(files, capsys) -> None:
     _fails(_argv(files, "--rollout-batch-size", "x"), capsys, "--rollout-batch-size")
 
 
+def test_compile_on_the_cpu_without_a_compiler(files, capsys, monkeypatch) -> None:
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    _fails(_argv(files, "--compile"), capsys, "--compile on the CPU needs a C++ compiler")
+
+
 def test_incompatible_flags(files, capsys) -> None:
     err = _fails(_argv(files, "--mode", "sync", "--over-sampling-batch-size", "64", "--rollout-batch-size", "32"),
                  capsys, "--partial-rollout")
