@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command; parts:
 #   tests failing engine-matmul engine-attn engine-rollout profile engine long-tail trainer trainer-long-tail spec spec-overhead megatron weights async async-x2)
 # On a machine without ray/msgspec/megatron-core, a .whl folder built by the project's
-# gpu-wheels tool is installed first. Env: TESTS (test paths), ATTN (engine-attn's --decode-attention values), TESTS_TIMEOUT, WEIGHTS_ARGS, WEIGHTS_TIMEOUT,
+# gpu-wheels tool is installed first. Env: TESTS (test paths), ATTN (engine-attn's --decode-attention values), TESTS_TIMEOUT (default 480: the trainer compiles on CUDA now), WEIGHTS_ARGS, WEIGHTS_TIMEOUT,
 # TLT_ARGS (trainer-long-tail, e.g. --compile; --profile), TRAINER_ARGS (trainer, e.g. --profile), ASYNC_ARGS / ASYNC_TIMEOUT (e.g. ASYNC_ARGS="--steps 8 --only sync async_eta2"), SPEC_STEPS, SPEC_ARGS
 # (e.g. "--batches 1 4 16 64 --repeats 1": the full sweep and 8 steps overran 300 s on the H200). Extra outputs go to $OUT (default: runs/gpu).
 set -uo pipefail
@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for part in "$@"; do
     echo "=== $part $(date +%T)"
     case "$part" in
-        tests)    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short ${TESTS:-tests/gpu tests/unit/engines/test_triton_decode.py} -p no:cacheprovider > "$OUT/tests.txt" 2>&1
+        tests)    timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -q -rfE --tb=short ${TESTS:-tests/gpu tests/unit/engines/test_triton_decode.py} -p no:cacheprovider > "$OUT/tests.txt" 2>&1
                   rc=$?; tail -40 "$OUT/tests.txt"; (exit $rc) ;;
         failing)  timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider $FAILING > "$OUT/failing.txt" 2>&1
                   rc=$?; tail -5 "$OUT/failing.txt"; (exit $rc) ;;
