@@ -73,11 +73,13 @@ async def measure(args, kind: str, batch: int) -> dict[str, float]:
             t = await timed(engine, batch, args.new_tokens, f"{name}{rep}", args.device)
             if rep:
                 best[name] = min(best[name], t)
-    frac = engines["adaptive"].stats().get("spec/spec_step_frac", 0.0)
+    stats = engines["adaptive"].stats()
+    frac, probes = stats.get("spec/spec_step_frac", 0.0), stats.get("spec/probes", 0.0)
     for engine in engines.values():
         await engine.close()
     tokens = batch * args.new_tokens
-    return {"kind": kind, "batch": batch, **{f"{n}_tps": tokens / t for n, t in best.items()}, "spec_frac": frac}
+    return {"kind": kind, "batch": batch, **{f"{n}_tps": tokens / t for n, t in best.items()}, "spec_frac": frac,
+            "probes": probes}
 
 
 async def main() -> None:
@@ -105,11 +107,11 @@ async def main() -> None:
             print(f"{kind} batch {batch}: plain {r['plain_tps']:.0f}, capped {r['capped_tps']:.0f}, "
                   f"adaptive {r['adaptive_tps']:.0f} tok/s", flush=True)
     lines = ["| draft | batch | plain tok/s | capped tok/s | capped ÷ plain | adaptive tok/s | adaptive ÷ plain | "
-             "adaptive spec steps |", "|---|---|---|---|---|---|---|---|"]
+             "adaptive spec steps | adaptive probes |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['kind']} | {r['batch']} | {r['plain_tps']:.0f} | {r['capped_tps']:.0f} | "
                      f"{r['capped_tps'] / r['plain_tps']:.2f}× | {r['adaptive_tps']:.0f} | "
-                     f"{r['adaptive_tps'] / r['plain_tps']:.2f}× | {100 * r['spec_frac']:.0f}% |")
+                     f"{r['adaptive_tps'] / r['plain_tps']:.2f}× | {100 * r['spec_frac']:.0f}% | {r['probes']:.0f} |")
     report = "\n".join([
         f"## spec_overhead — {dt.datetime.now():%Y-%m-%d %H:%M}", "",
         f"Command: `python benchmarks/spec_overhead.py {' '.join(sys.argv[1:])}`  ",
