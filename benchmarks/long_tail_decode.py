@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import gc
 import sys
 import time
@@ -30,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine import build_model, machine  # noqa: E402
-from benchmarks.trainer import append_section  # noqa: E402
+from benchmarks.trainer import record_section  # noqa: E402
 import miles.engines.stepper as stepper  # noqa: E402
 from miles.engines import EmbeddedEngine, EngineConfig  # noqa: E402
 from miles.engines.stepper import PREFILL_COST  # noqa: E402
@@ -123,15 +122,9 @@ async def main() -> None:
     for preset, n, n_long, long_len, short_len, name, sec in prefill_rows:
         lines.append(f"| {preset} | {n} | {n_long} × {long_len} + {n - n_long} × {short_len} | {name} | "
                      f"{sec:.3f} | {one[(preset, n, n_long, long_len, short_len)] / sec:.2f}× |")
-    report = "\n".join([
-        f"## long_tail_decode — {datetime.datetime.now():%Y-%m-%d %H:%M}", "",
-        f"Command: `python benchmarks/long_tail_decode.py {' '.join(sys.argv[1:])}`  ",
-        f"Machine: {machine()}  ",
+    record_section("long_tail_decode", machine(), (
         f"{args.new_tokens} new tokens per request, sampling at temperature 1, matmul decode attention; "
-        "best of 3 after a warm-up; all variants in one process.", "", *lines, ""])
-    print(report)
-    if not args.no_record:
-        append_section(Path(args.results), "\n" + report)
+        "best of 3 after a warm-up; all variants in one process."), lines, args.results, save=not args.no_record)
 
 
 if __name__ == "__main__":

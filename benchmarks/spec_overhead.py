@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import datetime as dt
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine import build_model, machine  # noqa: E402
-from benchmarks.trainer import append_section  # noqa: E402
+from benchmarks.trainer import record_section  # noqa: E402
 from miles.engines import EmbeddedEngine, EngineConfig  # noqa: E402
 from miles.engines.spec import SpeculativeConfig  # noqa: E402
 from miles.models.draft import build_draft  # noqa: E402
@@ -112,17 +111,11 @@ async def main() -> None:
         lines.append(f"| {r['kind']} | {r['batch']} | {r['plain_tps']:.0f} | {r['capped_tps']:.0f} | "
                      f"{r['capped_tps'] / r['plain_tps']:.2f}× | {r['adaptive_tps']:.0f} | "
                      f"{r['adaptive_tps'] / r['plain_tps']:.2f}× | {100 * r['spec_frac']:.0f}% | {r['probes']:.0f} |")
-    report = "\n".join([
-        f"## spec_overhead — {dt.datetime.now():%Y-%m-%d %H:%M}", "",
-        f"Command: `python benchmarks/spec_overhead.py {' '.join(sys.argv[1:])}`  ",
-        f"Machine: {machine()}  ",
+    record_section("spec_overhead", machine(), (
         f"preset {args.preset}, k = {args.k}, prompt 8 + {args.new_tokens} new tokens, temperature 1, random "
         f"weights; best of {args.repeats} after a warm-up, engines interleaved. 'capped': a speculative engine "
-        "whose --speculative-max-batch-size (1) is below the batch, so it never speculates.",
-        "", *lines, ""])
-    print(report)
-    if not args.no_record:
-        append_section(Path(args.results), "\n" + report)
+        "whose --speculative-max-batch-size (1) is below the batch, so it never speculates."),
+        lines, args.results, save=not args.no_record)
 
 
 if __name__ == "__main__":

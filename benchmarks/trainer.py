@@ -305,6 +305,21 @@ def append(args: argparse.Namespace, info: str, table: str, goal: str) -> None:
     append_section(path, text)
 
 
+def record_section(script: str, machine: str, setup: str, lines: list[str], results: str | Path, *,
+                   save: bool = True) -> str:
+    """Print a benchmark's section — title with the time, the command that ran, the machine,
+    one setup line, then ``lines`` (its tables and verdicts) — and append it to ``results``
+    unless ``save`` is False. Returns the text."""
+    report = "\n".join([
+        f"## {script} — {dt.datetime.now():%Y-%m-%d %H:%M}", "",
+        f"Command: `python benchmarks/{script}.py {' '.join(sys.argv[1:])}`  ",
+        f"Machine: {machine}  ", setup, "", *lines, ""])
+    print(report)
+    if save:
+        append_section(Path(results), "\n" + report)
+    return report
+
+
 def append_section(path: Path, text: str) -> None:
     """Append a section to RESULTS.md (created with its title if missing)."""
     if not path.exists():

@@ -21,7 +21,6 @@ appends them to benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import random
 import statistics
 import sys
@@ -33,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import miles.trainers.embedded as embedded  # noqa: E402
-from benchmarks.trainer import PRESETS, append_section, machine, print_profile, sync  # noqa: E402
+from benchmarks.trainer import PRESETS, machine, print_profile, record_section, sync  # noqa: E402
 from miles.algorithms import AlgorithmConfig  # noqa: E402
 from miles.models import CausalLM  # noqa: E402
 from miles.trainers import EmbeddedTrainer, TrainerConfig  # noqa: E402
@@ -148,17 +147,11 @@ def main() -> None:
     for name, mbs, padded, real, first_s, step, tps in rows:
         lines.append(f"| {name} | {mbs:.1f} | {padded:.0f} | {real:.0f} | {1 - real / padded:.0%} | {first_s:.2f} | "
                      f"{step:.3f} | {tps:.0f} | {base / step:.2f}× |")
-    report = "\n".join([
-        f"## trainer_long_tail — {dt.datetime.now():%Y-%m-%d %H:%M}", "",
-        f"Command: `python benchmarks/trainer_long_tail.py {' '.join(sys.argv[1:])}`  ",
-        f"Machine: {machine(args.device)}  ",
+    record_section("trainer_long_tail", machine(args.device), (
         f"preset {preset}; 256 trajectories a step (32 groups × 8), Zipf response lengths ≤ {max_len}, "
         f"max tokens per micro-batch {max_tokens}; {args.steps} steps per variant after a warm-up step "
-        "('first step s', which includes any compilation), interleaved.",
-        "", *lines, ""])
-    print(report)
-    if not args.no_record:
-        append_section(Path(args.results), "\n" + report)
+        "('first step s', which includes any compilation), interleaved."),
+        lines, args.results, save=not args.no_record)
 
 
 if __name__ == "__main__":
