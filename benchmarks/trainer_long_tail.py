@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import miles.trainers.embedded as embedded  # noqa: E402
+import miles.trainers.batching as batching  # noqa: E402
 from benchmarks.trainer import PRESETS, machine, print_profile, record_section, sync  # noqa: E402
 from miles.algorithms import AlgorithmConfig  # noqa: E402
 from miles.models import CausalLM  # noqa: E402
@@ -81,7 +81,7 @@ def padded_tokens(plan, groups, max_tokens, device: str) -> tuple[int, int, int]
 def profile_steps(trainers: dict[str, EmbeddedTrainer], batch: list[list[Trajectory]], device: str) -> None:
     """Where a step's time goes, per planner: the top ops by device time and by host time."""
     for name, trainer in trainers.items():
-        embedded.plan_micro_batches = PLANNERS[name]
+        batching.plan_micro_batches = PLANNERS[name]
         print_profile(f"{name} planner", lambda: trainer.train_step(batch), device)
 
 
@@ -123,7 +123,7 @@ def main() -> None:
     first: dict[str, float] = {}
     for i, batch in enumerate(batches):  # the first batch warms up (and compiles); variants interleaved
         for name, trainer in trainers.items():
-            embedded.plan_micro_batches = PLANNERS[variants[name][0]]
+            batching.plan_micro_batches = PLANNERS[variants[name][0]]
             sync(args.device)
             t0 = time.perf_counter()
             trainer.train_step(batch)
@@ -134,7 +134,7 @@ def main() -> None:
                 first[name] = time.perf_counter() - t0
     if args.profile:
         profile_steps({name: trainers[name] for name in PLANNERS}, batches[-1], args.device)
-    embedded.plan_micro_batches = plan_micro_batches
+    batching.plan_micro_batches = plan_micro_batches
     rows = []
     for name, (planner, _) in variants.items():
         pad = [padded_tokens(PLANNERS[planner], b, max_tokens, args.device) for b in batches[1:]]

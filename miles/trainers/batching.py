@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from miles.algorithms import LossDenominators
+from miles.trainers.config import TrainerConfig
 from miles.types import Trajectory, TrajectoryError
 from miles.utils.cuts import cut_by_length
 from miles.utils.device import to_device
@@ -68,6 +69,13 @@ class TokenBatch:
             out[f.name] = v
         out.update(seq_lens=seq, resp_lens=resp, loss_tokens=[self.loss_tokens[r] for r in rows])
         return TokenBatch(**out)
+
+    def plan(self, rows: Sequence[int], config: TrainerConfig) -> list[list[int]]:
+        """``rows`` cut into micro-batches under the trainer's limits, at the per-micro-batch
+        cost of the batch's device (``plan_micro_batches``, ``micro_batch_cost``)."""
+        return plan_micro_batches(rows, self.seq_lens, micro_batch_size=config.micro_batch_size,
+                                  max_tokens=config.max_tokens_per_micro_batch,
+                                  cost=micro_batch_cost(self.input_ids.device))
 
     def denominators(self, rows: Sequence[int]) -> LossDenominators:
         """The loss denominators of the (mini-)batch ``rows``, from the host counts."""

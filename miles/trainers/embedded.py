@@ -33,8 +33,7 @@ from miles.algorithms import AlgorithmConfig, PolicyBatch, compute_advantages, c
 from miles.algorithms.losses import kl_estimate
 from miles.algorithms.masked import deferred_finite_checks
 from miles.trainers import state as ckpt
-from miles.trainers.batching import (TokenBatch, build_batch, micro_batch_cost, plan_micro_batches, rewards_of,
-                                     trajectories_of)
+from miles.trainers.batching import TokenBatch, build_batch, rewards_of, trajectories_of
 from miles.trainers.config import TrainerConfig, lr_at
 from miles.trainers.fsdp import maybe_fully_shard
 from miles.trainers.logprobs import full_routing, response_logprobs
@@ -195,13 +194,8 @@ class EmbeddedTrainer:
             current_version=self._version if check_versions else None,
         )
 
-    def _plan(self, batch: TokenBatch, rows: Sequence[int]) -> list[list[int]]:
-        return plan_micro_batches(rows, batch.seq_lens, micro_batch_size=self.config.micro_batch_size,
-                                  max_tokens=self.config.max_tokens_per_micro_batch,
-                                  cost=micro_batch_cost(self.device))
-
     def _micro_batches(self, batch: TokenBatch, rows: Sequence[int]) -> list[TokenBatch]:
-        return [batch.select(p) for p in self._plan(batch, rows)]
+        return [batch.select(p) for p in batch.plan(rows, self.config)]
 
     def _forward(self, model: nn.Module, mb: TokenBatch, entropy: str) -> tuple[Tensor, Tensor | None]:
         routing = full_routing(model, mb, self.compute_dtype) if mb.routing is not None else None
@@ -212,7 +206,7 @@ class EmbeddedTrainer:
     @torch.no_grad()
     def _no_grad_logprobs(self, model: nn.Module, batch: TokenBatch) -> Tensor:
         out = torch.zeros_like(batch.logp_rollout)
-        for plan in self._plan(batch, range(batch.size)):
+        for plan in batch.plan(range(batch.size), self.config):
             mb = batch.select(plan)
             logp, _ = self._forward(model, mb, "none")
             out[to_device(plan, torch.long, self.device), : logp.shape[1]] = logp
@@ -246,7 +240,7 @@ class EmbeddedTrainer:
         pending: list[tuple[dict[str, Tensor], float]] = []  # metrics kept only if the step is taken
         self.optimizer.zero_grad(set_to_none=True)
         with deferred_finite_checks():
-            for mb_rows in self._plan(batch, rows):
+            for mb_rows in batch.plan(rows, self.config):
                 if not any(batch.loss_tokens[r] for r in mb_rows):
                     continue
                 mb = batch.select(mb_rows)

@@ -37,8 +37,7 @@ from torch import Tensor
 from miles.algorithms import AlgorithmConfig, LossDenominators, PolicyBatch, compute_advantages, compute_loss
 from miles.algorithms.losses import kl_estimate
 from miles.models import ModelConfig, load_config
-from miles.trainers.batching import (TokenBatch, build_batch, micro_batch_cost, plan_micro_batches, rewards_of,
-                                     trajectories_of)
+from miles.trainers.batching import TokenBatch, build_batch, rewards_of, trajectories_of
 from miles.trainers.config import TrainerConfig, lr_at
 from miles.trainers.embedded import NonFiniteError
 from miles.trainers.megatron import state as ckpt
@@ -240,9 +239,7 @@ class MegatronTrainer:
         mine = by_length[self.layout.dp_rank::self.layout.dp]
         if need_loss:
             mine = [r for r in mine if batch.loss_tokens[r]]
-        plan = plan_micro_batches(mine, batch.seq_lens, micro_batch_size=self.config.micro_batch_size,
-                                  max_tokens=self.config.max_tokens_per_micro_batch,
-                                  cost=micro_batch_cost(self.device))
+        plan = batch.plan(mine, self.config)
         count = max(len(plan), 1)
         if self.layout.dp > 1:
             n = torch.tensor(count, device=self.device)
