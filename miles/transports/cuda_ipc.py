@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,6 +90,17 @@ def release_handle(h: IpcHandle) -> None:
         pass
 
 
+@dataclass
+class _Buffer:
+    """A sender's update buffer, with the layout it was last packed in and the slot views of
+    that layout (rebuilt only when a reused buffer gets another layout)."""
+
+    data: torch.Tensor
+    full: bool = True
+    metas: list[TensorMeta] | None = None
+    slots: list[torch.Tensor] | None = None
+
+
 class CudaIpcSender:
     kind = "cuda_ipc"
 
@@ -97,10 +109,8 @@ class CudaIpcSender:
         if self.device.type != "cuda":
             raise TransportError(f"cuda_ipc needs the trainer on a GPU, not {self.device}")
         self.dtype = dtype
-        self.live: dict[int, tuple[torch.Tensor, bool]] = {}  # version → (its buffer, a full update)
-        self.pool: list[torch.Tensor] = []  # released full-update buffers, reused by size
-        # id(pooled or live full-update buffer) → (its layout, the slot views into it)
-        self._slots: dict[int, tuple[list[TensorMeta], list[torch.Tensor]]] = {}
+        self.live: dict[int, _Buffer] = {}  # version → its buffer
+        self.pool: list[_Buffer] = []  # released full-update buffers, reused by size
         self.allocations = 0  # buffers allocated (a steady run of full updates stops at POOL + in flight)
 
     def prepare(self, version: int, plans: Sequence[NamedTensors], *, full: bool = True, base_version: int = -1,
@@ -111,25 +121,24 @@ class CudaIpcSender:
         with torch.cuda.device(self.device):
             metas, size = layout(tensors, self.dtype)
             buf = self._buffer(size, reuse=full)
-            cached = self._slots.get(id(buf))
-            dsts = cached[1] if cached is not None and cached[0] == metas else slots(buf, metas)
-            if full:
-                self._slots[id(buf)] = (metas, dsts)
-            pack_into(buf, tensors, metas, dsts=dsts)
+            buf.full = full
+            if buf.metas != metas:
+                buf.metas, buf.slots = metas, slots(buf.data, metas)
+            pack_into(buf.data, tensors, metas, dsts=buf.slots)
             if size:  # the share records the event the engines wait on: after the packing
                 buckets.append(IpcBucket(metas=metas, nbytes=size, gpu_uuid=uuid,
-                                         handles={w: share(buf) for w in members}))
-        self.live[version] = (buf, full)
+                                         handles={w: share(buf.data) for w in members}))
+        self.live[version] = buf
         return WeightUpdate(version=version, transport="cuda_ipc", buckets=buckets, full=full,
                             base_version=base_version, members=list(members))
 
-    def _buffer(self, size: int, *, reuse: bool) -> torch.Tensor:
+    def _buffer(self, size: int, *, reuse: bool) -> _Buffer:
         if reuse:
             for i, buf in enumerate(self.pool):
-                if buf.numel() == size:
+                if buf.data.numel() == size:
                     return self.pool.pop(i)
         self.allocations += 1
-        return torch.empty(size, dtype=torch.uint8, device=self.device)
+        return _Buffer(torch.empty(size, dtype=torch.uint8, device=self.device))
 
     def transfer(self, update: WeightUpdate) -> None:
         pass  # the engines map the buffers themselves
@@ -137,24 +146,21 @@ class CudaIpcSender:
     def release(self, version: int) -> None:
         """Every addressee of ``version`` committed or discarded it: its buffer may be
         rewritten (full updates, into the pool) or freed."""
-        buf, full = self.live.pop(version, (None, False))
+        buf = self.live.pop(version, None)
         if buf is None:
             return
-        if full and buf.numel():
+        if buf.full and buf.data.numel():
             self.pool = (self.pool + [buf])[-POOL:]
-        kept = {id(b) for b in self.pool} | {id(b) for b, _ in self.live.values()}
-        self._slots = {k: v for k, v in self._slots.items() if k in kept}
         torch.cuda.ipc_collect()  # dropped buffers whose consumers are done go back to the allocator
 
     @property
     def live_bytes(self) -> int:
-        return sum(buf.numel() for buf, _ in self.live.values())
+        return sum(buf.data.numel() for buf in self.live.values())
 
     def close(self) -> None:
         for version in list(self.live):
             self.release(version)
         self.pool.clear()
-        self._slots.clear()
         torch.cuda.ipc_collect()
 
 
