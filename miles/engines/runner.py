@@ -271,14 +271,9 @@ class DecodeGraphs:
             self.positions[n:nb].zero_()
         else:
             self.positions[:nb].copy_(self.runner._tensor(positions + [0] * pad))
-        graph = self.graphs.get((nb, L))
+        graph = self.graphs.get((nb, L)) or self._capture(nb, L)
         if graph is None:
-            try:
-                graph = self._capture(nb, L)
-            except Exception as exc:  # graphs are an optimisation: fall back, loudly
-                log.warning("CUDA graph capture failed (%s); decoding eagerly from now on", exc)
-                self.failed = True
-                return None
+            return None
         graph.replay()
         return StepOut(self.logits[:n], self.hidden[:n], None)
 
@@ -295,17 +290,20 @@ class DecodeGraphs:
         for nb in self.buckets:
             if (nb, L) in self.graphs:
                 continue
-            try:
-                self._capture(nb, L)
-            except Exception as exc:
-                log.warning("CUDA graph capture failed (%s); decoding eagerly from now on", exc)
-                self.failed = True
+            if self._capture(nb, L) is None:
                 return done
             done += 1
         return done
 
     def _capture(self, nb: int, L: int) -> Any:
+        """The new graph of (nb, L), or None when capture fails: graphs are an optimisation,
+        so they are switched off, loudly, and decode runs eagerly from then on."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph = self.graphs[(nb, L)] = capture_graph(lambda: self._step(nb, L), self.pool)
+        try:
+            graph = self.graphs[(nb, L)] = capture_graph(lambda: self._step(nb, L), self.pool)
+        except Exception as exc:
+            log.warning("CUDA graph capture failed (%s); decoding eagerly from now on", exc)
+            self.failed = True
+            return None
         return graph

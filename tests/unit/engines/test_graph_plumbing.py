@@ -61,3 +61,21 @@ def test_graph_path_matches_full_forward(overlap: bool) -> None:
         assert (lp - torch.tensor(out.logprobs)).abs().max() < 1e-5
         hidden = engine.pop_hidden_states(out.rid)
         assert torch.allclose(hidden, full.hidden[0, :-1], atol=1e-4)
+
+
+def test_a_failed_capture_switches_graphs_off(monkeypatch) -> None:
+    """Graphs are an optimisation: a capture that raises turns them off (run returns None,
+    the caller decodes eagerly) instead of failing the step."""
+    import miles.engines.runner as runner_mod
+
+    engine = make_engine(make_model(seed=8), max_batch_size=4)
+    graphs = DecodeGraphs(engine.runner)
+
+    def broken(step, pool):
+        raise RuntimeError("capture not supported")
+
+    monkeypatch.setattr(runner_mod, "capture_graph", broken)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    assert graphs.run([5, 6], [3, 4], 32) is None
+    assert graphs.failed and not graphs.graphs
+    assert graphs.run([5, 6], [3, 4], 32) is None  # stays off
