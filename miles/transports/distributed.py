@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import itertools
 import os
-import socket
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -37,14 +36,9 @@ import torch.distributed as dist
 from miles.serving import weight_sync
 from miles.transports.base import GroupSpec, NamedTensors, Stage, TransportError, WeightUpdate, WireBucket
 from miles.weights import TensorMeta, layout, pack_into, views
+from miles.utils.net import free_port
 
 _epochs = itertools.count(1)
-
-
-def free_port(address: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return int(s.getsockname()[1])
 
 
 def node_address() -> str:
@@ -82,7 +76,7 @@ class DistributedSender:
     def new_spec(self, world_size: int) -> GroupSpec:
         address = self.address or node_address()
         return GroupSpec(name=f"miles-weights-{os.getpid()}-{next(_epochs)}", address=address,
-                         port=free_port(address), world_size=world_size, backend=self.backend,
+                         port=free_port(), world_size=world_size, backend=self.backend,
                          timeout_s=self.timeout_s)
 
     def join(self, spec: GroupSpec) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from miles.actors.rollout_worker import RolloutWorker
 from miles.engines.sglang import SGLangConfig, SGLangEngine, SGLangError
-from miles.engines.sglang.launch import free_port
+from miles.utils.net import free_port
 from miles.models import build_tiny_tokenizer
 from miles.protocols import RolloutEngine
 from miles.rollout import GenerateContext, generate_single_turn

@@ -46,11 +46,12 @@ import torch
 
 from miles.engines.sglang.client import HttpClient, SGLangError, error_message
 from miles.engines.sglang.config import SGLangConfig
-from miles.engines.sglang.launch import ServerProcess, build_launch_command, free_port, server_port
+from miles.engines.sglang.launch import ServerProcess, build_launch_command, server_port
 from miles.engines.sglang.responses import generate_body, output_from_response, parse_version_label
 from miles.protocols import NamedTensors
 from miles.serving import weight_sync
 from miles.types import GenerateOutput, GenerateRequest
+from miles.utils.net import free_port
 from miles.weights import plan_buckets
 
 log = logging.getLogger(__name__)
@@ -260,7 +261,7 @@ class SGLangEngine:
         tp = int(info.get("tp_size", 1) or 1) if isinstance(info, dict) else 1
         host = urlparse(self.url).hostname or "127.0.0.1"
         address = self.config.sglang_weight_master_address or _address_towards(host)
-        port = self.config.sglang_weight_master_port or free_port("")
+        port = self.config.sglang_weight_master_port or free_port()
         backend = self._backend()
         body = {"master_address": address, "master_port": port, "rank_offset": 1, "world_size": 1 + tp,
                 "group_name": self._group_name, "backend": backend}

@@ -16,7 +16,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import shlex
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.engines.sglang.config import SGLangConfig
+from miles.utils.net import free_port
 
 DEFAULT_COMMAND = ("-m", "sglang.launch_server")
 
@@ -50,12 +50,6 @@ def render_flags(args: dict[str, Any]) -> list[str]:
         else:
             out += [flag, str(value)]
     return out
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def server_port(config: SGLangConfig, index: int) -> int:

@@ -11,7 +11,6 @@ address 127.0.0.1); several ranks come from ``torchrun`` (``RANK`` / ``WORLD_SIZ
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,17 +19,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from miles.trainers.megatron.config import MegatronConfig, MegatronConfigError, data_parallel_size
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from miles.utils.net import free_port
 
 
 def init_process_group(device: str) -> None:
     """Start torch.distributed from the environment (torchrun's variables), or as a world of
-    one. NCCL on CUDA, gloo on the CPU. A started process group is left as it is."""
+    one. NCCL on CUDA, gloo on the CPU. A started process group is left as it is; a world of
+    one whose port turns out to be taken tries another."""
     if dist.is_initialized():
         return
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -44,7 +39,16 @@ def init_process_group(device: str) -> None:
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    for attempt in range(3):
+        try:
+            dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+            return
+        except dist.DistNetworkError:
+            # the port was taken between its choice and the store's bind; a world of one owns
+            # its store, so another port will do (ranks of a larger world all know this one)
+            if world > 1 or attempt == 2:
+                raise
+            os.environ["MASTER_PORT"] = str(free_port())
 
 
 @dataclass(frozen=True)

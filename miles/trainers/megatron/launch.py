@@ -69,7 +69,7 @@ class _Rank:
     def address(self) -> tuple[str, int]:
         import ray
 
-        from miles.trainers.megatron.distributed import free_port
+        from miles.utils.net import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 

@@ -126,7 +126,7 @@ def run_ranks(target: Any, world: int, *args: Any, timeout: float = 300.0) -> li
     group; return the results by rank, or raise with the first child's traceback."""
     import torch.multiprocessing as mp
 
-    from miles.trainers.megatron.distributed import free_port
+    from miles.utils.net import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
