@@ -18,7 +18,9 @@ meaningless for reward — trainer and engine colocated on one GPU (CUDA IPC wei
 long-tailed by construction (each prompt carries a Zipf-distributed length, up to
 --max-len tokens, that a custom generate function enforces with EOS ignored).
 Throughput is measured from the end of step 1 to the end of the last step, so actor start-up
-and the first weight load are excluded.
+and the first weight load are excluded — and so is an async run's head start: trajectories
+finished before that span (while the first step waited or compiled) and trained in it are
+not credited to it (``measure``).
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ import os
 import platform
 import random
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -152,15 +156,28 @@ def make_cpu_inputs(quick: bool) -> dict[str, str]:
 
 
 def measure(rows: list[dict]) -> dict[str, float]:
+    """Throughput over the span from the end of the first row's step to the end of the last.
+
+    An asynchronous run starts with a head start: while the trainer's first step waits (and,
+    on CUDA, compiles), the engines already finish trajectories for the next η versions.
+    Drawing that stock down in the span would count rollouts made before it, so the samples
+    credited to the span are at most those the rollout side completed in it — trained plus
+    the change of the ready stock (``buffer/ready``). The raw trained rate is kept beside it
+    ('trained/s'); the steady rate is the smaller, the one the ratios use.
+    """
     first, last = rows[0], rows[-1]
     span = last["wall_time"] - first["wall_time"]
     samples = sum(r["perf/trained_samples"] for r in rows[1:])
     tokens = sum(r["perf/trained_tokens"] for r in rows[1:])
+    completed = samples + last.get("buffer/ready", 0.0) - first.get("buffer/ready", 0.0)
+    steady = min(1.0, completed / samples) if samples else 1.0
     step_time = sum(r["perf/step_s"] for r in rows[1:])
     tail = rows[-max(3, len(rows) // 4):]
     return {
-        "samples_per_s": samples / span,
-        "tokens_per_s": tokens / span,
+        "samples_per_s": steady * samples / span,
+        "tokens_per_s": steady * tokens / span,
+        "trained_samples_per_s": samples / span,
+        "stock_drawn": 1.0 - steady,  # the share of the trained samples that came from the head start
         "reward": statistics.fmean(r["rollout/reward_mean"] for r in tail),
         "wait_share": sum(r["perf/wait_for_data_s"] for r in rows[1:]) / step_time,
         "buffer_share": (last.get("perf/buffer_busy_s", 0) - first.get("perf/buffer_busy_s", 0)) / span,
@@ -220,11 +237,24 @@ def main() -> None:
                     rollout_batch_size=2 if args.quick else 8, n_samples_per_prompt=2 if args.quick else 8,
                     rollout_max_response_len=24 if args.quick else 420, lr=2e-4, use_tis=True)
         what = "countdown task from its SFT warm-up (tiny model, CPU)"
-    configs = [c for c in CONFIGS if args.only is None or c[0] in args.only or slug(c[0]) in args.only]
-    if args.only and len(configs) != len(args.only):
-        parser.error(f"--only {args.only}: known configs are {[slug(c[0]) for c in CONFIGS]}")
+    by_name = {key: c for c in CONFIGS for key in (c[0], slug(c[0]))}
+    unknown = [name for name in args.only or () if name not in by_name]
+    if unknown:
+        parser.error(f"--only {unknown}: known configs are {[slug(c[0]) for c in CONFIGS]}")
+    configs = [by_name[name] for name in args.only] if args.only else CONFIGS  # in the order asked
     results: dict[str, dict[str, float]] = {}
+    running = [""]
+
+    def on_term(signum: int, frame: Any) -> None:
+        """A time limit (``timeout`` sends SIGTERM) keeps the configs that finished."""
+        if results:
+            write(report(results, args, steps, base, what,
+                         interrupted=f"stopped by signal {signum} during {running[0]!r}"), args.results)
+        os._exit(128 + signum)
+
     for name, extra in configs:
+        running[0] = name
+        signal.signal(signal.SIGTERM, on_term)  # again each time: ray.init (in the first run) sets its own
         out = work / name.replace(" ", "_").replace("=", "").replace("+", "")
         flags = dict(base, output_dir=str(out), num_rollout=steps, progress=False, seed=1, **extra)
         if args.compile:
@@ -241,16 +271,25 @@ def main() -> None:
         results[name]["ledger_ok"] = float(summary["ledger_ok"])
         print(f"{name}: {json.dumps({k: round(v, 4) for k, v in results[name].items()})}", flush=True)
 
+    write(report(results, args, steps, base, what), args.results)
+
+
+def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps: int, base: dict[str, Any],
+           what: str, interrupted: str = "") -> str:
+    """The RESULTS.md section for the configs in ``results`` (all of them, or those that ran
+    before ``interrupted`` says the run was stopped)."""
+    gpu = args.device == "cuda"
     sync = results.get("sync")
     gpu_cols = sorted({k for r in results.values() for k in r if k.startswith("gpu")})
-    lines = ["| config | trained samples/s | × sync | tokens/s | × sync | final reward | wait for data | buffer busy | "
-             "admission | max staleness | rollout tok/s | graph capture | KV read useful |" + "".join(f" {c.removesuffix('_util').upper()} util |" for c in gpu_cols),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
+    lines = ["| config | trained samples/s | × sync | tokens/s | × sync | raw trained/s | stock drawn | final reward | "
+             "wait for data | buffer busy | admission | max staleness | rollout tok/s | graph capture | KV read useful |"
+             + "".join(f" {c.removesuffix('_util').upper()} util |" for c in gpu_cols),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
     for name, r in results.items():
         ratio = r["samples_per_s"] / sync["samples_per_s"] if sync else float("nan")
         tratio = r["tokens_per_s"] / sync["tokens_per_s"] if sync else float("nan")
         lines.append(f"| {name} | {r['samples_per_s']:.2f} | {ratio:.2f}× | {r['tokens_per_s']:.0f} | {tratio:.2f}× | "
-                     f"{r['reward']:.3f} | {100 * r['wait_share']:.0f}% | {100 * r['buffer_share']:.2f}% | "
+                     f"{r['trained_samples_per_s']:.2f} | {100 * r['stock_drawn']:.0f}% | {r['reward']:.3f} | {100 * r['wait_share']:.0f}% | {100 * r['buffer_share']:.2f}% | "
                      f"{100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} | {r['rollout_tokens_per_s'] or float('nan'):.0f} | {100 * r['capture_share']:.0f}% | {100 * r['kv_useful']:.0f}% |"
                      + "".join(f" {r[c]:.0f}% |" if c in r else " – |" for c in gpu_cols))
     machine = (f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
@@ -258,8 +297,9 @@ def main() -> None:
         import torch
 
         machine += f", {torch.cuda.get_device_name()} (nvidia-h200 device machine), torch {torch.__version__}"
-    report = "\n".join([
-        f"## async_vs_sync — {datetime.date.today().isoformat()} ({args.device})",
+    section = "\n".join([
+        f"## async_vs_sync — {datetime.date.today().isoformat()} ({args.device})"
+        + (f" (partial: {interrupted})" if interrupted else ""),
         "",
         f"Command: `python benchmarks/async_vs_sync.py {shlex.join(sys.argv[1:])}` ({steps} steps)  ",
         f"Machine: {machine}  ",
@@ -267,7 +307,10 @@ def main() -> None:
         "",
         *lines,
         "",
-        "Ratios are trained samples/s against sync over the same number of trained samples; "
+        "Ratios are trained samples/s against sync over the same number of trained samples, counting only "
+        "the samples the rollout side completed within the measured span: 'raw trained/s' is what the trainer "
+        "consumed, and 'stock drawn' the share of that which came from trajectories finished before the span "
+        "(an async run's head start during step 1), left out of the steady rate (tokens/s scaled alike); "
         "'buffer busy' is the replay buffer's own measured work as a share of wall time, "
         "'admission' the driver's admission loop (Ray round trips included); 'rollout tok/s' counts every "
         "token the engines generated (recycled and not yet trained ones too; the workers report every "
@@ -279,9 +322,15 @@ def main() -> None:
         "last step; disaggregated, GPU0 is the trainer's and GPU1 the engine's.",
         "",
     ])
-    print(report)
-    with open(args.results, "a") as fh:
-        fh.write("\n" + report)
+    return section
+
+
+def write(section: str, path: str) -> None:
+    print(section, flush=True)
+    with open(path, "a") as fh:
+        fh.write("\n" + section)
+
+
 
 
 if __name__ == "__main__":
