@@ -54,7 +54,7 @@ import torch  # noqa: E402
 from miles.models import CausalLM, ModelConfig, tiny_config  # noqa: E402
 from miles.transports import make_sender  # noqa: E402
 from miles.transports.changed import fingerprints  # noqa: E402
-from miles.weights import plan_buckets  # noqa: E402
+from miles.weights import MEMCPY_BYTES, layout, pack_into, plan_buckets, slots  # noqa: E402
 from weight_sync_engine import EngineSide, serve  # noqa: E402
 
 PHASES = ("prepare_s", "trip_s", "receive_s", "wait_s")  # the parts of 'to staged'
@@ -188,6 +188,7 @@ def bench_transport(kind: str, size: str, args: argparse.Namespace, ceilings: di
                              "receive_s": res["t_received"] - res["t_in"],
                              "wait_s": res["t_staged"] - res["t_received"]})
         exact = remote.call("fingerprint") == fingerprints(named)
+        packing = pack_variants(named, device) if kind == "cuda_ipc" else {}
         ceiling_key = {"cuda_ipc": "d2d_copy", "object_store": "object_store_raw"}.get(kind, f"{kind}_bcast")
         ceilings[f"{ceiling_key}/{size}"] = measure_ceiling(kind, nbytes, sender, remote, device)
     finally:
@@ -203,7 +204,35 @@ def bench_transport(kind: str, size: str, args: argparse.Namespace, ceilings: di
             **{k: statistics.median(r[k] for r in runs) for k in ("swap_s", *PHASES)},
             "gbps": gbps, "ceiling_key": ceiling_key,
             "ceiling_gbps": ceiling, "ratio": gbps / ceiling if ceiling else 0.0, "exact": exact,
-            "runs": runs}
+            "runs": runs, "packing": packing}
+
+
+PACKINGS = {"multi-tensor": 1 << 62, "default": MEMCPY_BYTES, "memcpy each": 0}  # pack_into's memcpy_bytes
+
+
+def pack_variants(named: list[tuple[str, torch.Tensor]], device: str, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """The sender's pack alone, by how ``pack_into`` splits the work: every tensor in one
+    multi-tensor copy, the default (large same-dtype tensors as plain copies), a plain copy
+    each. Best of ``repeats``: device ms (CUDA events) and host ms (the launches)."""
+    metas, size = layout(named)
+    flat = torch.empty(size, dtype=torch.uint8, device=device)
+    dsts = slots(flat, metas)
+    out = {}
+    for label, memcpy_bytes in PACKINGS.items():
+        dev, host = float("inf"), float("inf")
+        for _ in range(repeats + 1):
+            sync(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            pack_into(flat, named, metas, dsts=dsts, memcpy_bytes=memcpy_bytes)
+            end.record()
+            host = min(host, time.perf_counter() - t0)
+            end.synchronize()
+            dev = min(dev, start.elapsed_time(end) / 1e3)
+        out[label] = {"device_s": dev, "host_s": host}
+    del flat, dsts
+    return out
 
 
 def measure_ceiling(kind: str, nbytes: int, sender: Any, remote: Remote, device: str) -> float:
@@ -400,6 +429,17 @@ def report(rows: list[dict], stalls: list[dict], ceilings: dict[str, float], not
     for r in rows:
         lines.append(f"| {r['size']} | {r['transport']} | {1e3 * r['staged_s']:.1f} | "
                      + " | ".join(f"{1e3 * r[k]:.1f}" for k in PHASES) + " |")
+    packed = [r for r in rows if r.get("packing")]
+    if packed:
+        lines += ["", "The CUDA IPC sender's pack alone (best of 5; device ms by CUDA events, host ms the launches; "
+                  "% = the copy ceiling's time for the same bytes over the pack's device time):", "",
+                  "| state dict | " + " | ".join(f"{k} device ms | {k} host ms | {k} % of ceiling" for k in PACKINGS) + " |",
+                  "|---|" + "---|---|---|" * len(PACKINGS)]
+        for r in packed:
+            floor = r["bytes"] / (r["ceiling_gbps"] * 1e9) if r["ceiling_gbps"] else float("nan")
+            lines.append(f"| {r['size']} | " + " | ".join(
+                f"{1e3 * v['device_s']:.2f} | {1e3 * v['host_s']:.2f} | {100 * floor / v['device_s']:.0f}%"
+                for v in r["packing"].values()) + " |")
     if "host_memcpy" in ceilings:
         lines.append(f"\nHost memcpy (one thread): {ceilings['host_memcpy']:.1f} GB/s.")
     if stalls:

@@ -99,14 +99,29 @@ def slots(flat: torch.Tensor, metas: Sequence[TensorMeta]) -> list[torch.Tensor]
     return [flat[m.offset : m.offset + m.nbytes].view(_DTYPES[m.dtype]).view(m.shape) for m in metas]
 
 
+MEMCPY_BYTES = 1 << 20  # pack_into: a same-dtype tensor at least this large is copied on its own
+
+
 def pack_into(flat: torch.Tensor, tensors: Sequence[tuple[str, torch.Tensor]], metas: Sequence[TensorMeta],
-              *, dsts: list[torch.Tensor] | None = None) -> None:
-    """Copy (and cast) each tensor into its slot of ``flat`` (uint8, any device): one
-    multi-tensor copy (a few kernel launches on CUDA, not one per tensor). ``dsts``: the
-    slots (``slots(flat, metas)``) kept from an earlier update into the same buffer."""
+              *, dsts: list[torch.Tensor] | None = None, memcpy_bytes: int = MEMCPY_BYTES) -> None:
+    """Copy (and cast) each tensor into its slot of ``flat`` (uint8, any device). ``dsts``:
+    the slots (``slots(flat, metas)``) kept from an earlier update into the same buffer.
+
+    A contiguous tensor of at least ``memcpy_bytes`` that keeps its dtype is one plain copy
+    (a device memcpy on CUDA, at the copy ceiling); the rest — casts, small tensors — go in
+    one multi-tensor copy, a few kernel launches for all of them instead of one each.
+    """
     dsts = slots(flat, metas) if dsts is None else dsts
-    if dsts:
-        torch._foreach_copy_(dsts, [t.detach() for _, t in tensors])
+    rest_dst, rest_src = [], []
+    for dst, (_, t) in zip(dsts, tensors):
+        t = t.detach()
+        if t.dtype == dst.dtype and t.is_contiguous() and t.numel() * t.element_size() >= memcpy_bytes:
+            dst.copy_(t)
+        else:
+            rest_dst.append(dst)
+            rest_src.append(t)
+    if rest_dst:
+        torch._foreach_copy_(rest_dst, rest_src)
 
 
 def pack(tensors: Sequence[tuple[str, torch.Tensor]], *, version: int, index: int, total: int,

@@ -44,6 +44,18 @@ def test_pack_into_a_torch_buffer_matches_the_host_pack() -> None:
     assert got[0][1].data_ptr() == flat.data_ptr()  # a view, not a copy
 
 
+@pytest.mark.parametrize("memcpy_bytes", [0, 64, 1 << 62])
+def test_pack_into_gives_the_same_bytes_whichever_tensors_are_plain_copies(memcpy_bytes: int) -> None:
+    """Large same-dtype tensors are copied one by one, the rest (casts, small ones) in one
+    multi-tensor copy; the buffer must not tell which."""
+    named = [*_named(), ("strided", torch.arange(64, dtype=torch.float32).view(8, 8).t())]
+    metas, size = layout(named)  # no cast: every contiguous tensor may be a plain copy
+    flat = torch.zeros(size, dtype=torch.uint8)
+    pack_into(flat, named, metas, memcpy_bytes=memcpy_bytes)
+    for (name, got), (_, want) in zip(views(flat, metas), named):
+        assert torch.equal(got, want), name
+
+
 def test_views_refuse_metas_past_the_buffer() -> None:
     metas, size = layout(_named())
     with pytest.raises(ValueError, match="past the bucket"):
