@@ -296,7 +296,7 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
     if gpu:
         import torch
 
-        machine += f", {torch.cuda.get_device_name()} (nvidia-h200 device machine), torch {torch.__version__}"
+        machine += f", {torch.cuda.device_count()}× {torch.cuda.get_device_name()}, torch {torch.__version__}"
     section = "\n".join([
         f"## async_vs_sync — {datetime.date.today().isoformat()} ({args.device})"
         + (f" (partial: {interrupted})" if interrupted else ""),
