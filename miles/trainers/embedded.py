@@ -112,6 +112,8 @@ class EmbeddedTrainer:
         self.consecutive_nonfinite = 0
         self.skipped_steps_total = 0
         self._shuffle = torch.Generator().manual_seed(config.seed)
+        if compiled:
+            self._warm_compiled()
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         decay, no_decay = [], []
@@ -185,6 +187,31 @@ class EmbeddedTrainer:
         ckpt.load_trainer_state(self, state)
 
     # ---- internals ----------------------------------------------------------------------
+    WARM_SHAPES = ((2, 12), (3, 16), (1, 20))  # (rows, tokens) per micro-batch; see _warm_compiled
+
+    def _warm_compiled(self) -> None:
+        """Compile the layers for every micro-batch shape class before the first step, with
+        and without gradients. Dynamo specializes a dimension of size 1, so the first
+        micro-batch of one row (a long trajectory alone, a leftover) recompiled the layers,
+        forward and backward, whenever it came: a 15 s trainer step in the middle of an
+        H200 async run. The gradients are thrown away; the weights do not change."""
+        vocab = self.model.config.vocab_size
+        g = torch.Generator().manual_seed(0)
+        for rows, length in self.WARM_SHAPES:
+            trajs = []
+            for i in range(rows):
+                t = Trajectory(id=f"warm{i}", prompt_id="warm", group_id="warm",
+                               prompt_tokens=torch.randint(vocab, (2,), generator=g).tolist())
+                t.append(torch.randint(vocab, (length - 2,), generator=g).tolist(), [0.0] * (length - 2),
+                         self._version, kind="model")
+                trajs.append(t)
+            batch = self._build(trajs, check_versions=False)
+            self._no_grad_logprobs(self.model, batch)
+            for plan in batch.plan(range(batch.size), self.config):
+                logp, entropy = self._forward(self.model, batch.select(plan), "grad")
+                (logp.sum() + (0.0 if entropy is None else entropy.sum())).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
     def _build(self, trajs: list[Trajectory], *, check_versions: bool = True) -> TokenBatch:
         cfg = self.model.config
         replay = self.config.use_rollout_routing_replay and self.is_moe
