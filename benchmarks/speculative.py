@@ -283,6 +283,10 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
         out.append({"state": state, "batch": batch, **{f"{n}_tps": tokens / t for n, t in best.items()},
                     "always_accept_len": stats["always"]["spec/accept_len_total"],
                     "auto_spec_frac": stats["auto"]["spec/spec_step_frac"],
+                    # what the adaptive rule's wall time holds besides its measured options
+                    "auto_k_mean": stats["auto"].get("spec/k_mean", 0.0),
+                    "auto_probes": stats["auto"].get("spec/probes", 0.0),
+                    "auto_flushes": stats["auto"].get("spec/backlog_flushes", 0.0),
                     # rounds that replayed a CUDA graph (the rest ran eagerly), per engine
                     **{f"{n}_graph_rounds": f"{st.get('spec/graph_rounds', 0):.0f}/{st.get('engine/spec_rounds', 0):.0f}"
                        for n, st in stats.items()}})
@@ -294,7 +298,9 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
             torch.cuda.empty_cache()
         print(f"{state}, batch {batch}: plain {out[-1]['plain_tps']:.0f} auto {out[-1]['auto_tps']:.0f} "
               f"always {out[-1]['always_tps']:.0f} tok/s (auto speculated in {100 * out[-1]['auto_spec_frac']:.0f}% "
-              f"of steps; graph rounds auto {out[-1]['auto_graph_rounds']}, always {out[-1]['always_graph_rounds']})",
+              f"of steps, mean k {out[-1]['auto_k_mean']:.2f}, {out[-1]['auto_probes']:.0f} probes, "
+              f"{out[-1]['auto_flushes']:.0f} backlog feeds; "
+              f"graph rounds auto {out[-1]['auto_graph_rounds']}, always {out[-1]['always_graph_rounds']})",
               flush=True)
     return out
 

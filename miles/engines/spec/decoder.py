@@ -122,10 +122,11 @@ class SpecDecoder:
         entries = [d.entries(r) for r in reqs]  # empty only for an EAGLE row with a 1-token prompt
         width = max(max(len(e) for e in entries), 1)
         graphs = self.round_graphs
+        W = graphs.width if graphs is not None else T  # entries a round takes without a feed first
         self.flush_s = 0.0
-        if width > T:
-            # Plain steps left a backlog (the adaptive rule switched speculation back on):
-            # feed it to the draft first, so that this round can replay its CUDA graph instead
+        if width > W:
+            # A plain stretch left more than W entries (the adaptive rule switched speculation
+            # back on): feed them to the draft first, so that this round can replay its CUDA graph instead
             # of running the draft and the verify eagerly (several times slower on a GPU).
             # Timed apart (``flush_s``, device work included): it is the cost of the switch,
             # not of a round, and counted in the round it made a probe look slower than
@@ -138,11 +139,11 @@ class SpecDecoder:
             entries = [d.entries(r) for r in reqs]
             width = max(max(len(e) for e in entries), 1)
             self.backlog_flushes += 1
-        L = self.context_bucket(reqs, max(k, width))
-        use_graph = graphs is not None and rp.all_seeded and width <= T
+        use_graph = graphs is not None and rp.all_seeded and width <= W
+        L = self.context_bucket(reqs, max(k, W if use_graph else width))
         host = [[r.context[-1] for r in reqs], [r.kv_len for r in reqs], [r.draft_len for r in reqs],
                 [max(len(e) - 1, 0) for e in entries]]
-        cu = [e + [0] * ((T if use_graph else width) - len(e)) for e in entries]
+        cu = [e + [0] * ((W if use_graph else width) - len(e)) for e in entries]
         meta = to_device(host, torch.long, self.device)
         io = RoundIO(last=meta[0], kv=meta[1], cu_tokens=to_device(cu, torch.long, self.device),
                      cu_start=meta[2], cu_last=meta[3])

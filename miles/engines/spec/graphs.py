@@ -74,9 +74,13 @@ class RoundGraphs:
     """A whole speculative round (catch-up, k draft steps, verify, accept) as one CUDA graph,
     keyed by (batch bucket, context bucket, k, sampling flags).
 
-    Static inputs: the round's ``RoundParams`` tensors and ``RoundIO`` (catch-up width fixed
-    at k + 1, so a round graph only serves rows with at most k + 1 pending draft entries)
-    — every row seeded or greedy, since a graph cannot draw from the engine's generator.
+    Static inputs: the round's ``RoundParams`` tensors and ``RoundIO`` — every row seeded or
+    greedy, since a graph cannot draw from the engine's generator. The catch-up width is
+    ``width`` = k_max + 2 for every k: a round leaves up to k_max + 1 entries pending, and one
+    plain step (a probe) adds one, so a round after a longer round (the adaptive rule
+    lowered k) or after a probe replays its graph with no feed first. With the width at
+    k + 1, each of those rounds first fed the draft eagerly and waited for it (a
+    synchronizing forward per switch).
     Static outputs: the packed results and the policy's hidden states. Padding rows are
     greedy rows on free slots at position 0. The drafter's ``after_verify`` runs after the
     replay (outside the graph), so the capture's warm-up runs are idempotent: they write
@@ -90,9 +94,10 @@ class RoundGraphs:
         cap = runner.config.max_batch_size
         self.buckets = [b for b in _BATCH_BUCKETS if b < cap] + [cap]
         dev, T = runner.device, max_steps + 1
+        self.width = max_steps + 2  # catch-up entries per row, whatever the round's k
         self.f = torch.zeros(2, cap, dtype=torch.float32, device=dev)  # temperature, top_p
         self.i = torch.zeros(7 + 4, cap, dtype=torch.long, device=dev)  # top_k greedy seeded base last kv start | seeds
-        self.cu = torch.zeros(cap, T, dtype=torch.long, device=dev)
+        self.cu = torch.zeros(cap, self.width, dtype=torch.long, device=dev)
         self.cu_last = torch.zeros(cap, dtype=torch.long, device=dev)
         self.packed = torch.zeros(cap, 2 * T + 2, dtype=torch.float64, device=dev)
         self.hidden = torch.zeros(cap, T, runner.model.config.hidden_size, dtype=runner.dtype, device=dev)
@@ -109,7 +114,7 @@ class RoundGraphs:
         rp = RoundParams(temperature=f[0], top_p=f[1], top_k=i[0], greedy=i[1].bool(), seeded=i[2].bool(),
                          base=i[3], seeds=i[7:11], any_greedy=any_greedy, all_greedy=all_greedy, all_seeded=True,
                          truncated=truncated)
-        io = RoundIO(last=i[4], kv=i[5], cu_tokens=self.cu[:nb, : k + 1], cu_start=i[6], cu_last=self.cu_last[:nb])
+        io = RoundIO(last=i[4], kv=i[5], cu_tokens=self.cu[:nb], cu_start=i[6], cu_last=self.cu_last[:nb])
         return rp, io
 
     def _step(self, nb: int, L: int, k: int, flags: tuple[bool, bool, bool]) -> None:
@@ -128,7 +133,7 @@ class RoundGraphs:
         for row, src in enumerate((rp.top_k, rp.greedy, rp.seeded, rp.base, io.last, io.kv, io.cu_start)):
             self.i[row, :n].copy_(src)
         self.i[7:11, :n].copy_(rp.seeds)
-        self.cu[:n, : k + 1].copy_(io.cu_tokens)
+        self.cu[:n].copy_(io.cu_tokens)
         self.cu_last[:n].copy_(io.cu_last)
         if nb > n:  # padding rows: greedy, at position 0 of free slots
             self.f[:, n:nb].fill_(1.0)

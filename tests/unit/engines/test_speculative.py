@@ -225,6 +225,29 @@ def test_rounds_after_plain_streaks_replay_their_graph(kind: str) -> None:
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_lower_k_or_one_plain_step_needs_no_feed_before_the_round(kind: str) -> None:
+    """A round graph's catch-up takes k_max + 2 entries whatever its k: a round after a
+    longer one (the adaptive rule lowered k) or after one plain step (a probe) replays its
+    graph at once. Only a longer plain stretch is fed to the draft first."""
+    policy = make_model(seed=20)
+    engine = spec_engine(policy, kind, mode="coupled", k=3, max_batch_size=4)
+    graphs = _fake_round_graphs(engine, 3)
+    script = iter([3, 1, 3, 0, 1, 3, 0, 3, 2, 1] * 10)
+    engine.spec.plan = lambda batch: next(script, 0)
+    ps = prompts(4, seed=21)
+    sps = [SamplingParams(max_new_tokens=30, seed=i, temperature=(1.0, 0.7)[i % 2], ignore_eos=True) for i in range(4)]
+    plain = generate_all(make_engine(policy, max_batch_size=4), _requests(ps, sps))
+    outs = generate_all(engine, _requests(ps, sps))
+    stats = engine.stats()
+    assert stats["spec/backlog_flushes"] == 0
+    assert stats["spec/graph_rounds"] == stats["engine/spec_rounds"] > 0  # no round ran eagerly
+    assert {key[2] for key in graphs.graphs} == {1, 2, 3}
+    for a, b in zip(plain, outs):
+        assert b.output_ids == a.output_ids and b.versions == a.versions
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
 def test_engine_without_draft_or_with_bad_draft() -> None:
     from miles.engines.spec import SpeculativeConfig
     from miles.models.draft import build_draft
