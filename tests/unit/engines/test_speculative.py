@@ -202,27 +202,33 @@ def test_round_graph_plumbing_on_cpu(kind: str) -> None:
         assert torch.allclose(engine.pop_hidden_states(b.rid), full, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_rounds_after_plain_streaks_replay_their_graph(kind: str) -> None:
-    """When the adaptive rule switches speculation back on after plain steps, the draft's
-    backlog is fed first, so the round still fits its graph (k + 1 entries per row) instead of
-    running eagerly; the tokens stay those of plain decoding (coupled mode)."""
-    policy = make_model(seed=18)
-    engine = spec_engine(policy, kind, mode="coupled", k=3, max_batch_size=6)
+def _scripted_graph_rounds(kind: str, script: list[int], seed: int) -> tuple[dict[str, float], set[int]]:
+    """Run 4 seeded requests under a scripted choice of k (0 = a plain step) with fake round
+    graphs; check that the tokens are plain decoding's and that no round ran eagerly.
+    Returns the engine's stats and the k of every round graph captured."""
+    policy = make_model(seed=seed)
+    engine = spec_engine(policy, kind, mode="coupled", k=3, max_batch_size=4)
     graphs = _fake_round_graphs(engine, 3)
-    script = iter([0, 0, 0, 0, 0, 3, 0, 0, 3, 3, 0, 0, 0, 0, 0, 0, 0, 2] * 20)
-    engine.spec.plan = lambda batch: next(script, 0)
-    ps = prompts(6, seed=19)
-    sps = [SamplingParams(max_new_tokens=40, seed=i, temperature=(1.0, 0.8)[i % 2], ignore_eos=True) for i in range(6)]
-    plain = generate_all(make_engine(policy, max_batch_size=6), _requests(ps, sps))
+    steps = iter(script * 20)
+    engine.spec.plan = lambda batch: next(steps, 0)
+    ps = prompts(4, seed=seed + 1)
+    sps = [SamplingParams(max_new_tokens=40, seed=i, temperature=(1.0, 0.8)[i % 2], ignore_eos=True) for i in range(4)]
+    plain = generate_all(make_engine(policy, max_batch_size=4), _requests(ps, sps))
     outs = generate_all(engine, _requests(ps, sps))
-    stats = engine.stats()
-    assert stats["spec/backlog_flushes"] > 0
-    assert stats["spec/graph_rounds"] == stats["engine/spec_rounds"] > 0  # no round ran eagerly
-    assert {key[2] for key in graphs.graphs} == {2, 3}
     for a, b in zip(plain, outs):
         assert b.output_ids == a.output_ids and b.versions == a.versions
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    stats = engine.stats()
+    assert stats["spec/graph_rounds"] == stats["engine/spec_rounds"] > 0  # no round ran eagerly
+    return stats, {key[2] for key in graphs.graphs}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rounds_after_plain_streaks_replay_their_graph(kind: str) -> None:
+    """When the adaptive rule switches speculation back on after a plain stretch, the draft's
+    backlog is fed first, so the round still fits its graph instead of running eagerly."""
+    stats, ks = _scripted_graph_rounds(kind, [0, 0, 0, 0, 0, 3, 0, 0, 3, 3, 0, 0, 0, 0, 0, 0, 0, 2], seed=18)
+    assert stats["spec/backlog_flushes"] > 0 and ks == {2, 3}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -230,22 +236,8 @@ def test_a_lower_k_or_one_plain_step_needs_no_feed_before_the_round(kind: str) -
     """A round graph's catch-up takes k_max + 2 entries whatever its k: a round after a
     longer one (the adaptive rule lowered k) or after one plain step (a probe) replays its
     graph at once. Only a longer plain stretch is fed to the draft first."""
-    policy = make_model(seed=20)
-    engine = spec_engine(policy, kind, mode="coupled", k=3, max_batch_size=4)
-    graphs = _fake_round_graphs(engine, 3)
-    script = iter([3, 1, 3, 0, 1, 3, 0, 3, 2, 1] * 10)
-    engine.spec.plan = lambda batch: next(script, 0)
-    ps = prompts(4, seed=21)
-    sps = [SamplingParams(max_new_tokens=30, seed=i, temperature=(1.0, 0.7)[i % 2], ignore_eos=True) for i in range(4)]
-    plain = generate_all(make_engine(policy, max_batch_size=4), _requests(ps, sps))
-    outs = generate_all(engine, _requests(ps, sps))
-    stats = engine.stats()
-    assert stats["spec/backlog_flushes"] == 0
-    assert stats["spec/graph_rounds"] == stats["engine/spec_rounds"] > 0  # no round ran eagerly
-    assert {key[2] for key in graphs.graphs} == {1, 2, 3}
-    for a, b in zip(plain, outs):
-        assert b.output_ids == a.output_ids and b.versions == a.versions
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    stats, ks = _scripted_graph_rounds(kind, [3, 1, 3, 0, 1, 3, 0, 3, 2, 1], seed=20)
+    assert stats["spec/backlog_flushes"] == 0 and ks == {1, 2, 3}
 
 
 def test_engine_without_draft_or_with_bad_draft() -> None:
