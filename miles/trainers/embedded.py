@@ -195,15 +195,21 @@ class EmbeddedTrainer:
         micro-batch of one row (a long trajectory alone, a leftover) recompiled the layers,
         forward and backward, whenever it came: a 15 s trainer step in the middle of an
         H200 async run. The gradients are thrown away; the weights do not change."""
-        vocab = self.model.config.vocab_size
+        cfg = self.model.config
+        replay = self.config.use_rollout_routing_replay and self.is_moe
         g = torch.Generator().manual_seed(0)
         for rows, length in self.WARM_SHAPES:
             trajs = []
             for i in range(rows):
                 t = Trajectory(id=f"warm{i}", prompt_id="warm", group_id="warm",
-                               prompt_tokens=torch.randint(vocab, (2,), generator=g).tolist())
-                t.append(torch.randint(vocab, (length - 2,), generator=g).tolist(), [0.0] * (length - 2),
-                         self._version, kind="model")
+                               prompt_tokens=torch.randint(cfg.vocab_size, (2,), generator=g).tolist())
+                n = length - 2
+                t.append(torch.randint(cfg.vocab_size, (n,), generator=g).tolist(), [0.0] * n, self._version,
+                         kind="model")
+                if replay:  # the replayed-routing path compiles apart: give it routes to replay
+                    k, experts = cfg.num_experts_per_tok, cfg.num_experts
+                    t.routed_experts = [[[(j + e) % experts for e in range(k)] for _ in cfg.moe_layers]
+                                        for j in range(n)]
                 trajs.append(t)
             batch = self._build(trajs, check_versions=False)
             self._no_grad_logprobs(self.model, batch)

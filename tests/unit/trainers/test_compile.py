@@ -96,3 +96,14 @@ def test_compiled_trainer_meets_no_new_shape_class_after_construction() -> None:
         tr.train_step(batch)
         tr.compute_logprobs([t for g in batch for t in g])
     assert counters["stats"]["unique_graphs"] == built
+
+
+def test_the_warm_up_batches_carry_routes_under_routing_replay() -> None:
+    """The warm-up's made-up trajectories carry routes when routing replay is on (the
+    batch builder refuses a trajectory without them)."""
+    model = make_model(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, model_type="qwen3_moe")
+    tr = EmbeddedTrainer(model, config=TrainerConfig(lr=1e-3, use_rollout_routing_replay=True), algo=AlgorithmConfig())
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    tr._warm_compiled()  # eager here (compiling an MoE on the CPU takes minutes): the same batches
+    assert tr.optimizer_steps == 0 and all(p.grad is None for p in tr.model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
