@@ -17,6 +17,7 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+failed=()
 for part in "$@"; do
     echo "=== $part $(date +%T)"
     case "$part" in
@@ -42,6 +43,10 @@ for part in "$@"; do
     esac
     rc=$?  # the part's own status (a pipe's first failure: pipefail), before anything else runs
     echo "=== $part done $(date +%T) rc=$rc"
+    [ "$rc" = 0 ] || failed+=("$part")
     cp benchmarks/RESULTS.md "$OUT/RESULTS.md"  # after every part: a later timeout keeps what ran
     case "$part" in async*) tar czf "$OUT/$part-metrics.tgz" runs/async_vs_sync/*/metrics.jsonl 2>/dev/null ;; esac
 done
+# one line to read at the end of a log (a pipe into tee hides this script's status)
+if [ ${#failed[@]} -gt 0 ]; then echo "=== FAILED parts: ${failed[*]}"; exit 1; fi
+echo "=== all parts passed"
