@@ -194,6 +194,16 @@ def measure(rows: list[dict]) -> dict[str, float]:
     }
 
 
+def buffer_parts(rows: list[dict]) -> str:
+    """The replay buffer's busy time over the span, by method, largest first, with each
+    method's longest single call so far (a burst shows which call it was)."""
+    first, last = rows[0], rows[-1]
+    prefix = "perf/buffer_busy_s/"
+    parts = {k[len(prefix):]: last[k] - first.get(k, 0.0) for k in last if k.startswith(prefix)}
+    return ", ".join(f"{m} {1e3 * v:.1f} ms (longest {1e3 * last.get(f'perf/buffer_call_max_s/{m}', 0.0):.1f})"
+                     for m, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v > 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
@@ -265,6 +275,7 @@ def main() -> None:
         summary = asyncio.run(train(resolve(flags)))
         rows = read_metrics(out / "metrics.jsonl")[-steps:]
         results[name] = measure(rows)
+        print(f"{name}: buffer work over the span, by method: {buffer_parts(rows)}", flush=True)
         for index, util in (sampler.stop() if sampler else {}).items():
             results[name][f"gpu{index}_util"] = util
         results[name]["wall_s"] = time.monotonic() - start

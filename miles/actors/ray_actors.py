@@ -50,6 +50,8 @@ class _BufferActor(ReplayBuffer):
     def __init__(self, flat: dict[str, Any]) -> None:
         super().__init__(**buffer_args(resolve(flat)))
         self.busy_s = 0.0
+        # per method: (seconds in all, the longest call), so a burst in busy_s names its call
+        self.busy_by: dict[str, list[float]] = {}
         self.changes = 0  # bumped by every state-changing call; admission long-polls on it
         self._changed: asyncio.Event | None = None
 
@@ -74,6 +76,9 @@ class _BufferActor(ReplayBuffer):
         out = super().stats()
         out["mem/buffer_rss_mb"] = rss_mb()
         out["perf/buffer_busy_s"] = self.busy_s
+        for name, (total, longest) in self.busy_by.items():
+            out[f"perf/buffer_busy_s/{name}"] = total
+            out[f"perf/buffer_call_max_s/{name}"] = longest
         return out
 
 
@@ -85,7 +90,11 @@ def _timed(name: str, changes: bool) -> Any:
         try:
             return inner(self, *args, **kwargs)
         finally:
-            self.busy_s += time.perf_counter() - start
+            took = time.perf_counter() - start
+            self.busy_s += took
+            rec = self.busy_by.setdefault(name, [0.0, 0.0])
+            rec[0] += took
+            rec[1] = max(rec[1], took)
             if changes:
                 self._bump()
 

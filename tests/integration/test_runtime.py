@@ -56,6 +56,13 @@ def test_modes_respect_bound_and_ledger(ray_cluster, tiny_ckpt, task, tmp_path, 
                 "train/tis_ratio_mean", "train/mismatch_kl_k1", "perf/wait_for_data_s"):
         assert key in metrics[-1], key
     assert max(m["buffer/staleness_max"] for m in metrics) <= eta
+    # the buffer's own work, by method: the parts add up to the whole, and the longest call
+    # of each is within its total (a burst in busy_s names its call)
+    last = metrics[-1]
+    parts = {k.rsplit("/", 1)[1]: v for k, v in last.items() if k.startswith("perf/buffer_busy_s/")}
+    assert {"add_prompts", "lease", "get_batch"} <= parts.keys()
+    assert sum(parts.values()) == pytest.approx(last["perf/buffer_busy_s"], rel=1e-6)
+    assert all(0.0 < last[f"perf/buffer_call_max_s/{name}"] <= total for name, total in parts.items())
     saved = json.loads((out / "summary.json").read_text())
     assert saved["status"] == "completed"
     assert (out / "config.yaml").is_file()
