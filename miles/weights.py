@@ -149,15 +149,13 @@ def pack(tensors: Sequence[tuple[str, torch.Tensor]], *, version: int, index: in
 
 
 def views(flat: torch.Tensor, metas: Sequence[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
-    """(name, view) per meta into a flat uint8 buffer (any device); no copy."""
-    out = []
+    """(name, view) per meta into a flat uint8 buffer (any device); no copy. Every meta is
+    checked to lie inside the buffer first."""
     for meta in metas:
         if meta.offset + meta.nbytes > flat.numel():
             raise ValueError(f"tensor {meta.name!r} ends at byte {meta.offset + meta.nbytes}, "
                              f"past the bucket's {flat.numel()} bytes")
-        raw = flat[meta.offset : meta.offset + meta.nbytes]
-        out.append((meta.name, raw.view(_DTYPES[meta.dtype]).reshape(meta.shape)))
-    return out
+    return [(meta.name, slot) for meta, slot in zip(metas, slots(flat, metas))]
 
 
 def unpack(bucket: WeightBucket) -> list[tuple[str, torch.Tensor]]:

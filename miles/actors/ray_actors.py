@@ -49,7 +49,6 @@ class _BufferActor(ReplayBuffer):
 
     def __init__(self, flat: dict[str, Any]) -> None:
         super().__init__(**buffer_args(resolve(flat)))
-        self.busy_s = 0.0
         # per method: (seconds in all, the longest call), so a burst in busy_s names its call
         self.busy_by: dict[str, list[float]] = {}
         self.changes = 0  # bumped by every state-changing call; admission long-polls on it
@@ -72,6 +71,11 @@ class _BufferActor(ReplayBuffer):
                 pass
         return self.changes, self.ledger(), self.prompt_room()
 
+    @property
+    def busy_s(self) -> float:
+        """Seconds spent in the timed methods, all of them."""
+        return sum(total for total, _ in self.busy_by.values())
+
     def stats(self) -> dict[str, float]:
         out = super().stats()
         out["mem/buffer_rss_mb"] = rss_mb()
@@ -91,7 +95,6 @@ def _timed(name: str, changes: bool) -> Any:
             return inner(self, *args, **kwargs)
         finally:
             took = time.perf_counter() - start
-            self.busy_s += took
             rec = self.busy_by.setdefault(name, [0.0, 0.0])
             rec[0] += took
             rec[1] = max(rec[1], took)

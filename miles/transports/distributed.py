@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from miles.serving import weight_sync
 from miles.transports.base import GroupSpec, NamedTensors, Stage, TransportError, WeightUpdate, WireBucket
-from miles.weights import TensorMeta, layout, pack_into, views
 from miles.utils.net import free_port
+from miles.weights import TensorMeta, layout, pack_into, views
 
 _epochs = itertools.count(1)
 

@@ -126,8 +126,9 @@ class SpecDecoder:
         self.flush_s = 0.0
         if width > W:
             # A plain stretch left more than W entries (the adaptive rule switched speculation
-            # back on): feed them to the draft first, so that this round can replay its CUDA graph instead
-            # of running the draft and the verify eagerly (several times slower on a GPU).
+            # back on): feed them to the draft first, so that this round can replay its CUDA
+            # graph instead of running the draft and the verify eagerly (several times slower
+            # on a GPU).
             # Timed apart (``flush_s``, device work included): it is the cost of the switch,
             # not of a round, and counted in the round it made a probe look slower than
             # speculation is (the 1024-step backlog of an LM draft costs several rounds).
