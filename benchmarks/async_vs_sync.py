@@ -337,11 +337,10 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
 
 
 def write(section: str, path: str) -> None:
+    from benchmarks.trainer import append_section
+
     print(section, flush=True)
-    with open(path, "a") as fh:
-        fh.write("\n" + section)
-
-
+    append_section(Path(path), "\n" + section)
 
 
 if __name__ == "__main__":

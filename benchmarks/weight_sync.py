@@ -219,20 +219,27 @@ def pack_variants(named: list[tuple[str, torch.Tensor]], device: str, repeats: i
     dsts = slots(flat, metas)
     out = {}
     for label, memcpy_bytes in PACKINGS.items():
-        dev, host = float("inf"), float("inf")
-        for _ in range(repeats + 1):
-            sync(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
-            start.record()
-            pack_into(flat, named, metas, dsts=dsts, memcpy_bytes=memcpy_bytes)
-            end.record()
-            host = min(host, time.perf_counter() - t0)
-            end.synchronize()
-            dev = min(dev, start.elapsed_time(end) / 1e3)
+        dev, host = best_cuda_time(lambda: pack_into(flat, named, metas, dsts=dsts, memcpy_bytes=memcpy_bytes),
+                                   device, repeats)
         out[label] = {"device_s": dev, "host_s": host}
-    del flat, dsts
     return out
+
+
+def best_cuda_time(run: Any, device: str, repeats: int) -> tuple[float, float]:
+    """Best of ``repeats`` calls of ``run`` after one warm-up, each from an idle device:
+    (device seconds between CUDA events around it, host seconds to launch it)."""
+    dev, host = float("inf"), float("inf")
+    for _ in range(repeats + 1):
+        sync(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        run()
+        end.record()
+        host = min(host, time.perf_counter() - t0)
+        end.synchronize()
+        dev = min(dev, start.elapsed_time(end) / 1e3)
+    return dev, host
 
 
 def measure_ceiling(kind: str, nbytes: int, sender: Any, remote: Remote, device: str) -> float:
@@ -246,14 +253,7 @@ def measure_ceiling(kind: str, nbytes: int, sender: Any, remote: Remote, device:
 def d2d_copy_gbps(nbytes: int, device: str, repeats: int = 5) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
+    best, _ = best_cuda_time(lambda: dst.copy_(src), device, repeats)
     return nbytes / best / 1e9
 
 
@@ -424,7 +424,8 @@ def report(rows: list[dict], stalls: list[dict], ceilings: dict[str, float], not
                      f"{100 * r['ratio']:.0f}% | {r['swap_s']:.4f} | {'yes' if r['exact'] else 'NO'} | {verdict} |")
     lines += ["", "Where 'to staged' goes (medians, ms): prepare = the sender's `prepare` on the host (the "
               "pack is launched, asynchronous on CUDA); trip = to the engine process; receive = the "
-              "receiver's host work (map, views, stage); wait = from there until the device is done.", "",
+              "receiver's map, views and stage (staging waits on the device for the sender's pack, so this "
+              "ends when the pack does); wait = from there until the device is done.", "",
               "| state dict | transport | to staged | prepare | trip | receive | wait |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['size']} | {r['transport']} | {1e3 * r['staged_s']:.1f} | "
