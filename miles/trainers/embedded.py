@@ -100,6 +100,7 @@ class EmbeddedTrainer:
         compiled = config.compile
         if compiled is None:  # auto: see TrainerConfig.compile
             compiled = self.device.type == "cuda" and not self.is_moe and not self.sharded
+        self.compiled = bool(compiled)
         if compiled:
             for layer in self.model.model.layers:
                 layer.compile(dynamic=True)
@@ -214,8 +215,9 @@ class EmbeddedTrainer:
             batch = self._build(trajs, check_versions=False)
             self._no_grad_logprobs(self.model, batch)
             for plan in batch.plan(range(batch.size), self.config):
-                logp, entropy = self._forward(self.model, batch.select(plan), "grad")
-                (logp.sum() + (0.0 if entropy is None else entropy.sum())).backward()
+                logp, entropy = self._forward(self.model, batch.select(plan), self._entropy_mode())
+                grad_entropy = entropy is not None and entropy.requires_grad
+                (logp.sum() + (entropy.sum() if grad_entropy else 0.0)).backward()
         self.optimizer.zero_grad(set_to_none=True)
 
     def _build(self, trajs: list[Trajectory], *, check_versions: bool = True) -> TokenBatch:
@@ -234,7 +236,10 @@ class EmbeddedTrainer:
         routing = full_routing(model, mb, self.compute_dtype) if mb.routing is not None else None
         return response_logprobs(model, mb, temperature=self.config.rollout_temperature,
                                  dtype=self.compute_dtype, entropy=entropy, routing=routing,
-                                 fused=self.fused_logprobs)
+                                 fused=self.fused_logprobs, compiled=self.compiled)
+
+    def _entropy_mode(self) -> str:
+        return "grad" if self.algo.entropy_coef > 0 else "metric"
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model: nn.Module, batch: TokenBatch) -> Tensor:
@@ -265,7 +270,7 @@ class EmbeddedTrainer:
         """Accumulate gradients over the micro-batches of ``rows`` and step. Returns False
         if the step was skipped as non-finite."""
         den = batch.denominators(rows)
-        entropy_mode = "grad" if self.algo.entropy_coef > 0 else "metric"
+        entropy_mode = self._entropy_mode()
         # Finiteness is checked once per step, on the device: a check per micro-batch (or
         # inside each loss function) would make the host wait for the GPU every time, and a
         # host that waits cannot queue the next micro-batch's kernels meanwhile.
