@@ -52,6 +52,7 @@ from miles.actors.draft_trainer import DraftTrainer, apply_draft_buckets  # noqa
 from miles.actors.weight_broadcaster import WeightBroadcaster  # noqa: E402
 from miles.algorithms import AlgorithmConfig  # noqa: E402
 from miles.engines import EmbeddedEngine, EngineConfig  # noqa: E402
+from miles.engines.runner import GRAPH_CAPTURES  # noqa: E402
 from miles.engines.spec import SpeculativeConfig  # noqa: E402
 from miles.models import CausalLM, ModelConfig, tiny_config  # noqa: E402
 from miles.models.draft import build_draft  # noqa: E402
@@ -273,11 +274,15 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
                    "auto": build_engine(args, policy, draft, batch, adaptive=True),
                    "always": build_engine(args, policy, draft, batch, adaptive=False)}
         best = {name: float("inf") for name in engines}
+        captured = {name: [0, 0.0] for name in engines}  # CUDA graphs captured inside timed runs
         for rep in range(args.repeats + 1):  # the first run warms up (graphs, the adaptive rule)
             for name, engine in engines.items():
+                before = dict(GRAPH_CAPTURES)
                 _, t = await rollout(engine, prompts, seeds, args, f"{name}{rep}")
                 if rep:
                     best[name] = min(best[name], t)
+                    captured[name][0] += GRAPH_CAPTURES["count"] - before["count"]
+                    captured[name][1] += GRAPH_CAPTURES["seconds"] - before["seconds"]
         stats = {name: e.stats() for name, e in engines.items() if name != "plain"}
         tokens = batch * args.new_tokens
         out.append({"state": state, "batch": batch, **{f"{n}_tps": tokens / t for n, t in best.items()},
@@ -287,6 +292,7 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
                     "auto_k_mean": stats["auto"].get("spec/k_mean", 0.0),
                     "auto_probes": stats["auto"].get("spec/probes", 0.0),
                     "auto_flushes": stats["auto"].get("spec/backlog_flushes", 0.0),
+                    **{f"{n}_captures": f"{c[0]} ({c[1]:.2f} s)" for n, c in captured.items()},
                     # rounds that replayed a CUDA graph (the rest ran eagerly), per engine
                     **{f"{n}_graph_rounds": f"{st.get('spec/graph_rounds', 0):.0f}/{st.get('engine/spec_rounds', 0):.0f}"
                        for n, st in stats.items()}})
@@ -300,7 +306,9 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
               f"always {out[-1]['always_tps']:.0f} tok/s (auto speculated in {100 * out[-1]['auto_spec_frac']:.0f}% "
               f"of steps, mean k {out[-1]['auto_k_mean']:.2f}, {out[-1]['auto_probes']:.0f} probes, "
               f"{out[-1]['auto_flushes']:.0f} backlog feeds; "
-              f"graph rounds auto {out[-1]['auto_graph_rounds']}, always {out[-1]['always_graph_rounds']})",
+              f"graph rounds auto {out[-1]['auto_graph_rounds']}, always {out[-1]['always_graph_rounds']}; "
+              f"graphs captured in timed runs: plain {out[-1]['plain_captures']}, auto {out[-1]['auto_captures']}, "
+              f"always {out[-1]['always_captures']})",
               flush=True)
     return out
 

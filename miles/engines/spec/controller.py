@@ -21,9 +21,16 @@ accepted drafts over accepted + first rejections — is still reported.) The rul
    steps run the least recently measured option once, so a draft that improves (online
    training) or a policy that drifts away from it is noticed. A probe after which the rule
    keeps its choice doubles that batch size's interval (up to ``MAX_BACKOFF``×); one that
-   changes the choice, or alone measured ≥ 5% faster than it, resets the interval. A probe
-   is a switch and back: on the H200 at batch 64, a probe every 64 steps cost the adaptive
-   engine 18% against plain decoding (1-8% with the back-off).
+   changes the choice resets it. A probe is a switch and back: on the H200 at batch 64, a
+   probe every 64 steps cost the adaptive engine 18% against plain decoding (1-8% with the
+   back-off).
+4. a probe measured ≥ 5% faster than the choice starts a *trial*: the probed option's older
+   measurements are dropped and it runs for ``WARMUP`` - 1 more steps, so the rule compares
+   two fresh medians. Without it, the old measurements outvoted the probe: an option
+   measured while the engine was cold (its first steps, graph captures, shorter contexts)
+   kept its stale median for several probe intervals — hundreds of steps — while the rule
+   ran a slower option (on the CPU at batch 8: k = 1 chosen at 0.69× plain, whose steps
+   it had measured at 294 tokens/s per row during the warm-up and at 564 by a probe).
 
 Why this shape: where decode is memory-bound (small batches) a verify step of k + 1 tokens
 per row costs about one plain step, so any decent acceptance wins; as the batch grows the
@@ -108,6 +115,8 @@ class SpecController:
         self.interval: dict[int, int] = {}  # steps between probes, per batch bucket (backs off)
         self.next_probe: dict[int, int] = {}  # the step of the next probe, per batch bucket
         self.probed: dict[int, int] = {}  # batch bucket → the option its last step probed
+        self.trial: dict[int, list[int]] = {}  # batch bucket → [option, steps left] (rule 4)
+        self.trials = 0
         self.probes = 0
 
     @property
@@ -133,6 +142,8 @@ class SpecController:
         for o in opts:
             if t.count[(b, o)] < WARMUP:
                 return o
+        if b in self.trial:
+            return self._choose_trial(b)
         interval = self.interval.setdefault(b, self.probe)
         if self.steps >= self.next_probe.setdefault(b, self.steps + interval):
             self.next_probe[b] = self.steps + interval
@@ -144,14 +155,29 @@ class SpecController:
         if current is not None and self.rate(b, best) < (1 + SWITCH_GAIN) * self.rate(b, current):
             best = current  # a switch costs a drain and a draft catch-up: not for noise
         if b in self.probed:  # the first choice after a probe: did it change anything?
-            window = t.recent.get((b, self.probed.pop(b)))
-            # the probe alone beat the choice: probe again soon (the medians move slowly)
-            promising = bool(window) and window[-1] >= (1 + SWITCH_GAIN) * self.rate(b, best)
-            kept = best == current and not promising
+            probed = self.probed.pop(b)
+            window = t.recent.get((b, probed))
+            if window and probed != best and window[-1] >= (1 + SWITCH_GAIN) * self.rate(b, best):
+                # the probe alone beat the choice: a trial of fresh measurements (rule 4)
+                t.recent[(b, probed)] = deque([window[-1]], maxlen=WINDOW)
+                self.trial[b] = [probed, WARMUP - 1]
+                self.trials += 1
+                return self._choose_trial(b)
+            kept = best == current
             self.interval[b] = min(2 * interval, MAX_BACKOFF * self.probe) if kept else self.probe
             self.next_probe[b] = self.steps + self.interval[b]
         self.current[b] = best
         return best
+
+    def _choose_trial(self, b: int) -> int:
+        option, left = self.trial[b]
+        if left > 1:
+            self.trial[b][1] -= 1
+        else:
+            del self.trial[b]
+        self.interval[b] = self.probe  # whatever the trial finds, look again soon
+        self.next_probe[b] = self.steps + self.probe
+        return option
 
     def rate(self, b: int, option: int) -> float:
         """Measured tokens per second per row of ``option`` at batch bucket ``b`` (0: unmeasured)."""
@@ -192,6 +218,7 @@ class SpecController:
             "spec/spec_step_frac": 1.0 - self.chosen[0] / steps,
             "spec/k_mean": sum(k * c for k, c in self.chosen.items()) / steps,
             "spec/probes": float(self.probes),
+            "spec/trials": float(self.trials),
             "spec/tokens_per_s_spec": self.spec_tokens / self.spec_s if self.spec_s else 0.0,
             "spec/tokens_per_s_plain": self.plain_tokens / self.plain_s if self.plain_s else 0.0,
         })

@@ -273,10 +273,13 @@ def test_controller_backs_off_probing_while_its_choice_holds() -> None:
     assert 6 <= spec_after_warmup <= 12  # probes at +10, +20, +40, +80, +160, then every 160
     assert c.interval[8] == MAX_BACKOFF * 10
     assert c.stats(0)["spec/probes"] == spec_after_warmup
-    alpha = 0.9  # the draft got good: the next probes find it and the interval resets
-    later = [step() for _ in range(2 * MAX_BACKOFF * 10)]
+    alpha = 0.9  # the draft got good: the next probe finds it, a trial confirms, the interval resets
+    later, intervals = [], []
+    for _ in range(2 * MAX_BACKOFF * 10):
+        later.append(step())
+        intervals.append(c.interval[8])
     assert later[-50:].count(0) <= 10
-    assert c.interval[8] < MAX_BACKOFF * 10
+    assert min(intervals) == 10 and c.stats(0)["spec/trials"] >= 1
 
 
 def test_controller_does_not_flip_on_noise() -> None:
@@ -296,6 +299,34 @@ def test_controller_does_not_flip_on_noise() -> None:
     for _ in range(9):
         c.observe_round(8, 1, 0.8, 0, rows=8, drafted=8, accepted=0, rejections=0, emitted=8)
     assert c.choose(8) == 1
+
+
+def test_controller_trial_replaces_stale_measurements() -> None:
+    """Plain steps measured slow while the engine was cold, then 2× faster: the first probe
+    that sees it starts a trial of fresh measurements, and the rule switches right after,
+    instead of waiting for probes to outvote the stale median (rule 4)."""
+    c = SpecController(SpeculativeConfig(speculative_algorithm="draft", speculative_num_steps=1,
+                                         speculative_probe_interval=10))
+    plain_s = 2.0  # cold: slower than a round of k = 1 that emits 1.5 tokens per row in 1.2 s
+
+    def step() -> int:
+        k = c.choose(8)
+        if k == 0:
+            c.observe_plain(8, plain_s, 8)
+        else:
+            c.observe_round(8, 1, 1.2, 0, rows=8, drafted=8, accepted=4, rejections=4, emitted=12)
+        return k
+
+    warm = [step() for _ in range(6)]
+    assert sorted(warm) == [0, 0, 0, 1, 1, 1]
+    assert [step() for _ in range(5)] == [1] * 5
+    plain_s = 0.5  # warmed up: plain is now 2.5× the round's rate
+    picks = [step() for _ in range(20)]
+    first_probe = picks.index(0)
+    assert picks[first_probe : first_probe + 3] == [0, 0, 0]  # the probe and its trial
+    after = picks[first_probe + 3 :]
+    assert after[:5] == [0] * 5 and after.count(1) <= 2  # switched; k = 1 only as a probe now
+    assert c.stats(0)["spec/trials"] == 1
 
 
 def test_plain_logprobs_unchanged_by_attached_draft() -> None:
