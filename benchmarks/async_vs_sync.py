@@ -200,7 +200,7 @@ def buffer_parts(rows: list[dict]) -> str:
     first, last = rows[0], rows[-1]
     prefix = "perf/buffer_busy_s/"
     parts = {k[len(prefix):]: last[k] - first.get(k, 0.0) for k in last if k.startswith(prefix)}
-    return ", ".join(f"{m} {1e3 * v:.1f} ms (longest {1e3 * last.get(f'perf/buffer_call_max_s/{m}', 0.0):.1f})"
+    return ", ".join(f"{m} {1e3 * v:.1f} ms (longest in the run {1e3 * last.get(f'perf/buffer_call_max_s/{m}', 0.0):.1f})"
                      for m, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v > 0)
 
 

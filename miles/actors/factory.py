@@ -21,11 +21,14 @@ from miles.data import PromptDataset
 from miles.rewards import RewardRunner
 from miles.rollout import GenerateContext, load_generate_fn
 from miles.types import SamplingParams
+from miles.utils import gcpolicy
 from miles.utils.loading import load_function
 
 
 def configure_process(cfg: MilesConfig, threads: int) -> None:
-    """Threads, seeds and determinism for an actor process."""
+    """Threads, seeds, determinism and the GC policy (``miles.utils.gcpolicy``) for an
+    actor process."""
+    gcpolicy.install()
     torch.set_num_threads(max(1, threads))
     random.seed(cfg.run.seed)
     np.random.seed(cfg.run.seed % (2**32))

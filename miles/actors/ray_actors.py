@@ -41,6 +41,7 @@ from miles.actors.weight_broadcaster import WeightBroadcaster
 from miles.buffers import ReplayBuffer
 from miles.config import MilesConfig, resolve
 from miles.rewards import RewardRunner
+from miles.utils import gcpolicy
 from miles.utils.proc import rss_mb
 
 
@@ -49,6 +50,7 @@ class _BufferActor(ReplayBuffer):
 
     def __init__(self, flat: dict[str, Any]) -> None:
         super().__init__(**buffer_args(resolve(flat)))
+        gcpolicy.install()  # full GC passes over the held token lists on a clock, not mid-call
         # per method: (seconds in all, the longest call), so a burst in busy_s names its call
         self.busy_by: dict[str, list[float]] = {}
         self.changes = 0  # bumped by every state-changing call; admission long-polls on it
@@ -71,16 +73,26 @@ class _BufferActor(ReplayBuffer):
                 pass
         return self.changes, self.ledger(), self.prompt_room()
 
+    def busy_parts(self) -> dict[str, tuple[float, float]]:
+        """(seconds in all, the longest) of each timed method, and of the full GC passes
+        (``gc``: the buffer serves nothing while one runs)."""
+        gc_stats = gcpolicy.stats()
+        parts = {name: (total, longest) for name, (total, longest) in self.busy_by.items()}
+        if gc_stats["count"]:
+            parts["gc"] = (gc_stats["seconds"], gc_stats["longest"])
+        return parts
+
     @property
     def busy_s(self) -> float:
-        """Seconds spent in the timed methods, all of them."""
-        return sum(total for total, _ in self.busy_by.values())
+        """Seconds spent in the timed methods and full GC passes, all of them."""
+        return sum(total for total, _ in self.busy_parts().values())
 
     def stats(self) -> dict[str, float]:
         out = super().stats()
         out["mem/buffer_rss_mb"] = rss_mb()
-        out["perf/buffer_busy_s"] = self.busy_s
-        for name, (total, longest) in self.busy_by.items():
+        parts = self.busy_parts()
+        out["perf/buffer_busy_s"] = sum(total for total, _ in parts.values())
+        for name, (total, longest) in parts.items():
             out[f"perf/buffer_busy_s/{name}"] = total
             out[f"perf/buffer_call_max_s/{name}"] = longest
         return out
