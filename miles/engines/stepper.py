@@ -31,7 +31,7 @@ from torch import Tensor
 
 from miles.engines.config import EngineConfig
 from miles.engines.requests import Request
-from miles.engines.runner import ModelRunner, StepOut
+from miles.engines.runner import GRAPH_CAPTURES, ModelRunner, StepOut
 from miles.engines.sampling import SamplingBatch, sample
 from miles.utils.cuts import cut_by_length
 from miles.utils.device import to_device
@@ -172,7 +172,7 @@ class Stepper:
                     self._spec_round(k)
                     return
                 self.spec.drafter.flush(list(self.running))
-        start = time.perf_counter()
+        start, captures = time.perf_counter(), GRAPH_CAPTURES["seconds"]
         prev = self.inflight  # stays in place if this launch raises (fail_all drains it)
         reqs = list(self.running)
         if prev is None:
@@ -196,10 +196,19 @@ class Stepper:
         if not self.overlap:
             self.drain()
         if self.spec is not None:
-            self.spec.controller.observe_plain(len(reqs), time.perf_counter() - start, len(reqs))
+            self.spec.controller.observe_plain(len(reqs), self._measured(start, captures), len(reqs))
+
+    @staticmethod
+    def _measured(start: float, captures: float) -> float:
+        """Seconds since ``start`` without the CUDA graph captures made meanwhile: a capture
+        is a one-time cost of a new shape, not the option's rate. Counted in, it made a
+        rarely used option (met at each new context bucket) look several times slower than
+        it is, and the adaptive rule never chose it again (GRAPH_CAPTURES is per process:
+        one engine per process, as a rollout worker runs it)."""
+        return time.perf_counter() - start - (GRAPH_CAPTURES["seconds"] - captures)
 
     def _spec_round(self, k: int) -> None:
-        start = time.perf_counter()
+        start, captures = time.perf_counter(), GRAPH_CAPTURES["seconds"]
         reqs = list(self.running)
         res = self.spec.run(reqs, k, self.generator)
         eos, max_len, tok = self.eos_ids, self.config.max_seq_len, self.tokenizer
@@ -237,7 +246,7 @@ class Stepper:
         self.stats.counters["decode_steps"] += 1
         self.stats.counters["spec_rounds"] += 1
         self.stats.occupancy.append(len(reqs) / self.config.max_batch_size)
-        seconds = time.perf_counter() - start - self.spec.flush_s  # a backlog feed is the switch's cost
+        seconds = self._measured(start, captures) - self.spec.flush_s  # a backlog feed is the switch's cost
         self.spec.controller.observe_round(len(reqs), k, seconds, self.version, rows=len(reqs),
                                            drafted=drafted, accepted=accepted, rejections=rejections, emitted=total)
         for r in done:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+import time
 
 import pytest
 import torch
@@ -327,6 +328,33 @@ def test_controller_trial_replaces_stale_measurements() -> None:
     after = picks[first_probe + 3 :]
     assert after[:5] == [0] * 5 and after.count(1) <= 2  # switched; k = 1 only as a probe now
     assert c.stats(0)["spec/trials"] == 1
+
+
+def test_rates_leave_out_graph_captures() -> None:
+    """A step or round during which a CUDA graph was captured reports its time without the
+    capture (a one-time cost of a new shape) to the adaptive rule."""
+    from miles.engines.runner import GRAPH_CAPTURES
+
+    engine = spec_engine(make_model(seed=13), "draft")
+    _schedule(engine, [0, 2])
+    seen: list[float] = []
+    controller, runner = engine.spec.controller, engine.stepper.runner
+    plain, rnd = controller.observe_plain, controller.observe_round
+    controller.observe_plain = lambda b, seconds, *a: (seen.append(seconds), plain(b, seconds, *a))
+    controller.observe_round = lambda b, k, seconds, *a, **kw: (seen.append(seconds), rnd(b, k, seconds, *a, **kw))
+    decode, verify = runner.decode, runner.verify
+
+    def capturing(inner):
+        def call(*args, **kwargs):
+            time.sleep(0.2)  # what a capture costs, recorded as one
+            GRAPH_CAPTURES["seconds"] += 0.2
+            return inner(*args, **kwargs)
+        return call
+
+    runner.decode, runner.verify = capturing(decode), capturing(verify)
+    short = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    generate_all(engine, [GenerateRequest(rid="c", input_ids=prompts(1, seed=14)[0], sampling=short)])
+    assert len(seen) >= 4 and max(seen) < 0.15  # each step slept 0.2 s in its "capture"
 
 
 def test_plain_logprobs_unchanged_by_attached_draft() -> None:
