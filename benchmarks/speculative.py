@@ -59,6 +59,7 @@ from miles.models.draft import build_draft  # noqa: E402
 from miles.trainers import EmbeddedTrainer, TrainerConfig  # noqa: E402
 from miles.trainers.draft import DraftLearner  # noqa: E402
 from miles.types import GenerateRequest, SamplingParams, Status, Trajectory  # noqa: E402
+from miles.utils import gcpolicy  # noqa: E402
 from miles.weights import pack_all  # noqa: E402
 
 PRESETS = {
@@ -275,11 +276,14 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
                    "always": build_engine(args, policy, draft, batch, adaptive=False)}
         best = {name: float("inf") for name in engines}
         captured = {name: [0, 0.0] for name in engines}  # CUDA graphs captured inside timed runs
-        for rep in range(args.repeats + 1):  # the first run warms up (graphs, the adaptive rule)
+        # the first runs warm up: graphs, and the adaptive rule's measurements of every option
+        # (its choices differ from run to run, so one warm-up left shapes to capture)
+        warm = args.warmup_runs
+        for rep in range(warm + args.repeats):
             for name, engine in engines.items():
                 before = dict(GRAPH_CAPTURES)
                 _, t = await rollout(engine, prompts, seeds, args, f"{name}{rep}")
-                if rep:
+                if rep >= warm:
                     best[name] = min(best[name], t)
                     captured[name][0] += GRAPH_CAPTURES["count"] - before["count"]
                     captured[name][1] += GRAPH_CAPTURES["seconds"] - before["seconds"]
@@ -435,6 +439,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--sharpness", type=float, default=None, help="std of the active logits (peakedness)")
     ap.add_argument("--batches", type=int, nargs="*", default=None, help="batch sizes of the tok/s sweep")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--warmup-runs", type=int, default=2, help="untimed runs per engine and batch size first")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-record", action="store_true")
@@ -475,6 +480,7 @@ async def amain(args) -> None:
 
 def main() -> None:
     args = parse()
+    gcpolicy.install()  # the GC of a rollout worker's process: no full pass in a timed run
     if args.threads:
         torch.set_num_threads(args.threads)
     asyncio.run(amain(args))
