@@ -188,18 +188,43 @@ class EmbeddedTrainer:
         ckpt.load_trainer_state(self, state)
 
     # ---- internals ----------------------------------------------------------------------
-    WARM_SHAPES = ((2, 12), (3, 16), (1, 20))  # (rows, tokens) per micro-batch; see _warm_compiled
+    WARM_MIN, WARM_STEP = 12, 4  # the warm-up's shortest rows, and the factor between sizes
+    WARM_DEFAULT_TOKENS = 16384  # the warm-up's largest micro-batch without max_tokens_per_micro_batch
+
+    def warm_shapes(self) -> list[tuple[int, int]]:
+        """(rows, tokens per row) of the warm-up's micro-batches: for micro-batch sizes
+        (rows × tokens) ×4 apart up to the largest the plan makes, one row (as long as the
+        model's context allows) and several."""
+        context = self.model.config.max_position_embeddings
+        top = self.config.max_tokens_per_micro_batch or self.WARM_DEFAULT_TOKENS
+        sizes, n = [], 2 * self.WARM_MIN
+        while n < top:
+            sizes.append(n)
+            n *= self.WARM_STEP
+        sizes.append(max(top, 2 * self.WARM_MIN))
+        shapes: list[tuple[int, int]] = []
+        for n in sizes:
+            rows = max(2, -(-n // context))
+            shapes.append((rows, max(n // rows, 3)))
+            if n <= top:
+                shapes.append((1, max(min(n, context), 3)))
+        return list(dict.fromkeys(shapes))
 
     def _warm_compiled(self) -> None:
         """Compile the layers for every micro-batch shape class before the first step, with
         and without gradients. Dynamo specializes a dimension of size 1, so the first
         micro-batch of one row (a long trajectory alone, a leftover) recompiled the layers,
         forward and backward, whenever it came: a 15 s trainer step in the middle of an
-        H200 async run. The gradients are thrown away; the weights do not change."""
+        H200 async run. Inductor also guards its kernels on size thresholds of the shape it
+        compiled with (``4·rows·tokens ≤ 4096`` and the like on the CPU), so a warm-up with
+        short rows only left a recompile to the first long micro-batch, and another at the
+        next threshold: 2-5 s trainer steps in the middle of the H200 runs. So the warm-up
+        climbs from short rows to the largest micro-batch, one row and two, ×4 at a time.
+        The gradients are thrown away; the weights do not change."""
         cfg = self.model.config
         replay = self.config.use_rollout_routing_replay and self.is_moe
         g = torch.Generator().manual_seed(0)
-        for rows, length in self.WARM_SHAPES:
+        for rows, length in self.warm_shapes():
             trajs = []
             for i in range(rows):
                 t = Trajectory(id=f"warm{i}", prompt_id="warm", group_id="warm",

@@ -77,21 +77,25 @@ def test_compile_is_off_by_default_on_the_cpu() -> None:
 
 def test_compiled_trainer_meets_no_new_shape_class_after_construction() -> None:
     """Dynamo specializes a size-1 dimension: the first micro-batch of one row recompiled the
-    layers in the middle of a run (a 15 s step on the H200). The trainer compiles every shape
-    class when it is built, so steps and log-prob passes of any rows compile nothing."""
+    layers in the middle of a run (a 15 s step on the H200); and inductor guards its kernels
+    on size thresholds (on the CPU, rows × tokens ≤ 1024), so the first long micro-batch
+    recompiled too. The trainer compiles every shape class and size regime when it is built,
+    so steps and log-prob passes of any rows, short or long, compile nothing."""
     from torch._dynamo.utils import counters
 
     from tests.unit.trainers.conftest import make_traj
 
     torch._dynamo.reset()
     counters.clear()
-    tr = EmbeddedTrainer(make_model(), config=TrainerConfig(lr=1e-3, compile=True, max_tokens_per_micro_batch=64),
+    tr = EmbeddedTrainer(make_model(), config=TrainerConfig(lr=1e-3, compile=True, max_tokens_per_micro_batch=2048),
                          algo=AlgorithmConfig())
     built = counters["stats"]["unique_graphs"]
     assert built > 0
     alone = [[make_traj("a", 0, [5, 6, 7], list(range(10, 40)), reward=1.0)]]  # one row per micro-batch
     groups = random_groups(seed=3)  # several rows per micro-batch
-    for batch in (alone, groups, alone):
+    long = [[make_traj(f"l{i}", 0, [5, 6, 7], [(11 * j + i) % 60 + 3 for j in range(400 - 9 * i)], reward=float(i % 2))
+             for i in range(4)]]  # one micro-batch of 4 × 400 tokens: past the CPU's 1024
+    for batch in (alone, groups, long, alone):
         set_behaviour(tr, batch)
         tr.train_step(batch)
         tr.compute_logprobs([t for g in batch for t in g])
