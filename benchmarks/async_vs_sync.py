@@ -191,6 +191,9 @@ def measure(rows: list[dict]) -> dict[str, float]:
         # share of the KV positions decode steps read that a row attends to (the rest is
         # padding up to the batch's longest context), cumulative over the run
         "kv_useful": last.get("engine/kv_read_useful_frac", float("nan")),
+        # graphs the compiled trainer built after step 1 (a mid-run recompile: a step of seconds)
+        "trainer_recompiles": last.get("perf/compiled_graphs", 0.0) - first.get("perf/compiled_graphs", 0.0),
+        "train_step_max_s": max(r["perf/train_step_s"] for r in rows[1:]) if len(rows) > 1 else float("nan"),
     }
 
 

@@ -163,6 +163,10 @@ class EmbeddedTrainer:
             "train/lr": float(self.optimizer.param_groups[0]["lr"]),
             "train/version": float(self._version),
         })
+        if self.compiled:  # graphs dynamo built in this process: one more mid-run is a recompile
+            from torch._dynamo.utils import counters
+
+            metrics["perf/compiled_graphs"] = float(counters["stats"]["unique_graphs"])
         return metrics
 
     def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
