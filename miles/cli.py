@@ -60,11 +60,13 @@ def _train(argv: list[str]) -> int:
     from miles.data import DataError
     from miles.driver import RunFailed, train
     from miles.models import CheckpointError as ModelCheckpointError
+    from miles.utils import gcpolicy
     from miles.utils.loading import LoadError
 
     user_errors = (ConfigError, DataError, CheckpointError, ModelCheckpointError, LoadError, FileNotFoundError)
     try:
         cfg = parse_args(argv)
+        gcpolicy.install()  # the driver holds each batch too: its full GC passes on a clock
         summary = asyncio.run(train(cfg))
     except user_errors as exc:
         raise UserError(str(exc)) from None
