@@ -295,6 +295,7 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
                     # what the adaptive rule's wall time holds besides its measured options
                     "auto_k_mean": stats["auto"].get("spec/k_mean", 0.0),
                     "auto_probes": stats["auto"].get("spec/probes", 0.0),
+                    "auto_trials": stats["auto"].get("spec/trials", 0.0),
                     "auto_flushes": stats["auto"].get("spec/backlog_flushes", 0.0),
                     **{f"{n}_captures": f"{c[0]} ({c[1]:.2f} s)" for n, c in captured.items()},
                     # rounds that replayed a CUDA graph (the rest ran eagerly), per engine
@@ -309,6 +310,7 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
         print(f"{state}, batch {batch}: plain {out[-1]['plain_tps']:.0f} auto {out[-1]['auto_tps']:.0f} "
               f"always {out[-1]['always_tps']:.0f} tok/s (auto speculated in {100 * out[-1]['auto_spec_frac']:.0f}% "
               f"of steps, mean k {out[-1]['auto_k_mean']:.2f}, {out[-1]['auto_probes']:.0f} probes, "
+              f"{out[-1]['auto_trials']:.0f} trials, "
               f"{out[-1]['auto_flushes']:.0f} backlog feeds; "
               f"graph rounds auto {out[-1]['auto_graph_rounds']}, always {out[-1]['always_graph_rounds']}; "
               f"graphs captured in timed runs: plain {out[-1]['plain_captures']}, auto {out[-1]['auto_captures']}, "
