@@ -248,6 +248,8 @@ class EmbeddedTrainer:
                 grad_entropy = entropy is not None and entropy.requires_grad
                 (logp.sum() + (entropy.sum() if grad_entropy else 0.0)).backward()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":  # the largest micro-batch's blocks: back to a colocated engine
+            torch.cuda.empty_cache()
 
     def _build(self, trajs: list[Trajectory], *, check_versions: bool = True) -> TokenBatch:
         cfg = self.model.config
