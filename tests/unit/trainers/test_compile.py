@@ -102,6 +102,24 @@ def test_compiled_trainer_meets_no_new_shape_class_after_construction() -> None:
     assert counters["stats"]["unique_graphs"] == built
 
 
+def test_warm_up_shapes_climb_to_the_largest_micro_batch() -> None:
+    """One row and several at each size, ×4 apart, up to the micro-batch token budget; no
+    row longer than the model's context (more rows instead)."""
+    def shapes(max_tokens: int | None, context: int) -> list[tuple[int, int]]:
+        tr = EmbeddedTrainer(make_model(max_position_embeddings=context),
+                             config=TrainerConfig(lr=1e-3, compile=False, max_tokens_per_micro_batch=max_tokens),
+                             algo=AlgorithmConfig())
+        return tr.warm_shapes()
+
+    assert shapes(24, 1024) == [(2, 12), (1, 24)]
+    ladder = shapes(4096, 1024)
+    assert {r for r, _ in ladder} >= {1, 2} and max(r * n for r, n in ladder) == 4096
+    assert all(n <= 1024 for _, n in ladder) and (4, 1024) in ladder
+    sizes = sorted({r * n for r, n in ladder})
+    assert all(b <= 4 * a for a, b in zip(sizes, sizes[1:]))  # no gap wider than ×4
+    assert max(r * n for r, n in shapes(None, 40960)) == EmbeddedTrainer.WARM_DEFAULT_TOKENS
+
+
 def test_the_warm_up_batches_carry_routes_under_routing_replay() -> None:
     """The warm-up's made-up trajectories carry routes when routing replay is on (the
     batch builder refuses a trajectory without them)."""
