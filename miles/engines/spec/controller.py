@@ -30,7 +30,11 @@ accepted drafts over accepted + first rejections — is still reported.) The rul
    measured while the engine was cold (its first steps, graph captures, shorter contexts)
    kept its stale median for several probe intervals — hundreds of steps — while the rule
    ran a slower option (on the CPU at batch 8: k = 1 chosen at 0.69× plain, whose steps
-   it had measured at 294 tokens/s per row during the warm-up and at 564 by a probe).
+   it had measured at 294 tokens/s per row during the warm-up and at 564 by a probe). The
+   probe alone can also be off the other way: a plain step between rounds has no earlier
+   step in flight, so its time ends at the launch, without the device work (with overlap,
+   a plain step's time is launching it plus finishing the one before). The trial's two
+   further steps are timed whole, and the median of the three sets the rate.
 
 Why this shape: where decode is memory-bound (small batches) a verify step of k + 1 tokens
 per row costs about one plain step, so any decent acceptance wins; as the batch grows the
