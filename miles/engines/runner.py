@@ -233,10 +233,44 @@ def _capture(step: Callable[[], None], pool: Any) -> Any:
     return graph
 
 
-class DecodeGraphs:
+class GraphCache:
+    """CUDA graphs by shape key in one memory pool, each captured when first needed. Graphs
+    are an optimisation: a capture that fails switches the cache off for good, loudly, and
+    its caller runs eagerly from then on (``graph`` returns None)."""
+
+    fallback = "running eagerly"  # what the warning says happens instead
+
+    def __init__(self) -> None:
+        self.graphs: dict[tuple, Any] = {}
+        self.pool: Any = None
+        self.failed = False
+
+    def graph(self, key: tuple, step: Callable[[], None]) -> Any | None:
+        """The graph of ``key``, captured from ``step`` if it is new; None once off."""
+        graph = self.graphs.get(key)
+        if graph is not None or self.failed:
+            return graph
+        try:
+            graph = self.graphs[key] = self._capture(step)
+        except Exception as exc:
+            log.warning("%s capture failed (%s); %s from now on", type(self).__name__, exc, self.fallback)
+            self.failed = True
+            return None
+        return graph
+
+    def _capture(self, step: Callable[[], None]) -> Any:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return capture_graph(step, self.pool)
+
+
+class DecodeGraphs(GraphCache):
     """Decode-step CUDA graphs keyed by (batch bucket, context bucket), captured lazily."""
 
+    fallback = "decoding eagerly"
+
     def __init__(self, runner: ModelRunner) -> None:
+        super().__init__()
         self.runner = runner
         cap = runner.config.max_batch_size
         self.buckets = [b for b in _BATCH_BUCKETS if b < cap] + [cap]
@@ -246,9 +280,6 @@ class DecodeGraphs:
         cfg = runner.model.config
         self.logits = torch.zeros(cap, cfg.vocab_size, dtype=torch.float32, device=dev)
         self.hidden = torch.zeros(cap, cfg.hidden_size, dtype=runner.dtype, device=dev)
-        self.graphs: dict[tuple[int, int], Any] = {}  # (batch bucket, context bucket) → graph
-        self.pool: Any = None
-        self.failed = False
 
     def _step(self, nb: int, L: int) -> None:
         out = self.runner.decode_eager(self.tokens[:nb], self.positions[:nb], L)
@@ -271,7 +302,7 @@ class DecodeGraphs:
             self.positions[n:nb].zero_()
         else:
             self.positions[:nb].copy_(self.runner._tensor(positions + [0] * pad))
-        graph = self.graphs.get((nb, L)) or self._capture(nb, L)
+        graph = self.graph((nb, L), lambda: self._step(nb, L))
         if graph is None:
             return None
         graph.replay()
@@ -290,20 +321,7 @@ class DecodeGraphs:
         for nb in self.buckets:
             if (nb, L) in self.graphs:
                 continue
-            if self._capture(nb, L) is None:
+            if self.graph((nb, L), lambda: self._step(nb, L)) is None:
                 return done
             done += 1
         return done
-
-    def _capture(self, nb: int, L: int) -> Any:
-        """The new graph of (nb, L), or None when capture fails: graphs are an optimisation,
-        so they are switched off, loudly, and decode runs eagerly from then on."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        try:
-            graph = self.graphs[(nb, L)] = capture_graph(lambda: self._step(nb, L), self.pool)
-        except Exception as exc:
-            log.warning("CUDA graph capture failed (%s); decoding eagerly from now on", exc)
-            self.failed = True
-            return None
-        return graph

@@ -3,26 +3,28 @@
 The same scheme as ``miles.engines.runner.DecodeGraphs``: static input buffers (tokens
 [cap, T_max], start positions [cap]) and static outputs (logits [cap, T_max, V], hidden
 [cap, T_max, H]), padding rows on free slots starting at position 0, one shared memory
-pool, lazy capture, and a fallback to eager verify (loudly) if a capture fails. Only the
+pool, lazy capture, and a fallback to eager verify (loudly) if a capture fails (all of
+``miles.engines.runner.GraphCache``). Only the
 policy's verify forward (logits at every position) goes through here; a draft's catch-up
 (logits at one position per row) stays eager.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from miles.engines.runner import _BATCH_BUCKETS, StepOut, capture_graph
-
-log = logging.getLogger(__name__)
+from miles.engines.runner import _BATCH_BUCKETS, GraphCache, StepOut
 
 
-class VerifyGraphs:
+
+class VerifyGraphs(GraphCache):
+    fallback = "verifying eagerly"
+
     def __init__(self, runner: Any, max_tokens: int) -> None:
+        super().__init__()
         self.runner = runner
         cap = runner.config.max_batch_size
         self.buckets = [b for b in _BATCH_BUCKETS if b < cap] + [cap]
@@ -31,9 +33,6 @@ class VerifyGraphs:
         self.starts = torch.zeros(cap, dtype=torch.long, device=dev)
         self.logits = torch.zeros(cap, max_tokens, cfg.vocab_size, dtype=torch.float32, device=dev)
         self.hidden = torch.zeros(cap, max_tokens, cfg.hidden_size, dtype=runner.dtype, device=dev)
-        self.graphs: dict[tuple[int, int, int], Any] = {}
-        self.pool: Any = None
-        self.failed = False
 
     def _step(self, nb: int, L: int, T: int) -> None:
         out = self.runner.verify_eager(self.tokens[:nb, :T], self.starts[:nb], L)
@@ -52,25 +51,14 @@ class VerifyGraphs:
             self.starts[n:nb].zero_()
         else:
             self.starts[:nb].copy_(self.runner._tensor(starts + [0] * (nb - n)))
-        graph = self.graphs.get((nb, L, T))
+        graph = self.graph((nb, L, T), lambda: self._step(nb, L, T))
         if graph is None:
-            try:
-                graph = self._capture(nb, L, T)
-            except Exception as exc:  # an optimisation: fall back, loudly
-                log.warning("verify CUDA graph capture failed (%s); verifying eagerly from now on", exc)
-                self.failed = True
-                return None
+            return None
         graph.replay()
         return StepOut(self.logits[:n, :T], self.hidden[:n, :T], None)
 
-    def _capture(self, nb: int, L: int, T: int) -> Any:
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = self.graphs[(nb, L, T)] = capture_graph(lambda: self._step(nb, L, T), self.pool)
-        return graph
 
-
-class RoundGraphs:
+class RoundGraphs(GraphCache):
     """A whole speculative round (catch-up, k draft steps, verify, accept) as one CUDA graph,
     keyed by (batch bucket, context bucket, k, sampling flags).
 
@@ -88,7 +76,10 @@ class RoundGraphs:
     disables round graphs (rounds then run eagerly, still replaying the verify graph).
     """
 
+    fallback = "speculative rounds run eagerly"
+
     def __init__(self, decoder: Any, max_steps: int) -> None:
+        super().__init__()
         self.decoder = decoder
         runner = decoder.runner
         cap = runner.config.max_batch_size
@@ -101,9 +92,6 @@ class RoundGraphs:
         self.cu_last = torch.zeros(cap, dtype=torch.long, device=dev)
         self.packed = torch.zeros(cap, 2 * T + 2, dtype=torch.float64, device=dev)
         self.hidden = torch.zeros(cap, T, runner.model.config.hidden_size, dtype=runner.dtype, device=dev)
-        self.graphs: dict[tuple, Any] = {}
-        self.pool: Any = None
-        self.failed = False
 
     def _views(self, nb: int, k: int, flags: tuple[bool, bool, bool]) -> tuple[Any, Any]:
         from miles.engines.spec.decoder import RoundIO
@@ -143,21 +131,8 @@ class RoundGraphs:
             self.cu[n:nb].zero_()
             self.cu_last[n:nb].zero_()
         flags = (rp.any_greedy or nb > n, rp.all_greedy, rp.truncated)  # padding rows are greedy
-        key = (nb, L, k, self.decoder.mode, flags)
-        graph = self.graphs.get(key)
+        graph = self.graph((nb, L, k, self.decoder.mode, flags), lambda: self._step(nb, L, k, flags))
         if graph is None:
-            try:
-                graph = self._capture(nb, L, k, flags)
-            except Exception as exc:  # an optimisation: fall back, loudly
-                log.warning("round CUDA graph capture failed (%s); speculative rounds run eagerly", exc)
-                self.failed = True
-                return None
+            return None
         graph.replay()
         return self.packed[:n, : 2 * k + 4], self.hidden[:n, : k + 1], None
-
-    def _capture(self, nb: int, L: int, k: int, flags: tuple[bool, bool, bool]) -> Any:
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = capture_graph(lambda: self._step(nb, L, k, flags), self.pool)
-        self.graphs[(nb, L, k, self.decoder.mode, flags)] = graph
-        return graph

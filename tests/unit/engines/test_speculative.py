@@ -148,13 +148,7 @@ def test_verify_graph_plumbing_on_cpu() -> None:
     policy = make_model(seed=13)
     engine = spec_engine(policy, "draft", max_batch_size=6, kv_block=32)
     graphs = VerifyGraphs(engine.runner, 4)
-
-    def capture(nb: int, L: int, T: int):
-        graph = types.SimpleNamespace(replay=lambda: graphs._step(nb, L, T))
-        graphs.graphs[(nb, L, T)] = graph
-        return graph
-
-    graphs._capture = capture
+    graphs._capture = lambda step: types.SimpleNamespace(replay=step)  # 'replay' runs the step eagerly
     engine.runner.verify_graphs = graphs
     ps = prompts(9, seed=14)
     sps = [SamplingParams(max_new_tokens=10 + 7 * (i % 4), seed=i, ignore_eos=True) for i in range(9)]
@@ -169,13 +163,7 @@ def _fake_round_graphs(engine: EmbeddedEngine, k: int) -> RoundGraphs:
     """Round graphs whose 'replay' runs the captured step eagerly: the graph path's buffers,
     padding and read-back, on the CPU."""
     graphs = RoundGraphs(engine.spec, k)
-
-    def capture(nb, L, k, flags):
-        graph = types.SimpleNamespace(replay=lambda: graphs._step(nb, L, k, flags))
-        graphs.graphs[(nb, L, k, engine.spec.mode, flags)] = graph
-        return graph
-
-    graphs._capture = capture
+    graphs._capture = lambda step: types.SimpleNamespace(replay=step)
     engine.spec.round_graphs = graphs
     return graphs
 
