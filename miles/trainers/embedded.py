@@ -222,8 +222,9 @@ class EmbeddedTrainer:
         H200 async run. Inductor also guards its kernels on size thresholds of the shape it
         compiled with (``4·rows·tokens ≤ 4096`` and the like on the CPU), so a warm-up with
         short rows only left a recompile to the first long micro-batch, and another at the
-        next threshold: 2-5 s trainer steps in the middle of the H200 runs. So the warm-up
-        climbs from short rows to the largest micro-batch, one row and two, ×4 at a time.
+        next threshold (the likely cause of the 2-10 s trainer steps in the middle of the
+        H200 async runs of 2026-11-30, not confirmed there). So the warm-up climbs from short
+        rows to the largest micro-batch, one row and several, ×4 at a time.
         The gradients are thrown away; the weights do not change."""
         cfg = self.model.config
         replay = self.config.use_rollout_routing_replay and self.is_moe
