@@ -22,6 +22,7 @@ checkpoint writer can store it with safetensors + JSON without pickle.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -51,6 +52,15 @@ def _dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _log_recompiles() -> None:
+    """From here on, a recompile says which guard failed (stderr, which Ray forwards to the
+    driver): the warm-up covers every shape class it knows of, so a recompile in the middle
+    of a run — a train step of seconds — is a shape class it missed, and its guard names it.
+    Left alone when the user chose torch's logs (TORCH_LOGS)."""
+    if not os.environ.get("TORCH_LOGS"):
+        torch._logging.set_logs(recompiles=True)
 
 
 def _checkpoint_layers(model: nn.Module) -> None:
@@ -115,6 +125,7 @@ class EmbeddedTrainer:
         self._shuffle = torch.Generator().manual_seed(config.seed)
         if compiled:
             self._warm_compiled()
+            _log_recompiles()
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         decay, no_decay = [], []
@@ -192,12 +203,12 @@ class EmbeddedTrainer:
         ckpt.load_trainer_state(self, state)
 
     # ---- internals ----------------------------------------------------------------------
-    WARM_MIN, WARM_STEP = 12, 4  # the warm-up's shortest rows, and the factor between sizes
+    WARM_MIN, WARM_STEP = 12, 2  # the warm-up's shortest rows, and the factor between sizes
     WARM_DEFAULT_TOKENS = 16384  # the warm-up's largest micro-batch without max_tokens_per_micro_batch
 
     def warm_shapes(self) -> list[tuple[int, int]]:
         """(rows, tokens per row) of the warm-up's micro-batches: for micro-batch sizes
-        (rows × tokens) ×4 apart up to the largest the plan makes, one row (as long as the
+        (rows × tokens) ×2 apart up to the largest the plan makes, one row (as long as the
         model's context allows) and several."""
         context = self.model.config.max_position_embeddings
         top = self.config.max_tokens_per_micro_batch or self.WARM_DEFAULT_TOKENS
@@ -224,7 +235,12 @@ class EmbeddedTrainer:
         short rows only left a recompile to the first long micro-batch, and another at the
         next threshold (the likely cause of the 2-10 s trainer steps in the middle of the
         H200 async runs of 2026-11-30, not confirmed there). So the warm-up climbs from short
-        rows to the largest micro-batch, one row and several, ×4 at a time.
+        rows to the largest micro-batch, one row and several, ×2 at a time: inductor's guards
+        come in pairs (``2·n ≤ 4096`` and ``n > 4096`` on the CPU) whose band (2048, 4096]
+        a ×4 ladder stepped over, leaving one recompile to the first RL step whose
+        micro-batch fell in it (reproduced on the CPU; one recompile after step 1 in most
+        configs of the H200 sweep of 2026-11-30 09:23). Any band at least ×2 wide holds a
+        point of a ×2 ladder.
         The gradients are thrown away; the weights do not change."""
         cfg = self.model.config
         replay = self.config.use_rollout_routing_replay and self.is_moe

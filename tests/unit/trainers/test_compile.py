@@ -79,15 +79,19 @@ def test_compiled_trainer_meets_no_new_shape_class_after_construction() -> None:
     """Dynamo specializes a size-1 dimension: the first micro-batch of one row recompiled the
     layers in the middle of a run (a 15 s step on the H200); and inductor guards its kernels
     on size thresholds (on the CPU, rows × tokens ≤ 1024), so the first long micro-batch
-    recompiled too. The trainer compiles every shape class and size regime when it is built,
-    so steps and log-prob passes of any rows, short or long, compile nothing."""
+    recompiled too, and so did one between two thresholds that a ×4 warm-up ladder stepped
+    over. The trainer compiles every shape class and size regime when it is built, so steps
+    and log-prob passes of any rows, short or long, compile nothing."""
     from torch._dynamo.utils import counters
 
     from tests.unit.trainers.conftest import make_traj
 
     torch._dynamo.reset()
     counters.clear()
-    tr = EmbeddedTrainer(make_model(), config=TrainerConfig(lr=1e-3, compile=True, max_tokens_per_micro_batch=2048),
+    # hidden 32: inductor's CPU guards for it sit at rows × tokens 2048 and 4096
+    model = make_model(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16)
+    tr = EmbeddedTrainer(model, config=TrainerConfig(lr=1e-3, compile=True, max_tokens_per_micro_batch=8192),
                          algo=AlgorithmConfig())
     built = counters["stats"]["unique_graphs"]
     assert built > 0
@@ -95,7 +99,13 @@ def test_compiled_trainer_meets_no_new_shape_class_after_construction() -> None:
     groups = random_groups(seed=3)  # several rows per micro-batch
     long = [[make_traj(f"l{i}", 0, [5, 6, 7], [(11 * j + i) % 60 + 3 for j in range(400 - 9 * i)], reward=float(i % 2))
              for i in range(4)]]  # one micro-batch of 4 × 400 tokens: past the CPU's 1024
-    for batch in (alone, groups, long, alone):
+
+    def rows(n: int, length: int) -> list[list]:  # one micro-batch of n rows
+        return [[make_traj(f"r{n}_{i}", 0, [5, 6], [(7 * j + i) % 60 + 3 for j in range(length - i)], reward=float(i % 2))
+                 for i in range(n)]]
+
+    bands = [rows(8, 200), rows(8, 380), rows(8, 700)]  # 1.6k, 3k, 5.6k tokens: between the ladder's ×4 steps
+    for batch in (alone, groups, long, *bands, alone):
         set_behaviour(tr, batch)
         tr.train_step(batch)
         tr.compute_logprobs([t for g in batch for t in g])
@@ -103,7 +113,7 @@ def test_compiled_trainer_meets_no_new_shape_class_after_construction() -> None:
 
 
 def test_warm_up_shapes_climb_to_the_largest_micro_batch() -> None:
-    """One row and several at each size, ×4 apart, up to the micro-batch token budget; no
+    """One row and several at each size, ×2 apart, up to the micro-batch token budget; no
     row longer than the model's context (more rows instead)."""
     def shapes(max_tokens: int | None, context: int) -> list[tuple[int, int]]:
         tr = EmbeddedTrainer(make_model(max_position_embeddings=context),
@@ -116,7 +126,7 @@ def test_warm_up_shapes_climb_to_the_largest_micro_batch() -> None:
     assert {r for r, _ in ladder} >= {1, 2} and max(r * n for r, n in ladder) == 4096
     assert all(n <= 1024 for _, n in ladder) and (4, 1024) in ladder
     sizes = sorted({r * n for r, n in ladder})
-    assert all(b <= 4 * a for a, b in zip(sizes, sizes[1:]))  # no gap wider than ×4
+    assert all(b <= 2 * a for a, b in zip(sizes, sizes[1:]))  # no gap wider than ×2
     assert max(r * n for r, n in shapes(None, 40960)) == EmbeddedTrainer.WARM_DEFAULT_TOKENS
 
 
