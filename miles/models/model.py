@@ -141,6 +141,12 @@ class CausalLM(nn.Module):
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         if check_inputs:
             self._check(input_ids, position_ids, routing)
+        elif kv_cache is None and T > self.rotary.length:
+            # A full pass's positions are < T (the trainer and scoring skip the check): grow
+            # the table from the shape, with no host sync. Without this, a sequence longer
+            # than the default table (8192) gathered past its end: a device-side assert on
+            # CUDA, the trainer's process lost.
+            self.rotary.reserve(T, input_ids.device)
         backend = kv_cache
         if backend is None:
             backend = FullAttention(build_mask(attention_mask, segment_ids, T, input_ids.device))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -324,3 +325,23 @@ def test_routing_replay_uses_the_recorded_experts() -> None:
     t.routed_experts = None
     with pytest.raises(TrajectoryError, match="routed_experts"):
         tr.train_step([[t, t2]])
+
+
+def test_sequences_longer_than_the_default_rope_table() -> None:
+    """The rotary table starts at 8192 positions and the trainer skips the input check, so a
+    longer trajectory gathered past the table's end (on CUDA a device-side assert that lost
+    the trainer's process). The trainer's log-probs and a train step cover it, and equal a
+    checked forward's."""
+    model = make_model(max_position_embeddings=10000)
+    tr = EmbeddedTrainer(model, config=TrainerConfig(lr=1e-3), algo=AlgorithmConfig())
+    assert model.rotary.length in (0, 8192)
+    n = 8300
+    traj = make_traj("long", 0, [5, 6, 7], [(13 * j) % 250 + 3 for j in range(n)], reward=1.0)
+    logp = torch.tensor(tr.compute_logprobs([traj])[0])
+    ids = torch.tensor([traj.prompt_tokens + traj.response_tokens])
+    with torch.no_grad():
+        ref = torch.log_softmax(model(ids).logits[0, 2:-1].float(), -1)  # a checked forward
+    want = ref.gather(-1, torch.tensor(traj.response_tokens)[:, None])[:, 0]
+    assert torch.allclose(logp, want, atol=1e-4)
+    set_behaviour(tr, [[traj]])
+    assert math.isfinite(tr.train_step([[traj]])["train/loss"])
