@@ -112,6 +112,11 @@ class EmbeddedTrainer:
             compiled = self.device.type == "cuda" and not self.is_moe and not self.sharded
         self.compiled = bool(compiled)
         if compiled:
+            # dynamo's default of 8 graphs per function is near what the warm-up builds
+            # (7 for the attention block on the CPU: grad modes × size regimes × one row);
+            # past it, new shapes would run eager for the rest of the process
+            dynamo = torch._dynamo.config
+            dynamo.recompile_limit = max(dynamo.recompile_limit, self.RECOMPILE_LIMIT)
             for layer in self.model.model.layers:
                 layer.compile(dynamic=True)
         self.ref_model = ref_model
@@ -203,6 +208,7 @@ class EmbeddedTrainer:
         ckpt.load_trainer_state(self, state)
 
     # ---- internals ----------------------------------------------------------------------
+    RECOMPILE_LIMIT = 32  # graphs dynamo may build per compiled function (its default: 8)
     WARM_MIN, WARM_STEP = 12, 2  # the warm-up's shortest rows, and the factor between sizes
     WARM_DEFAULT_TOKENS = 16384  # the warm-up's largest micro-batch without max_tokens_per_micro_batch
 

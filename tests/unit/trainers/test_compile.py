@@ -110,6 +110,12 @@ def test_compiled_trainer_meets_no_new_shape_class_after_construction() -> None:
         tr.train_step(batch)
         tr.compute_logprobs([t for g in batch for t in g])
     assert counters["stats"]["unique_graphs"] == built
+    # and no compiled function reached dynamo's limit (past it, new shapes run eager)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    layer = tr.model.model.layers[0]
+    for fn in (type(layer).forward, type(layer.self_attn).forward):
+        assert 0 < len(_debug_get_cache_entry_list(fn.__code__)) < torch._dynamo.config.recompile_limit
 
 
 def test_warm_up_shapes_climb_to_the_largest_micro_batch() -> None:
