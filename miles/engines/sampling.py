@@ -84,10 +84,29 @@ def hashed_uniform(keys: Tensor, vocab: int) -> Tensor:
     if fn is None or keys.device.type != "cuda":
         return counter_uniform(keys, vocab)
     try:
-        return fn(keys, vocab)
+        return _call(fn, keys, vocab)
     except Exception:  # a shape the compiler cannot handle (seen: int32 index overflow); stay eager
         _fast_uniform = None
         return counter_uniform(keys, vocab)
+
+
+def _call(fn: Any, keys: Tensor, vocab: int) -> Tensor:
+    """``fn(keys, vocab)`` without the inputs dynamo would guard on apart from their sizes:
+    the grad mode (a stepping thread does not inherit no_grad) and a view's base
+    (speculation's [rows, k] keys flattened: k = 1 after k = 4 failed a guard on the base's
+    shape). Each failed guard is a recompile of a second or so in the middle of a rollout,
+    and adaptive speculation changes k all the time."""
+    with torch.no_grad():
+        return fn(keys if keys._base is None else keys.clone(), vocab)
+
+
+def _probes(device: torch.device) -> list[tuple[Tensor, int]]:
+    """A small and a model-sized vocabulary (the compiler specialises on size), and the
+    size-1 cases dynamo compiles apart (one key: batch 1 and k 1; one draw per key: the
+    acceptance tests), so that no draw compiles in the middle of a rollout."""
+    keys = torch.tensor([row_key(1, 2), row_key(3, 4), -5], dtype=torch.int64, device=device)
+    one = keys[:1].clone()
+    return [(keys, 1000), (keys, 151936), (keys, 1), (one, 1000), (one, 1)]
 
 
 def compile_counter_uniform(device: torch.device) -> bool:
@@ -98,9 +117,7 @@ def compile_counter_uniform(device: torch.device) -> bool:
         return _fast_uniform is not None
     try:
         fn = torch.compile(counter_uniform, dynamic=True, fullgraph=True)
-        keys = torch.tensor([row_key(1, 2), row_key(3, 4), -5], dtype=torch.int64, device=device)
-        # Probe a small and a model-sized vocabulary (the compiler specialises on size).
-        if all(torch.equal(fn(keys, n), counter_uniform(keys, n)) for n in (1000, 151936)):
+        if all(torch.equal(_call(fn, k, n), counter_uniform(k, n)) for k, n in _probes(device)):
             _fast_uniform = fn
     except Exception:  # an optimisation only
         _fast_uniform = None

@@ -161,6 +161,28 @@ def test_compiled_counter_uniform_is_bitwise_eager() -> None:
     assert torch.equal(hashed_uniform(keys, 151936), counter_uniform(keys, 151936))
 
 
+def test_compiled_draws_compile_nothing_after_the_engine_is_built() -> None:
+    """Every draw a rollout makes after construction reuses a compiled graph: one key or
+    many, one draw per key or a vocabulary, flattened [rows, k] keys for any k, with or
+    without grad mode (a failed guard was a recompile in the middle of adaptive runs)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from miles.engines.sampling import compile_counter_uniform, counter_uniform, hashed_uniform
+
+    dev = torch.device("cuda")
+    assert compile_counter_uniform(dev)
+    graphs = len(_debug_get_cache_entry_list(counter_uniform.__code__))
+    for rows in (1, 3, 64):
+        for k in (4, 1, 2):
+            keys = torch.randint(-(2**62), 2**62, (rows, k), dtype=torch.int64, device=dev)
+            for vocab in (151936, 1):
+                for grad in (False, True):
+                    with torch.set_grad_enabled(grad):
+                        got = hashed_uniform(keys.reshape(-1), vocab)
+                    assert torch.equal(got, counter_uniform(keys.reshape(-1), vocab))
+    assert len(_debug_get_cache_entry_list(counter_uniform.__code__)) == graphs
+
+
 def test_round_graphs_are_used_for_seeded_rounds() -> None:
     ref = _model(11)
     engine = _engine(ref, _noisy(ref, 0.05), k=3)
