@@ -22,10 +22,12 @@ from 550-690 ms to 50-56 ms and its time per cycle from 47-53 ms to 33-34 ms.
 Most of what a full pass visits is not the trajectories at all. It is what the process
 built before its first step: importing torch, Ray and miles leaves ~330,000 tracked objects,
 and one pass over them alone takes ~157 ms on the CPU dev machine. That is the size of the
-H200 buffer's passes (140-183 ms in the sweep of 2026-11-30 09:23). So the first timed pass
-ends with ``gc.freeze()``: what survived it (imports, the actor's own state, compiled
-graphs) moves to the permanent generation that later passes skip, and each later pass costs
-only what the process made since. Frozen objects are still freed by reference counting when
+H200 buffer's passes (140-183 ms in the sweep of 2026-11-30 09:23). So ``install`` runs one
+full pass right away and then calls ``gc.freeze()``. What survived that pass (the imports)
+moves to the permanent generation, which later passes skip. The first timed pass freezes
+again, taking in what the actor built after ``install`` (its model, its compiled graphs).
+From then on, each pass costs only what the process made since. The expensive pass happens
+while the actor starts, not in its first minute of work. Frozen objects are still freed by reference counting when
 they are dropped. The one cost is a cycle among them that becomes garbage later: it is not
 collected. That is a one-time, bounded set (what existed at the first pass), not a growing
 one.
@@ -56,6 +58,8 @@ def install(every_s: float = FULL_EVERY_S) -> None:
         _state["installed"] = True
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, _NEVER)
+    full_collect()
+    gc.freeze()  # the imports' objects: out of every later pass
     threading.Thread(target=_loop, args=(every_s,), name="miles-full-gc", daemon=True).start()
 
 
@@ -81,7 +85,7 @@ def _loop(every_s: float) -> None:
     wait = every_s
     time.sleep(wait)
     full_collect()
-    gc.freeze()  # start-up's survivors: out of every later pass
+    gc.freeze()  # and what the actor built after install
     while True:
         time.sleep(wait)
         wait = max(every_s, full_collect() / MAX_SHARE)
