@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/RESULTS.md's H200 sections, one part per argument:
 #   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command; parts:
-#   tests tests-engine tests-trainer failing engine-matmul engine-attn engine-rollout profile engine long-tail trainer trainer-long-tail spec spec-overhead megatron weights async async-x2)
+#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing engine-matmul engine-attn engine-rollout profile engine long-tail trainer trainer-long-tail spec spec-overhead megatron weights async async-x2)
 # On a machine without ray/msgspec/megatron-core, a .whl folder built by the project's
 # gpu-wheels tool is installed first. Env: TESTS (test paths), ATTN (engine-attn's --decode-attention values), TESTS_TIMEOUT (default 480: the trainer compiles on CUDA now), WEIGHTS_ARGS, WEIGHTS_TIMEOUT,
 # TLT_ARGS (trainer-long-tail, e.g. --compile; --profile), TRAINER_ARGS (trainer, e.g. --profile), ASYNC_ARGS / ASYNC_TIMEOUT (e.g. ASYNC_ARGS="--steps 8 --only sync async_eta2"), SPEC_STEPS, SPEC_ARGS
@@ -21,14 +21,20 @@ failed=()
 for part in "$@"; do
     echo "=== $part $(date +%T)"
     case "$part" in
-        tests|tests-engine|tests-trainer)
+        tests-engine|tests-trainer|tests-one)
                   case "$part" in  # the whole suite outgrew one 10-minute call: two halves
-                      tests-engine)  files="tests/gpu/test_engine_gpu.py tests/gpu/test_model_gpu.py tests/gpu/test_spec_gpu.py tests/gpu/test_serve_gpu.py tests/unit/engines/test_triton_decode.py" ;;
-                      tests-trainer) files="tests/gpu/test_trainer_gpu.py tests/gpu/test_runs_gpu.py tests/gpu/test_multi_gpu.py tests/gpu/test_megatron_gpu.py tests/gpu/test_weights_gpu.py" ;;
+                      tests-engine)  files="tests/gpu/test_engine_gpu.py tests/gpu/test_model_gpu.py tests/gpu/test_spec_gpu.py tests/unit/engines/test_triton_decode.py" ;;
+                      tests-trainer) files="tests/gpu/test_trainer_gpu.py tests/gpu/test_runs_gpu.py tests/gpu/test_multi_gpu.py tests/gpu/test_megatron_gpu.py tests/gpu/test_weights_gpu.py tests/gpu/test_serve_gpu.py" ;;
                       *)             files="${TESTS:-tests/gpu tests/unit/engines/test_triton_decode.py}" ;;
                   esac
                   timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -v -rfE --tb=short --durations=12 $files -p no:cacheprovider > "$OUT/$part.txt" 2>&1
                   rc=$?; tail -40 "$OUT/$part.txt"; (exit $rc) ;;
+        tests)    # both halves at once (406 s on 2×H200, 2026-11-30): the engine half on GPU 0 alone
+                  # (its tests need one GPU), the trainer half (two-GPU tests too) on all
+                  (CUDA_VISIBLE_DEVICES=0 OUT="$OUT" bash benchmarks/gpu.sh tests-engine > "$OUT/tests-engine.log" 2>&1) & engine=$!
+                  OUT="$OUT" bash benchmarks/gpu.sh tests-trainer > "$OUT/tests-trainer.log" 2>&1; rc=$?
+                  wait $engine || rc=1
+                  grep -h -E '^(FAILED|ERROR)|passed|failed|skipped' "$OUT/tests-engine.txt" "$OUT/tests-trainer.txt"; (exit $rc) ;;
         failing)  timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider $FAILING > "$OUT/failing.txt" 2>&1
                   rc=$?; tail -5 "$OUT/failing.txt"; (exit $rc) ;;
         engine-matmul) timeout 200 python3 benchmarks/engine.py --device cuda --preset 0.5b --decode-attention matmul --no-hf ;;
