@@ -454,7 +454,7 @@ def report(rows: list[dict], stalls: list[dict], ceilings: dict[str, float], not
                          f"{s['update_s']:.3f} | {1e3 * s['swap_pause_s']:.2f} | {1e3 * s['gap_s']:.1f} | "
                          f"{1e3 * s['step_s']:.1f} | {1e3 * s['stall_s']:.1f} | {s['tps_before']:.0f} | "
                          f"{s['tps_staging']:.0f} | {verdict} |")
-    lines += [""] + [f"- {n}" for n in notes] + [f"- ceilings measured: " + ", ".join(
+    lines += [""] + [f"- {n}" for n in notes] + ["- ceilings measured: " + ", ".join(
         f"{k} {v:.1f} GB/s" for k, v in sorted(ceilings.items()))] + [
         "- to staged: trainer starts packing → every bucket staged in the engine (borrowed receive buffers; "
         "the commit copy is `swap`). % of ceiling = GB/s ÷ the ceiling measured in this run.",

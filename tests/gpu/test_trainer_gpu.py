@@ -9,7 +9,6 @@ import torch
 from miles.algorithms import AlgorithmConfig
 from miles.models import CausalLM, tiny_config, token_logprobs
 from miles.trainers import EmbeddedTrainer, TrainerConfig
-from miles.trainers.logprobs import linear_logprobs
 from tests.unit.trainers.conftest import make_traj, random_groups, set_behaviour
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

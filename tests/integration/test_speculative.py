@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 from safetensors.torch import load_file
 
 from miles.config import resolve
