@@ -3,9 +3,12 @@
     python benchmarks/async_vs_sync.py [--quick] [--steps N]            # CPU: the countdown task
     python benchmarks/async_vs_sync.py --device cuda [--steps N]        # GPU: 0.5B Qwen3 shape, random weights
     python benchmarks/async_vs_sync.py --device cuda --disaggregated    # trainer GPU 0, engine GPU 1 (NCCL)
+    python benchmarks/async_vs_sync.py --device cuda --disaggregated --lanes 2   # 4 GPUs: two configs at a time
 
 Every configuration trains the same number of samples (steps × B groups × n samples) on the
-same task and hardware, one after another in ONE process (one Ray cluster), and the table
+same task and hardware, one after another in ONE process (one Ray cluster) — or, with
+``--lanes N`` on a machine with N times the GPUs a config needs, in N concurrent lanes of
+one run, each a child process with its own Ray cluster on its own GPUs — and the table
 reports each one's trained samples/s and tokens/s as a ratio to sync, its final reward, how
 long the trainer waited for data, and the share of step time the buffer (its own measured
 busy time) and the admission loop took.
@@ -93,12 +96,16 @@ def make_gpu_inputs(root: Path, max_len: int) -> dict[str, str]:
         model = CausalLM(cfg).to(torch.bfloat16)
         model.reset_parameters()
         save_pretrained(model, root / "ckpt", tokenizer=build_tiny_tokenizer())
-    rng = random.Random(0)
-    with open(root / "data.jsonl", "w") as fh:
-        for i in range(4096):
-            length = min(max_len, int(16 * (1 + rng.paretovariate(1.2))))  # median ~30, tail to max_len
-            fh.write(json.dumps({"input": f"prompt {i}:", "label": "", "metadata": {"length": length}}) + "\n")
-    return {"ckpt": str(root / "ckpt"), "data": str(root / "data.jsonl")}
+    data = root / f"data_{max_len}.jsonl"
+    if not data.exists():  # written once, atomically: concurrent lanes read it
+        rng = random.Random(0)
+        tmp = data.with_suffix(f".tmp{os.getpid()}")
+        with open(tmp, "w") as fh:
+            for i in range(4096):
+                length = min(max_len, int(16 * (1 + rng.paretovariate(1.2))))  # median ~30, tail to max_len
+                fh.write(json.dumps({"input": f"prompt {i}:", "label": "", "metadata": {"length": length}}) + "\n")
+        os.replace(tmp, data)
+    return {"ckpt": str(root / "ckpt"), "data": str(data)}
 
 
 class GpuUtilization:
@@ -125,10 +132,18 @@ class GpuUtilization:
             return 0
 
     def _read(self) -> None:
+        # nvidia-smi numbers GPUs physically; a lane sees its own as 0, 1 (CUDA_VISIBLE_DEVICES)
+        visible = [int(x) for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip().isdigit()]
         for line in self.proc.stdout:
             index, _, util = line.partition(",")
-            if index.strip().isdigit() and util.strip().isdigit() and 1 <= self._rows() < self.steps:
-                self.samples.setdefault(int(index), []).append(float(util))
+            if not (index.strip().isdigit() and util.strip().isdigit() and 1 <= self._rows() < self.steps):
+                continue
+            gpu = int(index)
+            if visible:
+                if gpu not in visible:
+                    continue
+                gpu = visible.index(gpu)
+            self.samples.setdefault(gpu, []).append(float(util))
 
     def stop(self) -> dict[int, float]:
         self.proc.terminate()
@@ -219,8 +234,16 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="the trainer's decoder layers under torch.compile in every config (--compile; "
                              "the engine compiles on CUDA either way)")
+    parser.add_argument("--lanes", type=int, default=1,
+                        help="GPU: run the configs in this many concurrent lanes, each on GPUs of its own "
+                             "(2 with --disaggregated, else 1), one after another within a lane; one table")
+    parser.add_argument("--json-out", default=None, help=argparse.SUPPRESS)  # a lane's results, for its parent
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     args = parser.parse_args()
+    if args.lanes < 1:
+        parser.error(f"--lanes must be >= 1, got {args.lanes}")
+    if args.lanes > 1 and args.device != "cuda":
+        parser.error("--lanes needs --device cuda (lanes run on GPUs of their own)")
 
     from miles.config import resolve
     from miles.driver import train
@@ -255,12 +278,15 @@ def main() -> None:
     if unknown:
         parser.error(f"--only {unknown}: known configs are {[slug(c[0]) for c in CONFIGS]}")
     configs = [by_name[name] for name in args.only] if args.only else CONFIGS  # in the order asked
+    if args.lanes > 1:
+        run_lanes(args, configs, steps, base, what, work)
+        return
     results: dict[str, dict[str, float]] = {}
     running = [""]
 
     def on_term(signum: int, frame: Any) -> None:
         """A time limit (``timeout`` sends SIGTERM) keeps the configs that finished."""
-        if results:
+        if results and args.json_out is None:
             write(report(results, args, steps, base, what,
                          interrupted=f"stopped by signal {signum} during {running[0]!r}"), args.results)
         os._exit(128 + signum)
@@ -284,12 +310,77 @@ def main() -> None:
         results[name]["wall_s"] = time.monotonic() - start
         results[name]["ledger_ok"] = float(summary["ledger_ok"])
         print(f"{name}: {json.dumps({k: round(v, 4) for k, v in results[name].items()})}", flush=True)
+        if args.json_out:  # after every config: a lane stopped later keeps what it finished
+            tmp = Path(args.json_out).with_suffix(".tmp")
+            tmp.write_text(json.dumps(results))
+            os.replace(tmp, args.json_out)
 
-    write(report(results, args, steps, base, what), args.results)
+    if args.json_out is None:
+        write(report(results, args, steps, base, what), args.results)
+
+
+def run_lanes(args: argparse.Namespace, configs: list, steps: int, base: dict[str, Any], what: str,
+              work: Path) -> None:
+    """The configs in ``args.lanes`` concurrent lanes, each a child run of this script on GPUs
+    of its own (round robin: sync leads lane 0), then one table. Ten configs did not fit one
+    10-minute device call one after another (2026-11-30: nine did); two lanes take half the
+    time on four GPUs. The lanes share the host (CPUs, PCIe root), not a GPU."""
+    import torch
+
+    per = 2 if args.disaggregated else 1
+    have = torch.cuda.device_count()
+    if have < args.lanes * per:
+        raise SystemExit(f"--lanes {args.lanes} needs {args.lanes * per} GPUs "
+                         f"({per} per lane{' with --disaggregated' if per == 2 else ''}); this machine has {have}")
+    (work / "lanes").mkdir(parents=True, exist_ok=True)
+    procs: list[tuple[subprocess.Popen, Path]] = []
+    plan: list[str] = []
+    for i in range(args.lanes):
+        lane = configs[i :: args.lanes]
+        if not lane:
+            continue
+        out = work / "lanes" / f"lane{i}.json"
+        out.unlink(missing_ok=True)
+        gpus = ",".join(str(g) for g in range(i * per, (i + 1) * per))
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--device", "cuda", "--steps", str(steps),
+               "--max-len", str(args.max_len), "--json-out", str(out), "--only", *[slug(n) for n, _ in lane]]
+        cmd += ["--disaggregated"] * args.disaggregated + ["--compile"] * args.compile
+        procs.append((subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpus)), out))
+        plan.append(f"GPUs {gpus}: {', '.join(n for n, _ in lane)}")
+
+    def collect() -> dict[str, dict[str, float]]:
+        got: dict[str, dict[str, float]] = {}
+        for _, out in procs:
+            if out.exists():
+                got.update(json.loads(out.read_text()))
+        return {name: got[name] for name, _ in configs if name in got}  # the table in config order
+
+    def on_term(signum: int, frame: Any) -> None:
+        for proc, _ in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        results = collect()
+        if results:
+            write(report(results, args, steps, base, what, lanes=plan,
+                         interrupted=f"stopped by signal {signum}"), args.results)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    codes = [proc.wait() for proc, _ in procs]
+    results = collect()
+    failed = [name for name, _ in configs if name not in results]
+    write(report(results, args, steps, base, what, lanes=plan,
+                 interrupted=f"lanes exited {codes}; missing {failed}" if failed else ""), args.results)
+    if failed:
+        raise SystemExit(f"configs without results: {failed} (lane exit codes {codes})")
 
 
 def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps: int, base: dict[str, Any],
-           what: str, interrupted: str = "") -> str:
+           what: str, interrupted: str = "", lanes: list[str] | None = None) -> str:
     """The RESULTS.md section for the configs in ``results`` (all of them, or those that ran
     before ``interrupted`` says the run was stopped)."""
     gpu = args.device == "cuda"
@@ -317,7 +408,9 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
         "",
         f"Command: `python benchmarks/async_vs_sync.py {shlex.join(sys.argv[1:])}` ({steps} steps)  ",
         f"Machine: {machine}  ",
-        f"Workload: {what}; {steps} steps × {base['rollout_batch_size']} groups × {base['n_samples_per_prompt']} samples per config, run one after another in one process.",
+        f"Workload: {what}; {steps} steps × {base['rollout_batch_size']} groups × {base['n_samples_per_prompt']} samples per config, "
+        + (f"in {len(lanes)} concurrent lanes of one run, one after another within a lane ({'; '.join(lanes)})."
+           if lanes else "run one after another in one process."),
         "",
         *lines,
         "",
@@ -333,7 +426,8 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
         "the KV cache positions decode steps read that a row attends to (a step reads every row up to the "
         "batch's longest context). GPU util: nvidia-smi's "
         "utilization.gpu (share of time a kernel ran), averaged from the end of step 1 to the end of the "
-        "last step; disaggregated, GPU0 is the trainer's and GPU1 the engine's.",
+        "last step; disaggregated, GPU0 is the trainer's and GPU1 the engine's"
+        + (" (each lane's own GPUs)." if lanes else "."),
         "",
     ])
     return section
