@@ -27,10 +27,10 @@ full pass right away and then calls ``gc.freeze()``. What survived that pass (th
 moves to the permanent generation, which later passes skip. The first timed pass freezes
 again, taking in what the actor built after ``install`` (its model, its compiled graphs).
 From then on, each pass costs only what the process made since. The expensive pass happens
-while the actor starts, not in its first minute of work. Frozen objects are still freed by reference counting when
-they are dropped. The one cost is a cycle among them that becomes garbage later: it is not
-collected. That is a one-time, bounded set (what existed at the first pass), not a growing
-one.
+while the actor starts, not in its first minute of work. Frozen objects are still freed by
+reference counting when they are dropped. The one cost is a cycle among them that becomes
+garbage later: it is not collected. That is a bounded set (what existed at the first timed
+pass), not a growing one. ``benchmarks/gc_pass.py`` measures the pass both ways.
 """
 
 from __future__ import annotations
