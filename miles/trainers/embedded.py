@@ -16,13 +16,13 @@ One ``train_step(groups)`` is one published policy version:
 5. ``version += 1`` and metrics named ``train/...``.
 
 Parameters and AdamW state are float32; ``dtype="bfloat16"`` runs forward/backward under
-autocast. ``state_dict`` returns CPU copies of every tensor plus plain Python values, so a
+autocast. On CUDA the decoder layers run under torch.compile, warmed up at construction for
+every micro-batch shape class (``compilation``). ``state_dict`` returns CPU copies of every tensor plus plain Python values, so a
 checkpoint writer can store it with safetensors + JSON without pickle.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from miles.algorithms import AlgorithmConfig, PolicyBatch, compute_advantages, compute_loss
 from miles.algorithms.losses import kl_estimate
 from miles.algorithms.masked import deferred_finite_checks
+from miles.trainers import compilation
 from miles.trainers import state as ckpt
 from miles.trainers.batching import TokenBatch, build_batch, rewards_of, trajectories_of
 from miles.trainers.config import TrainerConfig, lr_at
@@ -52,15 +53,6 @@ def _dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def _log_recompiles() -> None:
-    """From here on, a recompile says which guard failed (stderr, which Ray forwards to the
-    driver): the warm-up covers every shape class it knows of, so a recompile in the middle
-    of a run — a train step of seconds — is a shape class it missed, and its guard names it.
-    Left alone when the user chose torch's logs (TORCH_LOGS)."""
-    if not os.environ.get("TORCH_LOGS"):
-        torch._logging.set_logs(recompiles=True)
 
 
 def _checkpoint_layers(model: nn.Module) -> None:
@@ -112,13 +104,7 @@ class EmbeddedTrainer:
             compiled = self.device.type == "cuda" and not self.is_moe and not self.sharded
         self.compiled = bool(compiled)
         if compiled:
-            # dynamo's default of 8 graphs per function is near what the warm-up builds
-            # (7 for the attention block on the CPU: grad modes × size regimes × one row);
-            # past it, new shapes would run eager for the rest of the process
-            dynamo = torch._dynamo.config
-            dynamo.recompile_limit = max(dynamo.recompile_limit, self.RECOMPILE_LIMIT)
-            for layer in self.model.model.layers:
-                layer.compile(dynamic=True)
+            compilation.compile_layers(self.model)
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.to(self.device).eval().requires_grad_(False)
@@ -130,7 +116,7 @@ class EmbeddedTrainer:
         self._shuffle = torch.Generator().manual_seed(config.seed)
         if compiled:
             self._warm_compiled()
-            _log_recompiles()
+            compilation.log_recompiles()
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         decay, no_decay = [], []
@@ -208,71 +194,13 @@ class EmbeddedTrainer:
         ckpt.load_trainer_state(self, state)
 
     # ---- internals ----------------------------------------------------------------------
-    RECOMPILE_LIMIT = 32  # graphs dynamo may build per compiled function (its default: 8)
-    WARM_MIN, WARM_STEP = 12, 2  # the warm-up's shortest rows, and the factor between sizes
-    WARM_DEFAULT_TOKENS = 16384  # the warm-up's largest micro-batch without max_tokens_per_micro_batch
-
     def warm_shapes(self) -> list[tuple[int, int]]:
-        """(rows, tokens per row) of the warm-up's micro-batches: for micro-batch sizes
-        (rows × tokens) ×2 apart up to the largest the plan makes, one row (as long as the
-        model's context allows) and several."""
-        context = self.model.config.max_position_embeddings
-        top = self.config.max_tokens_per_micro_batch or self.WARM_DEFAULT_TOKENS
-        sizes, n = [], 2 * self.WARM_MIN
-        while n < top:
-            sizes.append(n)
-            n *= self.WARM_STEP
-        sizes.append(max(top, 2 * self.WARM_MIN))
-        shapes: list[tuple[int, int]] = []
-        for n in sizes:
-            rows = max(2, -(-n // context))
-            shapes.append((rows, max(n // rows, 3)))
-            if n <= top:
-                shapes.append((1, max(min(n, context), 3)))
-        return list(dict.fromkeys(shapes))
+        """(rows, tokens per row) of the compiled trainer's warm-up micro-batches."""
+        return compilation.warm_shapes(self.model.config.max_position_embeddings,
+                                       self.config.max_tokens_per_micro_batch)
 
     def _warm_compiled(self) -> None:
-        """Compile the layers for every micro-batch shape class before the first step, with
-        and without gradients. Dynamo specializes a dimension of size 1, so the first
-        micro-batch of one row (a long trajectory alone, a leftover) recompiled the layers,
-        forward and backward, whenever it came: a 15 s trainer step in the middle of an
-        H200 async run. Inductor also guards its kernels on size thresholds of the shape it
-        compiled with (``4·rows·tokens ≤ 4096`` and the like on the CPU), so a warm-up with
-        short rows only left a recompile to the first long micro-batch, and another at the
-        next threshold (the likely cause of the 2-10 s trainer steps in the middle of the
-        H200 async runs of 2026-11-30, not confirmed there). So the warm-up climbs from short
-        rows to the largest micro-batch, one row and several, ×2 at a time: inductor's guards
-        come in pairs (``2·n ≤ 4096`` and ``n > 4096`` on the CPU) whose band (2048, 4096]
-        a ×4 ladder stepped over, leaving one recompile to the first RL step whose
-        micro-batch fell in it (reproduced on the CPU; one recompile after step 1 in most
-        configs of the H200 sweep of 2026-11-30 09:23). Any band at least ×2 wide holds a
-        point of a ×2 ladder.
-        The gradients are thrown away; the weights do not change."""
-        cfg = self.model.config
-        replay = self.config.use_rollout_routing_replay and self.is_moe
-        g = torch.Generator().manual_seed(0)
-        for rows, length in self.warm_shapes():
-            trajs = []
-            for i in range(rows):
-                t = Trajectory(id=f"warm{i}", prompt_id="warm", group_id="warm",
-                               prompt_tokens=torch.randint(cfg.vocab_size, (2,), generator=g).tolist())
-                n = length - 2
-                t.append(torch.randint(cfg.vocab_size, (n,), generator=g).tolist(), [0.0] * n, self._version,
-                         kind="model")
-                if replay:  # the replayed-routing path compiles apart: give it routes to replay
-                    k, experts = cfg.num_experts_per_tok, cfg.num_experts
-                    t.routed_experts = [[[(j + e) % experts for e in range(k)] for _ in cfg.moe_layers]
-                                        for j in range(n)]
-                trajs.append(t)
-            batch = self._build(trajs, check_versions=False)
-            self._no_grad_logprobs(self.model, batch)
-            for plan in batch.plan(range(batch.size), self.config):
-                logp, entropy = self._forward(self.model, batch.select(plan), self._entropy_mode())
-                grad_entropy = entropy is not None and entropy.requires_grad
-                (logp.sum() + (entropy.sum() if grad_entropy else 0.0)).backward()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":  # the largest micro-batch's blocks: back to a colocated engine
-            torch.cuda.empty_cache()
+        compilation.warm_up(self)
 
     def _build(self, trajs: list[Trajectory], *, check_versions: bool = True) -> TokenBatch:
         cfg = self.model.config

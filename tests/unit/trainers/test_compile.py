@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from miles.algorithms import AlgorithmConfig
-from miles.trainers import EmbeddedTrainer, TrainerConfig
+from miles.trainers import EmbeddedTrainer, TrainerConfig, compilation
 from tests.unit.trainers.conftest import make_model, random_groups, set_behaviour
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -133,7 +133,7 @@ def test_warm_up_shapes_climb_to_the_largest_micro_batch() -> None:
     assert all(n <= 1024 for _, n in ladder) and (4, 1024) in ladder
     sizes = sorted({r * n for r, n in ladder})
     assert all(b <= 2 * a for a, b in zip(sizes, sizes[1:]))  # no gap wider than ×2
-    assert max(r * n for r, n in shapes(None, 40960)) == EmbeddedTrainer.WARM_DEFAULT_TOKENS
+    assert max(r * n for r, n in shapes(None, 40960)) == compilation.WARM_DEFAULT_TOKENS
 
 
 def test_the_warm_up_batches_carry_routes_under_routing_replay() -> None:
