@@ -105,6 +105,8 @@ class EagleHead(nn.Module):
         emb = embed(input_ids).to(hidden.dtype)
         h = self.model.fc(torch.cat([emb, hidden.to(emb.dtype)], dim=-1))
         backend = kv_cache if kv_cache is not None else FullAttention(None)
+        if kv_cache is None and T > self.rotary.length:  # training on a long trajectory: see CausalLM
+            self.rotary.reserve(T, input_ids.device)
         cos, sin = self.rotary(position_ids, h.dtype)
         for layer in self.model.layers:
             h, _ = layer(h, cos, sin, backend)

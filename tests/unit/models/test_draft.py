@@ -60,3 +60,19 @@ def test_eagle_head_feature_is_causal() -> None:
     full = head(h, ids, embed)
     prefix = head(h[:, :5], ids[:, :5], embed)
     assert torch.allclose(full[:, :5], prefix, atol=1e-5)  # entry t sees entries <= t only
+
+
+def test_eagle_head_trains_on_sequences_past_the_default_rope_table() -> None:
+    """The head's table starts at 8192 positions; a longer trajectory in draft training
+    gathered past its end (a device-side assert on CUDA). A full pass grows it, and the
+    prefix of a long pass equals the short pass."""
+    torch.manual_seed(0)
+    head = EagleHead(tiny_config(num_hidden_layers=1, max_position_embeddings=10000))
+    embed = torch.nn.Embedding(288, 64)
+    n = 8300
+    h, ids = torch.randn(1, n, 64), torch.randint(0, 288, (1, n))
+    with torch.no_grad():
+        full = head(h, ids, embed)
+        prefix = head(h[:, :16], ids[:, :16], embed)
+    assert full.shape == (1, n, 64) and torch.isfinite(full).all()
+    assert torch.allclose(full[:, :16], prefix, atol=1e-5)
