@@ -24,6 +24,10 @@ def test_bad_requests_error_while_others_are_served() -> None:
     async def go():
         engine = make_engine(max_seq_len=32)
         good = [asyncio.create_task(_gen(engine, f"g{i}", [5 + i, 6, 7])) for i in range(3)]
+        await asyncio.sleep(0)  # the good requests are queued (generate registers before its first await)
+        # a second request with g0's id while g0 is surely in flight (submitted after the bad
+        # ones, it raced g0's 16 steps on a loaded machine and sometimes found g0 done)
+        dup_task = asyncio.create_task(_gen(engine, "g0", [5]))
         bad = await asyncio.gather(
             _gen(engine, "long", list(range(5, 37))),
             _gen(engine, "oov", [5, 288, 6]),
@@ -35,7 +39,6 @@ def test_bad_requests_error_while_others_are_served() -> None:
             _gen(engine, "stopstr", [5], SamplingParams(stop=["x"])),
             _gen(engine, "prefix", [5], num_prefix_tokens=-2),
         )
-        dup_task = asyncio.create_task(_gen(engine, "g0", [5]))
         outs = await asyncio.gather(*good)
         dup = await dup_task
         await engine.close()
