@@ -309,6 +309,8 @@ def main() -> None:
             results[name][f"gpu{index}_util"] = util
         results[name]["wall_s"] = time.monotonic() - start
         results[name]["ledger_ok"] = float(summary["ledger_ok"])
+        for key, value in summary.get("startup", {}).items():  # where the time before step 1 went
+            results[name][key] = value
         print(f"{name}: {json.dumps({k: round(v, 4) for k, v in results[name].items()})}", flush=True)
         if args.json_out:  # after every config: a lane stopped later keeps what it finished
             tmp = Path(args.json_out).with_suffix(".tmp")

@@ -47,6 +47,7 @@ class RunFailed(RuntimeError):
 
 class Driver:
     def __init__(self, cfg: MilesConfig, dataset: PromptDataset, eval_data: PromptDataset | None) -> None:
+        self._born = time.monotonic()
         self.cfg = cfg
         self.dataset = dataset
         self.eval_data = eval_data
@@ -68,6 +69,7 @@ class Driver:
         # Admission (data cursor + buffer) and checkpoint snapshots must not interleave, or a
         # checkpoint could hold a cursor past prompts its buffer never received.
         self.admission_lock = asyncio.Lock()
+        self.startup: dict[str, float] = {}  # where the time before step 1 went (summary.json)
 
     # ---- the loop ---------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
@@ -235,11 +237,16 @@ class Driver:
             await self._start_worker(worker_id, handle)
         # Construction errors (a bad checkpoint, an engine flag) are not crashes to restart
         # from: surface them once, clearly.
+        pongs: dict[str, dict[str, float]] = {}
         for name, handle in [("PolicyTrainer", a.trainer), *a.workers.items()]:
             try:
-                await handle.ping.remote()
+                pongs[name] = await handle.ping.remote()
             except Exception as exc:
                 raise RunFailed(f"{name} failed to start: {_root_cause(exc)}") from None
+        workers = [p.get("rollout/init_s", 0.0) for name, p in pongs.items() if name != "PolicyTrainer"]
+        self.startup = {"startup_s": time.monotonic() - self._born,  # launch to every actor built
+                        "trainer_init_s": pongs["PolicyTrainer"].get("perf/trainer_init_s", 0.0),
+                        "worker_init_s_max": max(workers, default=0.0)}
         if self.eval_data is not None and self.cfg.run.eval_interval and self.step == 0:
             self.eval_tasks.append(asyncio.create_task(self._evaluate(0)))  # the starting point
 
@@ -349,6 +356,7 @@ class Driver:
             "worker_restarts": self.restarts,
             "workers": [s for s in stopped if isinstance(s, dict)],
             "checkpoint": self.ckpt.latest() if self.ckpt else None,
+            "startup": self.startup,
         }
         self.out.write_summary(summary)
         self.out.close()

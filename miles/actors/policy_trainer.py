@@ -59,6 +59,7 @@ class PolicyTrainer:
         self.published_version = -1
         self.replayable_version = -1  # newest version published in full through the object store
         self.last_publish_s = 0.0
+        self.init_s = 0.0  # construction seconds (set by the Ray actor that builds the backend)
         self.counters = {"publishes": 0, "fallbacks": 0, "republishes": 0, "bytes_sent": 0, "tensors_sent": 0}
         self.last_error = ""
         self._broadcaster: Peer | None = None
@@ -190,7 +191,7 @@ class PolicyTrainer:
 
     def ping(self) -> dict[str, float]:
         out = {"train/version": float(self.backend.version), "perf/publish_s": self.last_publish_s,
-               "mem/trainer_rss_mb": rss_mb()}
+               "perf/trainer_init_s": self.init_s, "mem/trainer_rss_mb": rss_mb()}
         out.update({f"weights/{k}": float(v) for k, v in self.counters.items()})
         return out
 

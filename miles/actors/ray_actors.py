@@ -128,13 +128,16 @@ for _name in ("renew", "ledger", "prompt_room", "failures"):
 
 class _RolloutWorkerActor(RolloutWorker):
     def __init__(self, worker_id: str, flat: dict[str, Any], threads: int, buffer: Any, rewards: list[Any]) -> None:
+        start = time.monotonic()
         cfg = resolve(flat)
         configure_process(cfg, threads)
         super().__init__(worker_id, **build_rollout_worker(cfg, worker_id, buffer=buffer, rewards=rewards))
+        self.init_s = time.monotonic() - start  # engine build, weights load, graph capture
 
 
 class _PolicyTrainerActor(PolicyTrainer):
     def __init__(self, flat: dict[str, Any], threads: int) -> None:
+        start = time.monotonic()
         cfg = resolve(flat)
         configure_process(cfg, threads)
         backend = build_policy_trainer(cfg)
@@ -142,6 +145,7 @@ class _PolicyTrainerActor(PolicyTrainer):
         super().__init__(backend, bucket_bytes=cfg.run.update_weight_buffer_size, use_object_store=True,
                          deterministic=cfg.run.deterministic, sender=sender, wire_dtype=wire_dtype,
                          changed_only=cfg.weights.weight_update_changed_only)
+        self.init_s = time.monotonic() - start  # model load, and on CUDA the compile warm-up
 
 
 class _DraftTrainerActor(DraftTrainer):

@@ -266,6 +266,7 @@ class RolloutWorker:
         out["rollout/inflight"] = float(len(self._inflight))
         out["rollout/version"] = float(self.engine.version)
         out["rollout/uptime_s"] = elapsed
+        out["rollout/init_s"] = getattr(self, "init_s", 0.0)  # set by the Ray actor (engine construction)
         out["rollout/pid"] = float(os.getpid())
         out["mem/worker_rss_mb"] = rss_mb()
         engine_stats = getattr(self.engine, "stats", None)

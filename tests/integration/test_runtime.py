@@ -65,6 +65,9 @@ def test_modes_respect_bound_and_ledger(ray_cluster, tiny_ckpt, task, tmp_path, 
     assert all(0.0 < last[f"perf/buffer_call_max_s/{name}"] <= total for name, total in parts.items())
     saved = json.loads((out / "summary.json").read_text())
     assert saved["status"] == "completed"
+    # where the time before step 1 went: the actors' construction lies within the start-up
+    up = saved["startup"]
+    assert 0.0 < up["trainer_init_s"] < up["startup_s"] and 0.0 < up["worker_init_s_max"] < up["startup_s"]
     assert (out / "config.yaml").is_file()
 
 
