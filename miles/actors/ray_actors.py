@@ -82,11 +82,6 @@ class _BufferActor(ReplayBuffer):
             parts["gc"] = (gc_stats["seconds"], gc_stats["longest"])
         return parts
 
-    @property
-    def busy_s(self) -> float:
-        """Seconds spent in the timed methods and full GC passes, all of them."""
-        return sum(total for total, _ in self.busy_parts().values())
-
     def stats(self) -> dict[str, float]:
         out = super().stats()
         out["mem/buffer_rss_mb"] = rss_mb()

@@ -58,6 +58,7 @@ class RolloutWorker:
         poll_interval_s: float = 0.01,
     ) -> None:
         self.worker_id = worker_id
+        self.init_s = 0.0  # construction seconds (set by the Ray actor that builds the engine)
         self.engine = engine
         self.ctx = context
         self.generate_fn = generate_fn
@@ -266,7 +267,7 @@ class RolloutWorker:
         out["rollout/inflight"] = float(len(self._inflight))
         out["rollout/version"] = float(self.engine.version)
         out["rollout/uptime_s"] = elapsed
-        out["rollout/init_s"] = getattr(self, "init_s", 0.0)  # set by the Ray actor (engine construction)
+        out["rollout/init_s"] = self.init_s
         out["rollout/pid"] = float(os.getpid())
         out["mem/worker_rss_mb"] = rss_mb()
         engine_stats = getattr(self.engine, "stats", None)

@@ -17,8 +17,9 @@ One ``train_step(groups)`` is one published policy version:
 
 Parameters and AdamW state are float32; ``dtype="bfloat16"`` runs forward/backward under
 autocast. On CUDA the decoder layers run under torch.compile, warmed up at construction for
-every micro-batch shape class (``compilation``). ``state_dict`` returns CPU copies of every tensor plus plain Python values, so a
-checkpoint writer can store it with safetensors + JSON without pickle.
+every micro-batch shape class (``compilation``). ``state_dict`` returns CPU copies of every
+tensor plus plain Python values, so a checkpoint writer can store it with safetensors + JSON
+without pickle.
 """
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ collector only matters for the odd cycle elsewhere (tracebacks, Ray and asyncio 
 ``install`` therefore leaves the young generations' automatic collections as they are
 (they visit only new objects) and turns off the automatic full ones; a daemon thread runs a
 full collection every ``every_s`` seconds instead — or less often, so that the passes take
-at most ``MAX_SHARE`` of the time (the H200 buffer's pass took ~200 ms: every 80 s): the pass itself grows with what the process holds (850 ms
-for 2,300 held 2048-token trajectories on the CPU dev machine) — so the pause comes at a
-known rate and is measured (``stats``). In that CPU experiment (a buffer holding 2,048
+at most ``MAX_SHARE`` of the time (the H200 buffer's pass took ~200 ms: every 80 s), since
+the pass itself grows with what the process holds (850 ms for 2,300 held 2048-token
+trajectories on the CPU dev machine) — so the pause comes at a known rate and is measured
+(``stats``). In that CPU experiment (a buffer holding 2,048
 ready trajectories while cycling 256 at a time) the policy cut the buffer's longest call
 from 550-690 ms to 50-56 ms and its time per cycle from 47-53 ms to 33-34 ms.
 
