@@ -20,6 +20,7 @@ batch. Rows without a seed draw ``u`` from the engine's torch.Generator.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,8 @@ from torch import Tensor
 
 from miles.types import SamplingParams
 from miles.utils.device import to_device
+
+log = logging.getLogger(__name__)
 
 GREEDY_EPS = 1e-6
 _M64 = (1 << 64) - 1
@@ -64,40 +67,62 @@ def _lsr(x: Tensor, s: int) -> Tensor:
 def counter_uniform(keys: Tensor, vocab: int) -> Tensor:
     """u[b, v] in (0, 1), float32, a pure function of (keys[b], v): splitmix64's finaliser on
     ``key + v * golden`` (int64 arithmetic wraps, as on every torch backend)."""
-    v = torch.arange(vocab, device=keys.device, dtype=torch.int64) * _signed(_GOLDEN)
-    z = keys[:, None] + v[None, :]
+    return _mix(keys, torch.arange(vocab, device=keys.device, dtype=torch.int64) * _signed(_GOLDEN))
+
+
+def _mix(keys: Tensor, offsets: Tensor) -> Tensor:
+    """``counter_uniform`` given the per-index offsets ``v * golden``. The compiled copy takes
+    them as an input: computed inside the kernel, the product of an index and the 64-bit
+    constant fails Triton's compile where inductor picks int32 indices (one key and one
+    draw: static sizes), and that failure used to switch every draw to eager."""
+    z = keys[:, None] + offsets[None, :]
     z = (z ^ _lsr(z, 30)) * _C1
     z = (z ^ _lsr(z, 27)) * _C2
     z = z ^ _lsr(z, 31)
     return (_lsr(z, 40).float() + 0.5) * (1.0 / (1 << 24))
 
 
-_fast_uniform: Any = None  # a torch.compile'd counter_uniform, once ``compile_counter_uniform`` vouched for it
+_fast_uniform: Any = None  # a torch.compile'd _mix, once ``compile_counter_uniform`` vouched for it
+_fast_classes: set[tuple[bool, bool]] = set()  # the shape classes it reproduced bitwise
+_offsets: dict[tuple[int, torch.device], Tensor] = {}  # v * golden per (vocab, device)
+
+
+def _shape_class(keys: Tensor, vocab: int) -> tuple[bool, bool]:
+    """(one key, one draw): the size-1 dimensions dynamo specialises, each a graph of its own."""
+    return keys.numel() == 1, vocab == 1
 
 
 def hashed_uniform(keys: Tensor, vocab: int) -> Tensor:
-    """``counter_uniform``, through the compiled copy when there is one: on CUDA its ~15
-    elementwise int64 passes over [rows, vocab] fuse into one kernel (integer arithmetic:
-    bitwise the same numbers)."""
-    global _fast_uniform
+    """``counter_uniform``, through the compiled copy when there is one for this shape class:
+    on CUDA its ~15 elementwise int64 passes over [rows, vocab] fuse into one kernel (integer
+    arithmetic: bitwise the same numbers). A class the compiler failed on stays eager, and
+    only that class: at 256 rows and a 152k vocabulary an eager draw is ~15 passes over
+    39M int64 values every decode step."""
     fn = _fast_uniform
-    if fn is None or keys.device.type != "cuda":
+    cls = _shape_class(keys, vocab)
+    if fn is None or keys.device.type != "cuda" or cls not in _fast_classes:
         return counter_uniform(keys, vocab)
     try:
         return _call(fn, keys, vocab)
-    except Exception:  # a shape the compiler cannot handle (seen: int32 index overflow); stay eager
-        _fast_uniform = None
+    except Exception as exc:  # a shape the compiler cannot handle: this class stays eager
+        _fast_classes.discard(cls)
+        log.warning("compiled seeded draw failed for shape class %s (%s: %s); eager for it from now on",
+                    cls, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
         return counter_uniform(keys, vocab)
 
 
 def _call(fn: Any, keys: Tensor, vocab: int) -> Tensor:
-    """``fn(keys, vocab)`` without the inputs dynamo would guard on apart from their sizes:
+    """``fn(keys, offsets)`` without the inputs dynamo would guard on apart from their sizes:
     the grad mode (a stepping thread does not inherit no_grad) and a view's base
     (speculation's [rows, k] keys flattened: k = 1 after k = 4 failed a guard on the base's
     shape). Each failed guard is a recompile of a second or so in the middle of a rollout,
     and adaptive speculation changes k all the time."""
     with torch.no_grad():
-        return fn(keys if keys._base is None else keys.clone(), vocab)
+        offsets = _offsets.get((vocab, keys.device))
+        if offsets is None:
+            offsets = torch.arange(vocab, device=keys.device, dtype=torch.int64) * _signed(_GOLDEN)
+            _offsets[(vocab, keys.device)] = offsets
+        return fn(keys if keys._base is None else keys.clone(), offsets)
 
 
 def _probes(device: torch.device) -> list[tuple[Tensor, int]]:
@@ -106,22 +131,41 @@ def _probes(device: torch.device) -> list[tuple[Tensor, int]]:
     acceptance tests), so that no draw compiles in the middle of a rollout."""
     keys = torch.tensor([row_key(1, 2), row_key(3, 4), -5], dtype=torch.int64, device=device)
     one = keys[:1].clone()
-    return [(keys, 1000), (keys, 151936), (keys, 1), (one, 1000), (one, 1)]
+    return [(keys, 1000), (keys, 151936), (keys, 1), (one, 1000), (one, 151936), (one, 1)]
+
+
+def verified_classes(fn: Any, device: torch.device) -> set[tuple[bool, bool]]:
+    """The shape classes in which ``fn`` (a compiled ``_mix``) reproduces ``counter_uniform``
+    bitwise on every probe; a probe that raises fails its class only."""
+    good: dict[tuple[bool, bool], bool] = {}
+    for keys, vocab in _probes(device):
+        cls = _shape_class(keys, vocab)
+        try:
+            same = torch.equal(_call(fn, keys, vocab), counter_uniform(keys, vocab))
+        except Exception as exc:
+            log.warning("compiled seeded draw fails for shape class %s (%s: %s); that class stays eager",
+                        cls, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            same = False
+        good[cls] = good.get(cls, True) and same
+    return {c for c, ok in good.items() if ok}
 
 
 def compile_counter_uniform(device: torch.device) -> bool:
-    """Compile ``counter_uniform`` for CUDA and keep it only if it reproduces the eager one
-    bitwise on a probe (any failure: stay eager). Returns whether the compiled copy is used."""
+    """Compile the seeded draw for CUDA and keep it for each shape class whose probes it
+    reproduces bitwise (a class that fails, or raises, stays eager; the others keep the
+    fused kernel). Returns whether the compiled copy serves the common class (many keys,
+    a vocabulary)."""
     global _fast_uniform
     if _fast_uniform is not None or device.type != "cuda":
-        return _fast_uniform is not None
+        return (False, False) in _fast_classes
     try:
-        fn = torch.compile(counter_uniform, dynamic=True, fullgraph=True)
-        if all(torch.equal(_call(fn, k, n), counter_uniform(k, n)) for k, n in _probes(device)):
-            _fast_uniform = fn
+        fn = torch.compile(_mix, dynamic=True, fullgraph=True)
     except Exception:  # an optimisation only
-        _fast_uniform = None
-    return _fast_uniform is not None
+        return False
+    _fast_classes.clear()
+    _fast_classes.update(verified_classes(fn, device))
+    _fast_uniform = fn if _fast_classes else None
+    return (False, False) in _fast_classes
 
 
 @dataclass

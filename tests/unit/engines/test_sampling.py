@@ -106,13 +106,13 @@ def test_compiled_draws_meet_no_new_guard_after_the_probes() -> None:
     draw only for CUDA."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from miles.engines.sampling import _call, _probes
+    from miles.engines.sampling import _call, _mix, _probes
 
     def graphs() -> int:
-        return len(_debug_get_cache_entry_list(counter_uniform.__code__))
+        return len(_debug_get_cache_entry_list(_mix.__code__))
 
     torch._dynamo.reset()
-    fn = torch.compile(counter_uniform, dynamic=True, fullgraph=True)
+    fn = torch.compile(_mix, dynamic=True, fullgraph=True)
     for keys, vocab in _probes(torch.device("cpu")):
         _call(fn, keys, vocab)
     built = graphs()
@@ -126,5 +126,25 @@ def test_compiled_draws_meet_no_new_guard_after_the_probes() -> None:
     assert graphs() == built
     for rows, k in ((1, 4), (3, 1)):  # the control: the calls as they came before
         with torch.set_grad_enabled(True):
-            fn(torch.randint(0, 9, (rows, k), dtype=torch.int64).reshape(-1), 1000)
+            fn(torch.randint(0, 9, (rows, k), dtype=torch.int64).reshape(-1), torch.arange(1000))
     assert graphs() > built
+
+
+def test_a_compiled_draw_that_fails_one_shape_class_keeps_the_others() -> None:
+    """The H200 compile of the seeded draw raised for one size-1 class (a Triton int32
+    overflow), and that switched every draw to eager. Now only the failing class (or one
+    that gives other numbers) is left out; the probes use the fake compiled copies below."""
+    from miles.engines.sampling import _mix, verified_classes
+
+    def raises_on_one_key_one_draw(keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if keys.numel() == 1 and offsets.numel() == 1:
+            raise ValueError("Scalar -7046029254386353131 is out of range for type int32")
+        return _mix(keys, offsets)
+
+    def wrong_for_one_key(keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return _mix(keys, offsets) * (0.5 if keys.numel() == 1 else 1.0)
+
+    cpu = torch.device("cpu")
+    assert verified_classes(_mix, cpu) == {(False, False), (False, True), (True, False), (True, True)}
+    assert verified_classes(raises_on_one_key_one_draw, cpu) == {(False, False), (False, True), (True, False)}
+    assert verified_classes(wrong_for_one_key, cpu) == {(False, False), (False, True)}
