@@ -85,6 +85,7 @@ def _mix(keys: Tensor, offsets: Tensor) -> Tensor:
 _fast_uniform: Any = None  # a torch.compile'd _mix, once ``compile_counter_uniform`` vouched for it
 _fast_classes: set[tuple[bool, bool]] = set()  # the shape classes it reproduced bitwise
 _offsets: dict[tuple[int, torch.device], Tensor] = {}  # v * golden per (vocab, device)
+_compiled_once: list[bool] = []  # compile_counter_uniform ran in this process
 
 
 def _shape_class(keys: Tensor, vocab: int) -> tuple[bool, bool]:
@@ -156,8 +157,9 @@ def compile_counter_uniform(device: torch.device) -> bool:
     fused kernel). Returns whether the compiled copy serves the common class (many keys,
     a vocabulary)."""
     global _fast_uniform
-    if _fast_uniform is not None or device.type != "cuda":
+    if _fast_uniform is not None or device.type != "cuda" or _compiled_once:
         return (False, False) in _fast_classes
+    _compiled_once.append(True)  # once a process: each new try recompiled every class (~0.7 s an engine)
     try:
         fn = torch.compile(_mix, dynamic=True, fullgraph=True)
     except Exception:  # an optimisation only
