@@ -122,7 +122,7 @@ class EmbeddedEngine:
         spec = SpecDecoder(self.runner, drafter, cfg)
         if self.runner.graphs is not None:  # dense model on CUDA with graphs on
             self.runner.verify_graphs = VerifyGraphs(self.runner, cfg.speculative_num_steps + 1)
-            spec.round_graphs = RoundGraphs(spec, cfg.speculative_num_steps)
+            spec.round_graphs = RoundGraphs(spec, cfg.speculative_num_steps, all_k=cfg.speculative_adaptive)
         return spec
 
     @classmethod

@@ -74,13 +74,23 @@ class RoundGraphs(GraphCache):
     replay (outside the graph), so the capture's warm-up runs are idempotent: they write
     the same K/V at the same positions as the replay that follows. Any capture failure
     disables round graphs (rounds then run eagerly, still replaying the verify graph).
+
+    ``all_k`` (the adaptive rule's engines): the first round met in a (batch, context,
+    sampling) bucket captures the graphs of every k = 1..k_max there, the other k first.
+    The rule changes k as it measures, so with lazy captures its engine kept meeting new
+    (bucket, k) pairs long after the warm-up: on the H200 0.32-0.45 s of captures fell inside
+    timed runs of 0.67-1.30 s, where the always-on engine met none. The other k's warm-up
+    runs write K/V past the round's own entries (within the cache's k_max + 2 headroom);
+    those positions lie beyond every row's length, so they are never read before a later
+    step overwrites them, and the round's own capture and replay come last.
     """
 
     fallback = "speculative rounds run eagerly"
 
-    def __init__(self, decoder: Any, max_steps: int) -> None:
+    def __init__(self, decoder: Any, max_steps: int, *, all_k: bool = False) -> None:
         super().__init__()
         self.decoder = decoder
+        self.max_steps, self.all_k = max_steps, all_k
         runner = decoder.runner
         cap = runner.config.max_batch_size
         self.buckets = [b for b in _BATCH_BUCKETS if b < cap] + [cap]
@@ -131,7 +141,13 @@ class RoundGraphs(GraphCache):
             self.cu[n:nb].zero_()
             self.cu_last[n:nb].zero_()
         flags = (rp.any_greedy or nb > n, rp.all_greedy, rp.truncated)  # padding rows are greedy
-        graph = self.graph((nb, L, k, self.decoder.mode, flags), lambda: self._step(nb, L, k, flags))
+        mode = self.decoder.mode
+        if self.all_k and (nb, L, k, mode, flags) not in self.graphs:
+            for other in range(1, self.max_steps + 1):
+                if other != k and self.graph((nb, L, other, mode, flags),
+                                             lambda o=other: self._step(nb, L, o, flags)) is None:
+                    return None
+        graph = self.graph((nb, L, k, mode, flags), lambda: self._step(nb, L, k, flags))
         if graph is None:
             return None
         graph.replay()

@@ -159,11 +159,17 @@ def test_verify_graph_plumbing_on_cpu() -> None:
         assert (torch.tensor(o.logprobs) - full_logprobs(policy, p, o)).abs().max() < 1e-5
 
 
-def _fake_round_graphs(engine: EmbeddedEngine, k: int) -> RoundGraphs:
+def _fake_round_graphs(engine: EmbeddedEngine, k: int, *, all_k: bool = False) -> RoundGraphs:
     """Round graphs whose 'replay' runs the captured step eagerly: the graph path's buffers,
-    padding and read-back, on the CPU."""
-    graphs = RoundGraphs(engine.spec, k)
-    graphs._capture = lambda step: types.SimpleNamespace(replay=step)
+    padding and read-back, on the CPU. A capture runs the step twice first, as
+    ``capture_graph``'s warm-up runs do on CUDA (their side effects must be harmless)."""
+    graphs = RoundGraphs(engine.spec, k, all_k=all_k)
+
+    def capture(step):
+        step(), step()
+        return types.SimpleNamespace(replay=step)
+
+    graphs._capture = capture
     engine.spec.round_graphs = graphs
     return graphs
 
@@ -190,13 +196,14 @@ def test_round_graph_plumbing_on_cpu(kind: str) -> None:
         assert torch.allclose(engine.pop_hidden_states(b.rid), full, atol=1e-4)
 
 
-def _scripted_graph_rounds(kind: str, script: list[int], seed: int) -> tuple[dict[str, float], set[int]]:
+def _scripted_graph_rounds(kind: str, script: list[int], seed: int, *,
+                           all_k: bool = False) -> tuple[dict[str, float], set[int], RoundGraphs]:
     """Run 4 seeded requests under a scripted choice of k (0 = a plain step) with fake round
     graphs; check that the tokens are plain decoding's and that no round ran eagerly.
-    Returns the engine's stats and the k of every round graph captured."""
+    Returns the engine's stats, the k of every round graph captured, and the graphs."""
     policy = make_model(seed=seed)
     engine = spec_engine(policy, kind, mode="coupled", k=3, max_batch_size=4)
-    graphs = _fake_round_graphs(engine, 3)
+    graphs = _fake_round_graphs(engine, 3, all_k=all_k)
     steps = iter(script * 20)
     engine.spec.plan = lambda batch: next(steps, 0)
     ps = prompts(4, seed=seed + 1)
@@ -208,14 +215,14 @@ def _scripted_graph_rounds(kind: str, script: list[int], seed: int) -> tuple[dic
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
     stats = engine.stats()
     assert stats["spec/graph_rounds"] == stats["engine/spec_rounds"] > 0  # no round ran eagerly
-    return stats, {key[2] for key in graphs.graphs}
+    return stats, {key[2] for key in graphs.graphs}, graphs
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_rounds_after_plain_streaks_replay_their_graph(kind: str) -> None:
     """When the adaptive rule switches speculation back on after a plain stretch, the draft's
     backlog is fed first, so the round still fits its graph instead of running eagerly."""
-    stats, ks = _scripted_graph_rounds(kind, [0, 0, 0, 0, 0, 3, 0, 0, 3, 3, 0, 0, 0, 0, 0, 0, 0, 2], seed=18)
+    stats, ks, _ = _scripted_graph_rounds(kind, [0, 0, 0, 0, 0, 3, 0, 0, 3, 3, 0, 0, 0, 0, 0, 0, 0, 2], seed=18)
     assert stats["spec/backlog_flushes"] > 0 and ks == {2, 3}
 
 
@@ -224,8 +231,23 @@ def test_a_lower_k_or_one_plain_step_needs_no_feed_before_the_round(kind: str) -
     """A round graph's catch-up takes k_max + 2 entries whatever its k: a round after a
     longer one (the adaptive rule lowered k) or after one plain step (a probe) replays its
     graph at once. Only a longer plain stretch is fed to the draft first."""
-    stats, ks = _scripted_graph_rounds(kind, [3, 1, 3, 0, 1, 3, 0, 3, 2, 1], seed=20)
+    stats, ks, _ = _scripted_graph_rounds(kind, [3, 1, 3, 0, 1, 3, 0, 3, 2, 1], seed=20)
     assert stats["spec/backlog_flushes"] == 0 and ks == {1, 2, 3}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_adaptive_engines_capture_every_k_of_a_bucket_at_once(kind: str) -> None:
+    """With ``all_k`` the first round in a (batch, context) bucket captures the graphs of
+    k = 1..k_max there, so a rule that changes k later captures nothing new in that bucket;
+    the other k's warm-up runs (K/V past the round's entries) leave the tokens, log-probs
+    and versions exactly plain decoding's."""
+    # k = 1 first in most buckets: the other k's warm-ups write past the round's entries
+    _, ks, graphs = _scripted_graph_rounds(kind, [1, 1, 2, 1, 1, 3, 1], seed=22, all_k=True)
+    keys = graphs.graphs
+    buckets = {(nb, L, mode, flags) for nb, L, _, mode, flags in keys}
+    assert ks == {1, 2, 3} and len(keys) == 3 * len(buckets)
+    _, lazy, _ = _scripted_graph_rounds(kind, [1, 1, 1, 1, 1, 1, 1], seed=22)
+    assert lazy == {1}  # the control: without all_k only the k that ran is captured
 
 
 def test_engine_without_draft_or_with_bad_draft() -> None:
