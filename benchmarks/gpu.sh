@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/RESULTS.md's H200 sections, one part per argument:
 #   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command; parts:
-#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing engine-matmul engine-attn engine-rollout profile engine long-tail trainer trainer-long-tail spec spec-overhead megatron weights async async-x2)
+#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing engine-matmul engine-attn engine-rollout profile engine long-tail trainer trainer-long-tail spec spec-overhead megatron weights async async-x2 bg-start bg-wait)
+# A run longer than one call: `BG_PARTS=async-x2 ... gpu.sh bg-start` in one call, then at once
+# `gpu.sh bg-wait [more parts]` in the next (the machine is given back ~30 s after a call).
 # On a machine without ray/msgspec/megatron-core, a .whl folder built by the project's
 # gpu-wheels tool is installed first. Env: TESTS (test paths), ATTN (engine-attn's --decode-attention values), TESTS_TIMEOUT (default 480: the trainer compiles on CUDA now), WEIGHTS_ARGS, WEIGHTS_TIMEOUT,
 # TLT_ARGS (trainer-long-tail, e.g. --compile; --profile), TRAINER_ARGS (trainer, e.g. --profile), ASYNC_ARGS / ASYNC_TIMEOUT (e.g. ASYNC_ARGS="--steps 8 --only sync async_eta2"; "--lanes 2" with async-x2 on nvidia-h200-x4: all ten configs in one call), SPEC_STEPS, SPEC_ARGS
@@ -51,6 +53,18 @@ for part in "$@"; do
         weights)  timeout ${WEIGHTS_TIMEOUT:-300} python3 benchmarks/weight_sync.py --device cuda ${WEIGHTS_ARGS:-} ;;
         async)    timeout ${ASYNC_TIMEOUT:-540} python3 benchmarks/async_vs_sync.py --device cuda ${ASYNC_ARGS:-} ;;
         async-x2) timeout ${ASYNC_TIMEOUT:-540} python3 benchmarks/async_vs_sync.py --device cuda --disaggregated ${ASYNC_ARGS:-} ;;
+        bg-start) # BG_PARTS in a process session of their own, from a copy of the tree: they outlive
+                  # this call while the machine stays held (call again within its idle release, ~30 s);
+                  # the 10-config sweep needs ~11.5 min on 2×H200 (11:22 run of 2026-11-30)
+                  rm -rf /tmp/bg /tmp/bg-out && cp -r . /tmp/bg && mkdir -p /tmp/bg-out
+                  (cd /tmp/bg && OUT=/tmp/bg-out ASYNC_TIMEOUT=${ASYNC_TIMEOUT:-1500} setsid nohup bash benchmarks/gpu.sh ${BG_PARTS:-async-x2} \
+                      > /tmp/bg-out/bg.log 2>&1 < /dev/null &)
+                  sleep ${BG_SLEEP:-570}; tail -c 3000 /tmp/bg-out/bg.log ;;
+        bg-wait)  # wait (at most BG_WAIT s) for bg-start's parts, then bring their outputs into $OUT/bg
+                  t0=$(date +%s)
+                  while pgrep -f "gpu.sh ${BG_PARTS:-async-x2}" > /dev/null && [ $(( $(date +%s) - t0 )) -lt ${BG_WAIT:-400} ]; do sleep 3; done
+                  mkdir -p "$OUT/bg"; cp /tmp/bg-out/* "$OUT/bg/" 2>/dev/null; tail -c 6000 /tmp/bg-out/bg.log
+                  ! pgrep -f "gpu.sh ${BG_PARTS:-async-x2}" > /dev/null ;;
         *) echo "unknown part $part"; false ;;
     esac
     rc=$?  # the part's own status (a pipe's first failure: pipefail), before anything else runs
