@@ -54,6 +54,7 @@ from miles.algorithms import AlgorithmConfig  # noqa: E402
 from miles.engines import EmbeddedEngine, EngineConfig  # noqa: E402
 from miles.engines.runner import GRAPH_CAPTURES  # noqa: E402
 from miles.engines.spec import SpeculativeConfig  # noqa: E402
+from miles.engines.spec.controller import bucket  # noqa: E402
 from miles.models import CausalLM, ModelConfig, tiny_config  # noqa: E402
 from miles.models.draft import build_draft  # noqa: E402
 from miles.trainers import EmbeddedTrainer, TrainerConfig  # noqa: E402
@@ -279,7 +280,10 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
         # the first runs warm up: graphs, and the adaptive rule's measurements of every option
         # (its choices differ from run to run, so one warm-up left shapes to capture)
         warm = args.warmup_runs
+        rule = engines["auto"].spec.controller
         for rep in range(warm + args.repeats):
+            if rep == warm:
+                chosen_before = dict(rule.chosen)  # the rule's choices in the timed runs alone
             for name, engine in engines.items():
                 before = dict(GRAPH_CAPTURES)
                 _, t = await rollout(engine, prompts, seeds, args, f"{name}{rep}")
@@ -288,6 +292,9 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
                     captured[name][0] += GRAPH_CAPTURES["count"] - before["count"]
                     captured[name][1] += GRAPH_CAPTURES["seconds"] - before["seconds"]
         stats = {name: e.stats() for name, e in engines.items() if name != "plain"}
+        timed = {k: n - chosen_before.get(k, 0) for k, n in sorted(rule.chosen.items()) if n > chosen_before.get(k, 0)}
+        b = bucket(batch)
+        rates = {o: rule.rate(b, o) for o in rule.options()}
         tokens = batch * args.new_tokens
         out.append({"state": state, "batch": batch, **{f"{n}_tps": tokens / t for n, t in best.items()},
                     "always_accept_len": stats["always"]["spec/accept_len_total"],
@@ -297,6 +304,10 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
                     "auto_probes": stats["auto"].get("spec/probes", 0.0),
                     "auto_trials": stats["auto"].get("spec/trials", 0.0),
                     "auto_flushes": stats["auto"].get("spec/backlog_flushes", 0.0),
+                    # why it chose what it did: its steps per option in the timed runs, and its
+                    # measured tokens/s per row of each option at this batch (0 = plain)
+                    "auto_timed_choices": " ".join(f"{k}:{n}" for k, n in timed.items()),
+                    "auto_rates": " ".join(f"{o}:{r:.0f}" for o, r in rates.items()),
                     **{f"{n}_captures": f"{c[0]} ({c[1]:.2f} s)" for n, c in captured.items()},
                     # rounds that replayed a CUDA graph (the rest ran eagerly), per engine
                     **{f"{n}_graph_rounds": f"{st.get('spec/graph_rounds', 0):.0f}/{st.get('engine/spec_rounds', 0):.0f}"
@@ -311,7 +322,8 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
               f"always {out[-1]['always_tps']:.0f} tok/s (auto speculated in {100 * out[-1]['auto_spec_frac']:.0f}% "
               f"of steps, mean k {out[-1]['auto_k_mean']:.2f}, {out[-1]['auto_probes']:.0f} probes, "
               f"{out[-1]['auto_trials']:.0f} trials, "
-              f"{out[-1]['auto_flushes']:.0f} backlog feeds; "
+              f"{out[-1]['auto_flushes']:.0f} backlog feeds; timed steps by k {out[-1]['auto_timed_choices']}; "
+              f"measured tok/s per row by k {out[-1]['auto_rates']}; "
               f"graph rounds auto {out[-1]['auto_graph_rounds']}, always {out[-1]['always_graph_rounds']}; "
               f"graphs captured in timed runs: plain {out[-1]['plain_captures']}, auto {out[-1]['auto_captures']}, "
               f"always {out[-1]['always_captures']})",
