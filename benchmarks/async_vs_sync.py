@@ -206,6 +206,9 @@ def measure(rows: list[dict]) -> dict[str, float]:
         # share of the KV positions decode steps read that a row attends to (the rest is
         # padding up to the batch's longest context), cumulative over the run
         "kv_useful": last.get("engine/kv_read_useful_frac", float("nan")),
+        # shape classes of the engines' seeded draw that run fused on CUDA (4 expected; fewer
+        # made the 11:22 sweep of 2026-11-30 sample eagerly, 10.6-12.2k rollout tok/s not 15-18k)
+        "fused_draw_classes": last.get("engine/fused_draw_classes", float("nan")),
         # graphs the compiled trainer built after step 1 (a mid-run recompile: a step of seconds)
         "trainer_recompiles": last.get("perf/compiled_graphs", 0.0) - first.get("perf/compiled_graphs", 0.0),
         "train_step_max_s": max(r["perf/train_step_s"] for r in rows[1:]) if len(rows) > 1 else float("nan"),
@@ -312,6 +315,9 @@ def main() -> None:
         for key, value in summary.get("startup", {}).items():  # where the time before step 1 went
             results[name][key] = value
         print(f"{name}: {json.dumps({k: round(v, 4) for k, v in results[name].items()})}", flush=True)
+        if gpu and results[name]["fused_draw_classes"] < 4:
+            print(f"WARNING {name}: the engines' seeded draw is fused for only "
+                  f"{results[name]['fused_draw_classes']:.0f} of 4 shape classes (eager draws slow decode)", flush=True)
         if args.json_out:  # after every config: a lane stopped later keeps what it finished
             tmp = Path(args.json_out).with_suffix(".tmp")
             tmp.write_text(json.dumps(results))

@@ -54,7 +54,7 @@ import torch
 from miles.engines.config import EngineConfig
 from miles.engines.requests import Request
 from miles.engines.runner import GRAPH_CAPTURES, ModelRunner
-from miles.engines.sampling import compile_counter_uniform
+from miles.engines.sampling import compile_counter_uniform, fused_draw_classes
 from miles.engines.spec.config import MAX_STEPS, SpeculativeConfig
 from miles.engines.stepper import EngineStats, Stepper
 from miles.engines.weights import WeightStager
@@ -318,6 +318,8 @@ class EmbeddedEngine:
             "engine/kv_read_useful_frac": self.runner.kv_useful / self.runner.kv_read if self.runner.kv_read else 1.0,
             "engine/graph_captures": float(GRAPH_CAPTURES["count"]),
             "engine/graph_capture_s": GRAPH_CAPTURES["seconds"],
+            # shape classes of the seeded draw running as one fused kernel (CUDA: 4 of 4 expected)
+            "engine/fused_draw_classes": float(fused_draw_classes()) if self.device.type == "cuda" else 0.0,
         })
         pauses = list(self.swap_pauses)
         if pauses:

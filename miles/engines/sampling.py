@@ -151,6 +151,12 @@ def verified_classes(fn: Any, device: torch.device) -> set[tuple[bool, bool]]:
     return {c for c, ok in good.items() if ok}
 
 
+def fused_draw_classes() -> int:
+    """How many of the four shape classes the compiled seeded draw serves (0: every draw is
+    eager; an engine reports it, so a compile regression shows in the run's metrics)."""
+    return len(_fast_classes) if _fast_uniform is not None else 0
+
+
 def compile_counter_uniform(device: torch.device) -> bool:
     """Compile the seeded draw for CUDA and keep it for each shape class whose probes it
     reproduces bitwise (a class that fails, or raises, stays eager; the others keep the

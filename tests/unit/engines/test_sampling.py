@@ -148,3 +148,15 @@ def test_a_compiled_draw_that_fails_one_shape_class_keeps_the_others() -> None:
     assert verified_classes(_mix, cpu) == {(False, False), (False, True), (True, False), (True, True)}
     assert verified_classes(raises_on_one_key_one_draw, cpu) == {(False, False), (False, True), (True, False)}
     assert verified_classes(wrong_for_one_key, cpu) == {(False, False), (False, True)}
+
+
+def test_engines_report_how_many_draw_classes_run_fused() -> None:
+    """The count reaches engine stats (and from there the run's metrics), so an eager draw
+    shows up; the fused draw is CUDA's alone, so a CPU engine reports 0."""
+    from miles.engines import EmbeddedEngine, EngineConfig
+    from miles.engines.sampling import fused_draw_classes
+    from miles.models import CausalLM, tiny_config
+
+    engine = EmbeddedEngine(CausalLM(tiny_config()), config=EngineConfig(max_batch_size=2, max_seq_len=32))
+    assert engine.stats()["engine/fused_draw_classes"] == 0.0
+    assert fused_draw_classes() == 0  # nothing compiled in a CPU process
