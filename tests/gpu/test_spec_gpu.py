@@ -171,7 +171,7 @@ def test_compiled_draws_compile_nothing_after_the_engine_is_built() -> None:
 
     dev = torch.device("cuda")
     assert compile_counter_uniform(dev)
-    # every class compiled: on 2026-11-30 the one-key one-draw class failed Triton's compile
+    # every class compiled: on 2026-11-30 the one-key class failed Triton's compile
     # (an int32 overflow of index × constant) and that made every draw eager
     assert _fast_classes == {(False, False), (False, True), (True, False), (True, True)}
     graphs = len(_debug_get_cache_entry_list(_mix.__code__))
