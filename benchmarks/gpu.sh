@@ -70,6 +70,9 @@ for part in "$@"; do
     rc=$?  # the part's own status (a pipe's first failure: pipefail), before anything else runs
     echo "=== $part done $(date +%T) rc=$rc"
     [ "$rc" = 0 ] || failed+=("$part")
+    if [ "$part" = bg-wait ] && [ "$rc" != 0 ]; then  # still running: later parts would share its GPUs
+        echo "=== the bg parts are still running; the parts after bg-wait are skipped"; break
+    fi
     cp benchmarks/RESULTS.md "$OUT/RESULTS.md"  # after every part: a later timeout keeps what ran
     case "$part" in async*) tar czf "$OUT/$part-metrics.tgz" runs/async_vs_sync/*/metrics.jsonl 2>/dev/null ;; esac
 done
