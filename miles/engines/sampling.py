@@ -86,7 +86,7 @@ def _mix(keys: Tensor, offsets: Tensor) -> Tensor:
 _fast_uniform: Any = None  # a torch.compile'd _mix, once ``compile_counter_uniform`` vouched for it
 _fast_classes: set[tuple[bool, bool]] = set()  # the shape classes it reproduced bitwise
 _offsets: dict[tuple[int, torch.device], Tensor] = {}  # v * golden per (vocab, device)
-_compiled_once: list[bool] = []  # compile_counter_uniform ran in this process
+_compiled = False  # compile_counter_uniform ran in this process (it runs once)
 
 
 def _shape_class(keys: Tensor, vocab: int) -> tuple[bool, bool]:
@@ -108,9 +108,15 @@ def hashed_uniform(keys: Tensor, vocab: int) -> Tensor:
         return _call(fn, keys, vocab)
     except Exception as exc:  # a shape the compiler cannot handle: this class stays eager
         _fast_classes.discard(cls)
-        log.warning("compiled seeded draw failed for shape class %s (%s: %s); eager for it from now on",
-                    cls, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+        log.warning("compiled seeded draw failed for shape class %s (%s); eager for it from now on",
+                    cls, _summary(exc))
         return counter_uniform(keys, vocab)
+
+
+def _summary(exc: Exception) -> str:
+    """An exception's type and first line (a compiler error runs to pages of generated code)."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
 
 
 def _call(fn: Any, keys: Tensor, vocab: int) -> Tensor:
@@ -145,8 +151,8 @@ def verified_classes(fn: Any, device: torch.device) -> set[tuple[bool, bool]]:
         try:
             same = torch.equal(_call(fn, keys, vocab), counter_uniform(keys, vocab))
         except Exception as exc:
-            log.warning("compiled seeded draw fails for shape class %s (%s: %s); that class stays eager",
-                        cls, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            log.warning("compiled seeded draw fails for shape class %s (%s); that class stays eager",
+                        cls, _summary(exc))
             same = False
         good[cls] = good.get(cls, True) and same
     return {c for c, ok in good.items() if ok}
@@ -155,7 +161,7 @@ def verified_classes(fn: Any, device: torch.device) -> set[tuple[bool, bool]]:
 def fused_draw_classes() -> int:
     """How many of the four shape classes the compiled seeded draw serves (0: every draw is
     eager; an engine reports it, so a compile regression shows in the run's metrics)."""
-    return len(_fast_classes) if _fast_uniform is not None else 0
+    return len(_fast_classes)  # filled only together with _fast_uniform
 
 
 def compile_counter_uniform(device: torch.device) -> bool:
@@ -163,10 +169,10 @@ def compile_counter_uniform(device: torch.device) -> bool:
     reproduces bitwise (a class that fails, or raises, stays eager; the others keep the
     fused kernel). Returns whether the compiled copy serves the common class (many keys,
     a vocabulary)."""
-    global _fast_uniform
-    if _fast_uniform is not None or device.type != "cuda" or _compiled_once:
+    global _fast_uniform, _compiled
+    if device.type != "cuda" or _compiled:
         return (False, False) in _fast_classes
-    _compiled_once.append(True)  # once a process: each new try recompiled every class (~0.7 s an engine)
+    _compiled = True  # once a process: each new try recompiled every class (~0.7 s an engine)
     try:
         fn = torch.compile(_mix, dynamic=True, fullgraph=True)
     except Exception:  # an optimisation only
