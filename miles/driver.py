@@ -215,10 +215,11 @@ class Driver:
         await self._start_worker(*ray_actors.start_worker(cfg, a, name))
 
     async def _start_worker(self, worker_id: str, handle: Any) -> None:
-        await self.actors.broadcaster.register.remote(worker_id, handle)
+        latest = await self.actors.broadcaster.register.remote(worker_id, handle)
         if self.actors.draft_broadcaster is not None:
             await self.actors.draft_broadcaster.register.remote(worker_id, handle)
-        self.worker_runs[worker_id] = handle.run.remote()
+        # Registration starts the resync of the newest weights; the worker waits for them.
+        self.worker_runs[worker_id] = handle.run.remote(max(latest, 0))
 
     async def _start(self) -> None:
         a = self.actors

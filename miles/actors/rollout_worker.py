@@ -88,8 +88,14 @@ class RolloutWorker:
         self._started = time.monotonic()
 
     # ---- the loop ---------------------------------------------------------------------
-    async def run(self) -> dict[str, float]:
-        """Lease, generate, return; until ``stop``. Returns the worker's counters."""
+    async def run(self, hold_until_version: int = 0) -> dict[str, float]:
+        """Lease, generate, return; until ``stop``. Returns the worker's counters.
+
+        ``hold_until_version``: lease nothing before the engine runs that version. A worker
+        started on a resumed run (or replacing a dead one) holds the base checkpoint until the
+        broadcaster's resync lands; generating before it would spend tokens of version 0 that
+        the staleness bound throws away (and make a resumed run depend on that timing)."""
+        self._hold_until_version = max(self._hold_until_version, hold_until_version)
         last_renew = time.monotonic()
         while not self._stopping:
             leased: list[Trajectory] = []

@@ -81,6 +81,23 @@ def test_abort_parks_partial_and_resume_reaches_full_length() -> None:
     assert any(t.num_segments >= 2 for t in trajs)
 
 
+def test_a_worker_started_behind_waits_for_the_published_weights() -> None:
+    """A worker started on a resumed run holds the base weights: it leases nothing until the
+    resync of the newest version lands, so no token comes from the stale base model."""
+    async def scenario() -> list[Trajectory]:
+        worker, buf, source = _worker(partial=True)
+        buf.set_version(1)
+        buf.add_prompts(_prompts(2))
+        run = asyncio.create_task(worker.run(hold_until_version=1))
+        await asyncio.sleep(0.2)
+        assert buf.ledger().in_flight == 0 and worker.engine.stats().get("rollout/tokens_generated", 0) == 0
+        await worker.receive_weights(1, pack_all(source.state_dict().items(), version=1, bucket_bytes=1 << 20))
+        return await _first_batch_then_stop(worker, buf, run)
+
+    trajs = asyncio.run(scenario())
+    assert {v for t in trajs for v in t.versions} == {1}
+
+
 @pytest.mark.parametrize("partial", [True, False])
 def test_weight_update_in_place_or_drained(partial: bool) -> None:
     async def scenario() -> list[Trajectory]:
