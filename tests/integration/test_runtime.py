@@ -97,7 +97,9 @@ def test_sglang_backend_end_to_end(ray_cluster, tiny_ckpt, task, tmp_path) -> No
     )
     assert summary["status"] == "completed" and summary["ledger_ok"]
     rows = _check_staleness(out, 1)
-    assert {v for r in rows for v in r["token_versions"]} >= {0, 1}  # weights really moved
+    # weights really moved: some tokens come from a later policy than the first (which one
+    # depends on when the pushes land; a batch may skip version 1 and go straight to 2)
+    assert max(v for r in rows for v in r["token_versions"]) >= 1
 
 
 def test_eval_and_hf_export(ray_cluster, tiny_ckpt, task, tmp_path) -> None:
