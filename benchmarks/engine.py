@@ -38,6 +38,7 @@ from miles.engines import EmbeddedEngine, EngineConfig  # noqa: E402
 from miles.engines.config import DECODE_ATTENTION  # noqa: E402
 from miles.models import CausalLM, save_pretrained, tiny_config  # noqa: E402
 from miles.types import GenerateRequest, SamplingParams  # noqa: E402
+from miles.utils import gcpolicy  # noqa: E402
 
 PRESETS = {
     # A small model for the CPU: big enough that kernels matter, small enough for seconds.
@@ -91,12 +92,12 @@ class EngineSide:
     """One engine per batch size; a full-length warm-up run first captures every CUDA graph
     the timed runs need (graphs are captured lazily, per batch and context bucket)."""
 
-    def __init__(self, model: CausalLM, prompts: list[list[int]], new_tokens: int, args) -> None:
+    def __init__(self, model: CausalLM, prompts: list[list[int]], new_tokens: int, args, **config) -> None:
         cfg = EngineConfig(
             max_batch_size=len(prompts), max_seq_len=len(prompts[0]) + new_tokens + 1,
             device=args.device, dtype=args.dtype, decode_attention=args.decode_attention,
             cuda_graphs=not args.no_cuda_graphs,
-            max_prefill_tokens=max(8192, len(prompts[0]) * len(prompts)),
+            max_prefill_tokens=max(8192, len(prompts[0]) * len(prompts)), **config,
         )
         self.engine = EmbeddedEngine(model, config=cfg)
         self.prompts = prompts
@@ -198,6 +199,8 @@ def main() -> None:
     ap.add_argument("--decode-attention", default="auto", choices=DECODE_ATTENTION)
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
+    ap.add_argument("--no-torch-ops", action="store_true",
+                    help="CPU: skip the engine run with its decode step through torch ops (no C kernel)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--repeats", type=int, default=None, help="best of N interleaved runs")
     ap.add_argument("--workload", choices=["decode", "rollout", "both"], default="decode",
@@ -207,6 +210,7 @@ def main() -> None:
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
     args = ap.parse_args()
+    gcpolicy.install()  # the GC of a rollout worker's process (both systems run under it)
     cuda = torch.device(args.device).type == "cuda"
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -241,21 +245,30 @@ def bench(args) -> tuple[list[dict], dict]:
         prompts = torch.randint(5, V, (batch, args.prompt_len), generator=g).tolist()
         side = EngineSide(engine_model, prompts, args.new_tokens, args)
         systems = {"embedded": side}
+        torch_ops = None
+        if device.type == "cpu" and side.engine.runner.cpu_kernel is not None and not args.no_torch_ops:
+            # the same engine with its decode step through torch ops: what the C kernel buys
+            torch_ops = EngineSide(engine_model, prompts, args.new_tokens, args, cpu_decode_kernel=False)
+            systems["embedded, torch ops"] = torch_ops
         if hf is not None:
             systems["hf generate"] = lambda n: run_hf(hf, prompts, n, device)
         found = measure(systems, batch, args.new_tokens, args.repeats) if args.workload != "rollout" else []
         if args.workload in ("rollout", "both"):
             found += rollout_rows(side, hf, batch, args, device, V, g)
         side.close()
-        del side, systems
+        if torch_ops is not None:
+            torch_ops.close()
+        del side, systems, torch_ops
         mean_ctx = args.prompt_len + args.new_tokens / 2
         step_bytes = weight_bytes_per_step(engine_model, batch) + batch * mean_ctx * kv_per_token
         for row in found:
             if "step_s" in row:
                 row["roofline"] = step_bytes / row["step_s"] / bw
-        decode = [r for r in found if "step_s" in r]
-        if len(decode) == 2:
-            decode[0]["vs_hf"] = decode[0]["decode_tps"] / decode[1]["decode_tps"]
+        decode = {r["system"]: r for r in found if "step_s" in r}
+        if "hf generate" in decode:
+            for name, row in decode.items():
+                if name != "hf generate":
+                    row["vs_hf"] = row["decode_tps"] / decode["hf generate"]["decode_tps"]
         rows += found
     n_params = sum(p.numel() for p in engine_model.parameters())
     return rows, dict(copy_bw=bw, params=n_params, dtype=str(dtype).removeprefix("torch."))

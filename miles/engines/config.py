@@ -59,6 +59,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Launch decode step k+1 before reading back step k (host work overlaps the device).
     # None = auto: on for CUDA, off on the CPU (where there is nothing to overlap).
     overlap: bool | None = None
+    # The CPU decode step in one C call (miles.kernels.cpu_decode; built with the machine's C
+    # compiler on first use; it reads each row's KV up to its own position). None = auto: on
+    # for dense float32 models on the CPU where it builds, unless a torch attention was asked
+    # for (decode_attention or decode_split set) or --deterministic; torch ops otherwise.
+    # False = always torch ops; True = fail where it cannot run.
+    cpu_decode_kernel: bool | None = None
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0
     # Batch-invariant numerics (the run's --deterministic): every decode step runs the full
@@ -83,6 +89,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.overlap is None:
             return torch.device(self.device).type == "cuda"
         return self.overlap
+
+    def use_cpu_decode_kernel(self) -> bool:
+        if self.deterministic:  # batch-invariant padded steps: the torch path
+            return False
+        if self.cpu_decode_kernel is None:
+            return self.decode_attention == "auto" and self.decode_split is None
+        return self.cpu_decode_kernel
 
     def attention_mode(self, head_dim: int) -> str:
         from miles.kernels import decode_attention as kernel

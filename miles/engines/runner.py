@@ -63,6 +63,15 @@ class ModelRunner:
         self.length_aware = self.attention == "triton"
         use_graphs = config.cuda_graphs and self.device.type == "cuda" and not self.is_moe
         self.graphs = DecodeGraphs(self) if use_graphs else None
+        # The CPU's decode step in one C call (miles.kernels.cpu_decode): dense float32 models,
+        # not in deterministic mode (its padded batch-invariant steps stay on torch ops).
+        self.cpu_kernel = None
+        if self.device.type == "cpu" and config.use_cpu_decode_kernel():
+            from miles.kernels.cpu_decode import CpuDecoder
+
+            self.cpu_kernel = CpuDecoder.build(model, self.cache, config.max_batch_size, self.dtype)
+            if self.cpu_kernel is None and config.cpu_decode_kernel:
+                raise ValueError("cpu_decode_kernel=True, but the CPU decode kernel cannot run here (see the log)")
         split = config.decode_split
         self.split = (self.graphs is None if split is None else split) and self.attention == "matmul"
         # Cache positions decode steps attended to (Σ contexts) and read (rows × bucket): a
@@ -110,6 +119,11 @@ class ModelRunner:
         """One token per running request (host list, or device tensor from the previous
         step's samples); request i occupies slot i (i < n)."""
         useful = sum(positions) + len(positions)
+        if self.cpu_kernel is not None:  # reads each row up to its own position
+            self.kv_useful += useful
+            self.kv_read += useful
+            logits, hidden = self.cpu_kernel.decode(tokens, positions)
+            return StepOut(logits, hidden, None)
         L = self.read_length(max(positions) + 1)
         split = self.choose_split(positions, L) if self.split and not self.config.deterministic else None
         self.kv_useful += useful

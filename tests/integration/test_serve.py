@@ -25,7 +25,9 @@ PROMPT = [17, 90, 33, 140, 7, 201]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     ck = make_checkpoint(tmp_path_factory.mktemp("ck"))
-    with serve(ck, "--max-seq-len", "512", "--max-batch-size", "8", log_dir=tmp_path_factory.mktemp("log")) as url:
+    # a 2 ms stream interval: a stream of 160 tokens (~20 ms on the CPU kernel) sends several chunks
+    with serve(ck, "--max-seq-len", "512", "--max-batch-size", "8", "--stream-interval-s", "0.002",
+               log_dir=tmp_path_factory.mktemp("log")) as url:
         yield url, ck
 
 

@@ -1,0 +1,213 @@
+/* One decode step of a dense decoder on the CPU, in a single call (miles.kernels.cpu_decode).
+ *
+ * Why: at the sizes an RL job runs on a CPU (a tiny policy, batch 1-64), a decode step
+ * through torch ops is bound by per-op dispatch (~35 ops a layer, a few microseconds each),
+ * not by arithmetic. Here the whole step runs in one call: the GEMMs go to the BLAS that
+ * torch itself links (its `sgemm_`, handed in as a function pointer, so the maths and the
+ * threads are torch's), and everything between them (RMSNorm, q/k-norm, RoPE, the KV-cache
+ * write, attention over each row's own length, SiLU-gating, residuals) is a plain loop.
+ *
+ * Numerics follow the torch path (miles.models.fused, miles.engines.kv_cache): float32
+ * throughout, RMSNorm as w * (x * rsqrt(mean(x^2) + eps)), RoPE as x * cos + roll(x, D/2) *
+ * signed_sin, softmax with the row maximum subtracted. Sums run in a different order than
+ * torch's kernels, and exp is a Cephes-style polynomial (<= 2 ulp), so results agree with the
+ * torch path to float32 round-off, not bitwise (the engine's --deterministic mode keeps the
+ * torch path). NaN propagates: a non-finite weight or activation shows up in the logits.
+ *
+ * Layouts (row-major): hidden [n, E]; weights as nn.Linear stores them, [out, in]; the
+ * fused q/k/v weight [(H + 2 KV) D, E] and gate/up weight [2 I, E]; KV cache
+ * [layers, slots, KV, cache_len, D], row b in slot b; rope tables [rope_len, D].
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
+                         const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
+                         const float *beta, float *c, const int *ldc);
+
+/* dims[] */
+enum { D_LAYERS, D_EMBED, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_VOCAB, D_SLOTS, D_CACHE_LEN, D_ROPE_LEN,
+       D_COUNT };
+/* ptrs[]: the model-wide pointers, then P_PER_LAYER per layer */
+enum { G_EMBED, G_FINAL_NORM, G_LM_HEAD, G_K_CACHE, G_V_CACHE, G_COS, G_SIN, G_COUNT };
+enum { P_IN_NORM, P_QKV_W, P_QKV_B, P_Q_NORM, P_K_NORM, P_O_W, P_O_B, P_POST_NORM, P_GATE_UP_W, P_DOWN_W,
+       P_PER_LAYER };
+
+/* exp(x) for x in float range: 2^n * p(r), r = x - n ln2 (Cephes expf). Clamped so 2^n stays a
+ * normal float; written without branches so the loops that call it vectorize. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : x; /* NaN compares false: it stays NaN */
+    x = x > 88.0f ? 88.0f : x;
+    /* round to nearest by adding and removing 1.5 * 2^23 (|x log2 e| < 2^22; no libm call) */
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+static void rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t d, float eps) {
+    for (int64_t b = 0; b < rows; b++) {
+        const float *xr = x + b * d;
+        float *yr = y + b * d;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < d; i++) ss += xr[i] * xr[i];
+        float r = 1.0f / sqrtf(ss / (float)d + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) yr[i] = w[i] * (xr[i] * r);
+    }
+}
+
+/* y[n, out] = beta * y + x[n, in] @ w[out, in]^T (+ bias): column-major y^T = w^T(T) . x^T. */
+static void linear(sgemm_fn sgemm, const float *x, int64_t n, int64_t in, const float *w, int64_t out,
+                   const float *bias, float *y, float beta) {
+    if (n == 0) return;
+    int m_ = (int)out, n_ = (int)n, k_ = (int)in;
+    float one = 1.0f;
+    sgemm("T", "N", &m_, &n_, &k_, &one, w, &k_, x, &k_, &beta, y, &m_);
+    if (bias != NULL) {
+        for (int64_t b = 0; b < n; b++) {
+            float *yr = y + b * out;
+#pragma omp simd
+            for (int64_t i = 0; i < out; i++) yr[i] += bias[i];
+        }
+    }
+}
+
+/* x[h, D] for heads h: x * cos + roll(x, D/2) * signed_sin, in place. */
+static void rope(float *x, int64_t heads, int64_t D, const float *cos, const float *sin, float *tmp) {
+    int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *xh = x + h * D;
+        memcpy(tmp, xh, (size_t)D * sizeof(float));
+#pragma omp simd
+        for (int64_t d = 0; d < half; d++) xh[d] = tmp[d] * cos[d] + tmp[d + half] * sin[d];
+#pragma omp simd
+        for (int64_t d = half; d < D; d++) xh[d] = tmp[d] * cos[d] + tmp[d - half] * sin[d];
+    }
+}
+
+/* One query row's attention for the G heads sharing a KV head, over cache positions [0, len).
+ * Inlined into a copy per common head size (attend below), so that each position's dot
+ * product and weighted add are a few unrolled vector instructions with the accumulators in
+ * registers; the generic copy serves other sizes. */
+static inline __attribute__((always_inline)) void attend_d(const float *q, const float *kc, const float *vc,
+                                                           int64_t len, int64_t G, const int64_t D, float scale,
+                                                           float *scores, float *out) {
+    for (int64_t i = 0; i < G; i++) {
+        const float *qi = q + i * D;
+        float *s = scores + i * len;
+        for (int64_t j = 0; j < len; j++) {
+            const float *kj = kc + j * D;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; d++) dot += qi[d] * kj[d];
+            s[j] = dot * scale;
+        }
+        float top = s[0];
+        for (int64_t j = 1; j < len; j++) top = s[j] > top ? s[j] : top;
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < len; j++) {
+            s[j] = exp_approx(s[j] - top);
+            total += s[j];
+        }
+        float inv = 1.0f / total;
+        float *o = out + i * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 16) { /* 16 outputs at a time, summed over positions */
+            const int64_t w = D - d0 < 16 ? D - d0 : 16;
+            float acc[16] = {0};
+            for (int64_t j = 0; j < len; j++) {
+                const float *vj = vc + j * D + d0;
+                const float p = s[j];
+#pragma omp simd
+                for (int64_t d = 0; d < w; d++) acc[d] += p * vj[d];
+            }
+            for (int64_t d = 0; d < w; d++) o[d0 + d] = acc[d] * inv;
+        }
+    }
+}
+
+static void attend(const float *q, const float *kc, const float *vc, int64_t len, int64_t G, int64_t D,
+                   float scale, float *scores, float *out) {
+    switch (D) {
+    case 32: attend_d(q, kc, vc, len, G, 32, scale, scores, out); break;
+    case 64: attend_d(q, kc, vc, len, G, 64, scale, scores, out); break;
+    case 128: attend_d(q, kc, vc, len, G, 128, scale, scores, out); break;
+    default: attend_d(q, kc, vc, len, G, D, scale, scores, out);
+    }
+}
+
+/* Workspace floats for n rows (the caller allocates it once for its largest batch). */
+int64_t miles_decode_workspace(const int64_t *dims, int64_t n) {
+    int64_t E = dims[D_EMBED], H = dims[D_HEADS], KV = dims[D_KV_HEADS], D = dims[D_HEAD_DIM];
+    int64_t I = dims[D_INTER], G = H / KV;
+    return n * (2 * E + (H + 2 * KV) * D + H * D + 3 * I) + G * dims[D_CACHE_LEN] + D;
+}
+
+/* Returns 0; 1 when a token id is outside the vocabulary; 2 when a position is outside the
+ * cache or the rope tables (nothing is written to the cache then). */
+int miles_decode(const int64_t *dims, void *const *ptrs, float eps, sgemm_fn sgemm, int64_t n,
+                 const int64_t *tokens, const int64_t *positions, float *hidden_out, float *logits, float *ws) {
+    const int64_t L = dims[D_LAYERS], E = dims[D_EMBED], H = dims[D_HEADS], KV = dims[D_KV_HEADS];
+    const int64_t D = dims[D_HEAD_DIM], I = dims[D_INTER], V = dims[D_VOCAB], S = dims[D_SLOTS];
+    const int64_t T = dims[D_CACHE_LEN], G = H / KV, QKV = (H + 2 * KV) * D;
+    const int64_t limit = T < dims[D_ROPE_LEN] ? T : dims[D_ROPE_LEN];
+    for (int64_t b = 0; b < n; b++) {
+        if (tokens[b] < 0 || tokens[b] >= V) return 1;
+        if (positions[b] < 0 || positions[b] >= limit) return 2;
+    }
+    if (n > S) return 2;
+    const float *embed = ptrs[G_EMBED], *cos_t = ptrs[G_COS], *sin_t = ptrs[G_SIN];
+    float *k_cache = ptrs[G_K_CACHE], *v_cache = ptrs[G_V_CACHE];
+    float *h = ws, *x = h + n * E, *qkv = x + n * E, *attn = qkv + n * QKV, *gu = attn + n * H * D;
+    float *act = gu + n * 2 * I, *scores = act + n * I, *tmp = scores + G * T;
+    const float scale = 1.0f / sqrtf((float)D);
+
+    for (int64_t b = 0; b < n; b++) memcpy(h + b * E, embed + tokens[b] * E, (size_t)E * sizeof(float));
+    for (int64_t l = 0; l < L; l++) {
+        void *const *p = ptrs + G_COUNT + l * P_PER_LAYER;
+        rms_norm(h, p[P_IN_NORM], x, n, E, eps);
+        linear(sgemm, x, n, E, p[P_QKV_W], QKV, p[P_QKV_B], qkv, 0.0f);
+        for (int64_t b = 0; b < n; b++) {
+            float *q = qkv + b * QKV, *k = q + H * D, *v = k + KV * D;
+            if (p[P_Q_NORM] != NULL) {
+                rms_norm(q, p[P_Q_NORM], q, H, D, eps);
+                rms_norm(k, p[P_K_NORM], k, KV, D, eps);
+            }
+            const int64_t pos = positions[b];
+            rope(q, H, D, cos_t + pos * D, sin_t + pos * D, tmp);
+            rope(k, KV, D, cos_t + pos * D, sin_t + pos * D, tmp);
+            for (int64_t g = 0; g < KV; g++) {
+                int64_t base = ((l * S + b) * KV + g) * T * D;
+                memcpy(k_cache + base + pos * D, k + g * D, (size_t)D * sizeof(float));
+                memcpy(v_cache + base + pos * D, v + g * D, (size_t)D * sizeof(float));
+                attend(q + g * G * D, k_cache + base, v_cache + base, pos + 1, G, D, scale, scores,
+                       attn + b * H * D + g * G * D);
+            }
+        }
+        linear(sgemm, attn, n, H * D, p[P_O_W], E, p[P_O_B], h, 1.0f); /* h += o_proj(attn) */
+        rms_norm(h, p[P_POST_NORM], x, n, E, eps);
+        linear(sgemm, x, n, E, p[P_GATE_UP_W], 2 * I, NULL, gu, 0.0f);
+        for (int64_t b = 0; b < n; b++) {
+            const float *gate = gu + b * 2 * I, *up = gate + I;
+            float *a = act + b * I;
+#pragma omp simd
+            for (int64_t i = 0; i < I; i++) a[i] = gate[i] / (1.0f + exp_approx(-gate[i])) * up[i];
+        }
+        linear(sgemm, act, n, I, p[P_DOWN_W], E, NULL, h, 1.0f); /* h += down_proj(act) */
+    }
+    rms_norm(h, ptrs[G_FINAL_NORM], hidden_out, n, E, eps);
+    linear(sgemm, hidden_out, n, E, ptrs[G_LM_HEAD], V, NULL, logits, 0.0f);
+    return 0;
+}

@@ -1,0 +1,195 @@
+"""The CPU decode step in one C call (``cpu_decode.c``), built with the machine's C compiler.
+
+Why: a tiny policy decoding on a CPU spends its step in torch's per-op dispatch (~170 aten
+calls for 4 layers at 2-3 µs each, against ~0.1 ms of arithmetic at batch 1), which no
+torch-level fusion fixed here (``torch.compile`` on the CPU was slower: guard checks and
+wrapper calls cost more than its kernels save; benchmarks/RESULTS.md, engine 2026-11-30).
+``CpuDecoder.decode`` runs the whole forward of one decode step in one call: the GEMMs in the
+BLAS torch links (its ``sgemm_``, so threads and maths are torch's), the rest as plain loops
+that read each row's KV only up to its own position.
+
+The library is compiled once per source, compiler and CPU (``-O3 -march=native``) into
+``$MILES_KERNEL_CACHE`` (default ``~/.cache/miles/kernels``), a second or two. Where there is
+no compiler, torch links no ``sgemm_`` (non-MKL builds), or the model is not a dense float32
+decoder, ``CpuDecoder.build`` returns None and says why; the engine then decodes with torch
+ops, as before. The engine's ``cpu_decode_kernel`` turns it off; ``--deterministic`` keeps the
+torch path (its batch-invariant padded steps).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared"]
+_ERRORS = {1: "a token id outside the vocabulary", 2: "a position outside the KV cache"}
+
+
+class KernelUnavailable(RuntimeError):
+    """The C decode step cannot be used here (the message says why)."""
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU's model and flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        wanted = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+        return "\n".join(wanted) or platform.processor()
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise KernelUnavailable("no C compiler (cc, gcc or clang) on PATH")
+    return cc
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The compiled kernel (built on first use, then cached on disk); raises KernelUnavailable."""
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(f"{cc} --version failed: {exc}") from None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
+    root = Path(os.environ.get("MILES_KERNEL_CACHE") or Path.home() / ".cache" / "miles" / "kernels")
+    path = root / f"cpu_decode-{key.hexdigest()[:16]}.so"
+    if not path.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)  # same directory: rename is atomic
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                                  timeout=300)
+            if done.returncode != 0:
+                raise KernelUnavailable(f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(path))
+    lib.miles_decode.restype = ctypes.c_int
+    lib.miles_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
+                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p]
+    lib.miles_decode_workspace.restype = ctypes.c_int64
+    lib.miles_decode_workspace.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    return lib
+
+
+@functools.cache
+def torch_sgemm() -> int:
+    """Address of the Fortran ``sgemm_`` in the BLAS that torch's CPU library links."""
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        if (lib_dir / name).is_file():
+            try:
+                return ctypes.cast(ctypes.CDLL(str(lib_dir / name)).sgemm_, ctypes.c_void_p).value or 0
+            except (OSError, AttributeError):
+                break
+    raise KernelUnavailable("this torch build exports no sgemm_ (its CPU BLAS is not MKL)")
+
+
+def unsupported(model: Any, dtype: torch.dtype) -> str | None:
+    """Why ``model`` cannot decode through the kernel, or None."""
+    cfg = model.config
+    if dtype != torch.float32:
+        return f"the kernel is float32 only (engine dtype {dtype})"
+    if cfg.is_moe:
+        return "the kernel has no MoE layers"
+    if cfg.hidden_act != "silu":
+        return f"the kernel has no {cfg.hidden_act!r} activation"
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        return "query heads are not a multiple of KV heads"
+    if any(getattr(layer, "fast_args", None) is None for layer in model.model.layers):
+        return "the model's projections are not fused (CausalLM.fuse_projections)"
+    return None
+
+
+class CpuDecoder:
+    """Decode steps of one fused dense ``CausalLM`` over one ``KVCache`` through the kernel.
+
+    Holds the addresses of the model's weights: the engine updates weights in place
+    (``WeightStager``), which keeps them valid, as it does for the fused layers' own views."""
+
+    def __init__(self, model: Any, cache: Any, max_batch: int) -> None:
+        cfg = model.config
+        self.lib, self.sgemm = library(), torch_sgemm()
+        self.model, self.cache = model, cache
+        self.eps = float(cfg.rms_norm_eps)
+        self.hidden_size, self.vocab = cfg.hidden_size, cfg.vocab_size
+        self._tensors: list[Tensor] = []  # what the pointer table points into (kept alive)
+        self._cos: Tensor | None = None
+        self._table()
+        words = self.lib.miles_decode_workspace(ctypes.addressof(self._dims), max_batch)
+        self.ws = torch.empty(words, dtype=torch.float32)
+
+    @classmethod
+    def build(cls, model: Any, cache: Any, max_batch: int, dtype: torch.dtype) -> CpuDecoder | None:
+        """A decoder, or None (logged) where the kernel does not apply or cannot be built."""
+        why = unsupported(model, dtype)
+        if why is None:
+            try:
+                return cls(model, cache, max_batch)
+            except KernelUnavailable as exc:
+                why = str(exc)
+        log.info("CPU decode kernel off (%s): decoding with torch ops", why)
+        return None
+
+    def _table(self) -> None:
+        """The dims and pointer arrays the kernel reads (rebuilt if the rope table grows)."""
+        m, cfg, cache = self.model, self.model.config, self.cache
+        rotary = m.rotary
+        self._cos = rotary._cos
+        layers: list[Tensor | None] = []
+        for layer in m.model.layers:
+            (first, _sizes, _o), second = layer.fast_args
+            norm_w, _eps, qkv_w, qkv_b, qn, kn = first
+            o_w, o_b, post_w, _post_eps, gate_up_w, down_w = second
+            layers += [norm_w, qkv_w, qkv_b, qn, kn, o_w, o_b, post_w, gate_up_w, down_w]
+        model_wide = [m.model.embed_tokens.weight, m.model.norm.weight, m.lm_head.weight, cache.k, cache.v,
+                      rotary._cos, rotary._sin]
+        tensors = [t.detach() if t is not None else None for t in model_wide + layers]
+        for t in tensors:
+            if t is not None and not (t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu"):
+                raise KernelUnavailable("a weight is not a contiguous float32 CPU tensor")
+        self._tensors = [t for t in tensors if t is not None]
+        self._ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() if t is not None else None for t in tensors])
+        L, slots, kv, length, d = cache.k.shape
+        dims = [L, cfg.hidden_size, cfg.num_attention_heads, kv, d, cfg.intermediate_size, cfg.vocab_size,
+                slots, length, rotary._cos.shape[0]]
+        self._dims = (ctypes.c_int64 * len(dims))(*dims)
+
+    def decode(self, tokens: Tensor | list[int], positions: list[int]) -> tuple[Tensor, Tensor]:
+        """Logits [n, V] (float32) and final hidden states [n, E] of one step; row i is slot i."""
+        if self.model.rotary._cos is not self._cos:
+            self._table()
+        n = len(positions)
+        tok = tokens.to(torch.int64).contiguous() if isinstance(tokens, Tensor) else torch.tensor(tokens)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        hidden = torch.empty(n, self.hidden_size)
+        logits = torch.empty(n, self.vocab)
+        rc = self.lib.miles_decode(ctypes.addressof(self._dims), ctypes.addressof(self._ptrs), self.eps,
+                                   self.sgemm, n, tok.data_ptr(), pos.data_ptr(), hidden.data_ptr(),
+                                   logits.data_ptr(), self.ws.data_ptr())
+        if rc:
+            raise ValueError(f"decode step refused: {_ERRORS.get(rc, f'error {rc}')}")
+        return logits, hidden

@@ -1,0 +1,157 @@
+"""The CPU decode kernel (miles.kernels.cpu_decode) against the torch decode path: same
+logits, hidden states and KV-cache writes to float32 round-off, for each attention variant
+the model supports; refusals of bad steps; the cases where the engine keeps torch ops."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+
+import pytest
+import torch
+
+from miles.engines import EngineConfig
+from miles.engines.runner import ModelRunner
+from miles.kernels import cpu_decode
+from miles.models import CausalLM, token_logprobs
+from miles.types import GenerateRequest, SamplingParams
+
+from .helpers import make_engine, make_model
+
+
+@pytest.fixture(autouse=True)
+def _compiler() -> None:
+    """The kernel needs a C compiler; a machine without one decodes with torch ops (tested
+    below). With a compiler, a kernel that fails to build fails these tests."""
+    try:
+        cpu_decode._compiler()
+    except cpu_decode.KernelUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+VARIANTS = {
+    "qwen3 (q/k-norm)": {},
+    "qwen2 (q/k/v bias)": dict(model_type="qwen2", attention_bias=True, o_proj_bias=False),
+    "llama (q/k/v/o bias, MHA)": dict(model_type="llama", attention_bias=True, num_key_value_heads=4),
+    "head_dim 24, GQA 6/2": dict(num_attention_heads=6, num_key_value_heads=2, head_dim=24),
+    "head_dim 64, 1 KV head, tied": dict(num_key_value_heads=1, head_dim=64, tie_word_embeddings=True),
+}
+
+
+def _runners(model: CausalLM, slots: int = 4, length: int = 96) -> tuple[ModelRunner, ModelRunner]:
+    model = model.requires_grad_(False)
+    model.fuse_projections()
+    fast = ModelRunner(model, EngineConfig(max_batch_size=slots, max_seq_len=length))
+    ref = ModelRunner(model, EngineConfig(max_batch_size=slots, max_seq_len=length, cpu_decode_kernel=False))
+    assert fast.cpu_kernel is not None and ref.cpu_kernel is None
+    return fast, ref
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_kernel_matches_the_torch_decode_step(variant: str) -> None:
+    model = make_model(seed=3, **VARIANTS[variant])
+    with torch.no_grad():  # non-trivial norms and biases, so a misplaced one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+    fast, ref = _runners(model)
+    seqs = [[5, 9, 11], [7] * 20, [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [40]]
+    for runner in (fast, ref):
+        runner.prefill(list(range(4)), seqs, logits=False)
+    positions = [len(s) for s in seqs]
+    tokens = [17, 2, 250, 33]
+    for step in range(12):
+        got, want = fast.decode(tokens, positions), ref.decode(tokens, positions)
+        torch.testing.assert_close(got.logits, want.logits, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(got.hidden, want.hidden, atol=2e-5, rtol=1e-5)
+        tokens = want.logits.argmax(-1).tolist()
+        positions = [p + 1 for p in positions]
+    assert fast.kv_read < ref.kv_read  # each row read up to its own position only
+    for a, b in ((fast.cache.k, ref.cache.k), (fast.cache.v, ref.cache.v)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+
+
+def test_the_kernel_reads_updated_weights_in_place() -> None:
+    """Engine weight updates copy into the parameters: the kernel's pointers see them."""
+    model = make_model(seed=4)
+    fast, ref = _runners(model)
+    for runner in (fast, ref):
+        runner.prefill([0], [[5, 6, 7]], logits=False)
+    before = fast.decode([8], [3]).logits.clone()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.1)
+    got, want = fast.decode([8], [3]), ref.decode([8], [3])
+    torch.testing.assert_close(got.logits, want.logits, atol=2e-5, rtol=1e-5)
+    assert not torch.allclose(got.logits, before)
+
+
+def test_bad_steps_are_refused_and_write_nothing() -> None:
+    fast, _ = _runners(make_model(seed=5), slots=2, length=16)
+    fast.prefill([0, 1], [[5, 6], [7]], logits=False)
+    k, v = fast.cache.k.clone(), fast.cache.v.clone()
+    vocab = fast.model.config.vocab_size
+    with pytest.raises(ValueError, match="token id outside the vocabulary"):
+        fast.cpu_kernel.decode([3, vocab], [2, 1])
+    with pytest.raises(ValueError, match="position outside the KV cache"):
+        fast.cpu_kernel.decode([3, 4], [2, 16])
+    with pytest.raises(ValueError, match="position outside"):
+        fast.cpu_kernel.decode([3, 4, 5], [2, 1, 0])  # more rows than cache slots
+    assert fast.cache.k.equal(k) and fast.cache.v.equal(v)
+
+
+def test_engine_uses_the_kernel_where_it_applies() -> None:
+    assert make_engine(make_model()).runner.cpu_kernel is not None
+    # torch ops where the kernel does not apply or the user asked for a torch attention
+    assert make_engine(make_model(moe=True)).runner.cpu_kernel is None
+    assert make_engine(make_model(), dtype="bfloat16").runner.cpu_kernel is None
+    assert make_engine(make_model(), decode_attention="sdpa").runner.cpu_kernel is None
+    assert make_engine(make_model(), deterministic=True).runner.cpu_kernel is None
+    assert make_engine(make_model(), cpu_decode_kernel=False).runner.cpu_kernel is None
+    with pytest.raises(ValueError, match="cpu_decode_kernel=True"):
+        make_engine(make_model(moe=True), cpu_decode_kernel=True)
+
+
+async def _generate(engine, prompts: list[list[int]], new: int = 8) -> list:
+    outs = await asyncio.gather(*(engine.generate(GenerateRequest(
+        rid=str(i), input_ids=p, sampling=SamplingParams(max_new_tokens=new, seed=i, ignore_eos=True)))
+        for i, p in enumerate(prompts)))
+    await engine.close()
+    return outs
+
+
+def test_engine_logprobs_match_the_full_forward() -> None:
+    """Sampled tokens' log-probs from kernel steps equal a full forward's to < 1e-5."""
+    ref = make_model(seed=6)
+    engine = make_engine(copy.deepcopy(ref), max_batch_size=4)
+    assert engine.runner.cpu_kernel is not None
+    prompts = [[5, 6, 7], [9] * 12, [11, 12], [30, 31, 32, 33, 34]]
+    for p, out in zip(prompts, asyncio.run(_generate(engine, prompts, 24))):
+        ids = torch.tensor([p + out.output_ids])
+        with torch.no_grad():
+            logits = ref(ids).logits[0, len(p) - 1 : -1]
+        want = token_logprobs(logits, torch.tensor(out.output_ids))
+        assert (torch.tensor(out.logprobs) - want).abs().max() < 1e-5
+
+
+def test_no_compiler_means_torch_ops(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("MILES_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_decode, "library", cpu_decode.library.__wrapped__)  # not the cached build
+    with pytest.raises(cpu_decode.KernelUnavailable):
+        cpu_decode.library()
+    engine = make_engine(make_model())
+    assert engine.runner.cpu_kernel is None  # the engine decodes with torch ops instead
+    out = asyncio.run(_generate(engine, [[5, 6, 7]]))[0]
+    assert len(out.output_ids) == 8
+
+
+def test_a_failed_build_says_why_and_leaves_no_file(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_decode, "SOURCE", bad)
+    monkeypatch.setenv("MILES_KERNEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(cpu_decode.KernelUnavailable, match="failed to build"):
+        cpu_decode.library.__wrapped__()
+    assert os.listdir(tmp_path / "cache") == []
