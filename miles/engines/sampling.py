@@ -253,13 +253,15 @@ def _sampled(logits: Tensor, batch: SamplingBatch, rows: Any, generator: torch.G
         top_p = to_device([batch.top_p[i] for i in rows], torch.float32, dev)
         scaled = truncate(scaled, top_k, top_p)
     # Gumbel-max: argmax(scaled + g) ~ softmax(scaled); -inf (truncated) never wins.
-    u = _uniforms([batch.keys[i] for i in rows], logits.shape[1], dev, generator)
+    u = uniforms([batch.keys[i] for i in rows], logits.shape[1], dev, generator)
     tok = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
     logprob = scaled.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)
     return tok, logprob
 
 
-def _uniforms(keys: list[int | None], V: int, dev: torch.device, gen: torch.Generator | None) -> Tensor:
+def uniforms(keys: list[int | None], V: int, dev: torch.device, gen: torch.Generator | None) -> Tensor:
+    """[rows, V] uniforms in [0, 1): a seeded row's from its key (the same on every replay),
+    the others' from ``gen``."""
     seeded = [i for i, k in enumerate(keys) if k is not None]
     if not seeded:
         return torch.rand(len(keys), V, device=dev, generator=gen)

@@ -264,9 +264,14 @@ class Stepper:
             positions.append(r.req.num_prefix_tokens + r.issued)
             r.issued += 1
         batch = SamplingBatch.build([r.sampling for r in reqs], positions)
-        tokens, logprobs = sample(out.logits, batch, self.generator)
-        finite = torch.isfinite(out.logits).all(dim=-1)
-        stacked = torch.stack([tokens.double(), logprobs.double(), finite.double()])
+        kernel = self.runner.cpu_kernel
+        fused = kernel.sample(out.logits, batch, self.generator) if kernel is not None else None
+        if fused is not None:  # the same draw and checks in one C call (CPU)
+            tokens, stacked = fused
+        else:
+            tokens, logprobs = sample(out.logits, batch, self.generator)
+            finite = torch.isfinite(out.logits).all(dim=-1)
+            stacked = torch.stack([tokens.double(), logprobs.double(), finite.double()])
         routing = out.routing if any(r.routed is not None for r in reqs) else None
         event = None
         if self.device.type == "cuda":

@@ -21,6 +21,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
                          const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
@@ -97,6 +100,63 @@ static void rope(float *x, int64_t heads, int64_t D, const float *cos, const flo
     }
 }
 
+#if defined(__AVX512F__)
+/* Lane j of the result: the sum of the 16 lanes of v[j]. A per-position horizontal sum costs
+ * ~9 instructions against two for the position's whole dot product (head_dim 32); summing 16
+ * positions together by a transpose-add tree costs ~3 a position. */
+static inline __m512 sum_lanes_16(const __m512 *v) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: the lane's sums of a, b, c, d */
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++) /* pairs of 128-bit lanes summed */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* s[j] = scale * q . k[j] for j < len, 16 positions at a time (D a multiple of 16). */
+static inline __attribute__((always_inline)) int64_t scores_avx512(const float *q, const float *kc, int64_t len,
+                                                                   const int64_t D, float scale, float *s) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    int64_t j = 0;
+    for (; j + 16 <= len; j += 16) {
+        __m512 v[16];
+        for (int jj = 0; jj < 16; jj++) {
+            const float *k = kc + (j + jj) * D;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+            for (int64_t d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
+            v[jj] = acc;
+        }
+        _mm512_storeu_ps(s + j, _mm512_mul_ps(sum_lanes_16(v), sc));
+    }
+    return j; /* the caller does the rest */
+}
+
+/* o = inv * sum_j s[j] v[j] (D a multiple of 16): four independent accumulators per 16
+ * outputs, where one would wait on each FMA's latency in turn. */
+static inline __attribute__((always_inline)) void weighted_sum_avx512(const float *s, const float *vc, int64_t len,
+                                                                      const int64_t D, float inv, float *o) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const float *v = vc + d0;
+        int64_t j = 0;
+        for (; j + 4 <= len; j += 4) {
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(s[j]), _mm512_loadu_ps(v + j * D), a0);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(s[j + 1]), _mm512_loadu_ps(v + (j + 1) * D), a1);
+            a2 = _mm512_fmadd_ps(_mm512_set1_ps(s[j + 2]), _mm512_loadu_ps(v + (j + 2) * D), a2);
+            a3 = _mm512_fmadd_ps(_mm512_set1_ps(s[j + 3]), _mm512_loadu_ps(v + (j + 3) * D), a3);
+        }
+        for (; j < len; j++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(s[j]), _mm512_loadu_ps(v + j * D), a0);
+        __m512 sum = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+        _mm512_storeu_ps(o + d0, _mm512_mul_ps(sum, _mm512_set1_ps(inv)));
+    }
+}
+#endif
+
 /* One query row's attention for the G heads sharing a KV head, over cache positions [0, len).
  * Inlined into a copy per common head size (attend below), so that each position's dot
  * product and weighted add are a few unrolled vector instructions with the accumulators in
@@ -107,7 +167,11 @@ static inline __attribute__((always_inline)) void attend_d(const float *q, const
     for (int64_t i = 0; i < G; i++) {
         const float *qi = q + i * D;
         float *s = scores + i * len;
-        for (int64_t j = 0; j < len; j++) {
+        int64_t j0 = 0;
+#if defined(__AVX512F__)
+        if (D % 16 == 0) j0 = scores_avx512(qi, kc, len, D, scale, s);
+#endif
+        for (int64_t j = j0; j < len; j++) {
             const float *kj = kc + j * D;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -115,6 +179,7 @@ static inline __attribute__((always_inline)) void attend_d(const float *q, const
             s[j] = dot * scale;
         }
         float top = s[0];
+#pragma omp simd reduction(max : top)
         for (int64_t j = 1; j < len; j++) top = s[j] > top ? s[j] : top;
         float total = 0.0f;
 #pragma omp simd reduction(+ : total)
@@ -124,6 +189,12 @@ static inline __attribute__((always_inline)) void attend_d(const float *q, const
         }
         float inv = 1.0f / total;
         float *o = out + i * D;
+#if defined(__AVX512F__)
+        if (D % 16 == 0) {
+            weighted_sum_avx512(s, vc, len, D, inv, o);
+            continue;
+        }
+#endif
         for (int64_t d0 = 0; d0 < D; d0 += 16) { /* 16 outputs at a time, summed over positions */
             const int64_t w = D - d0 < 16 ? D - d0 : 16;
             float acc[16] = {0};
@@ -210,4 +281,49 @@ int miles_decode(const int64_t *dims, void *const *ptrs, float eps, sgemm_fn sge
     rms_norm(h, ptrs[G_FINAL_NORM], hidden_out, n, E, eps);
     linear(sgemm, hidden_out, n, E, ptrs[G_LM_HEAD], V, NULL, logits, 0.0f);
     return 0;
+}
+
+/* Sample one token per row from logits [n, V] the way miles.engines.sampling does without
+ * top-k / top-p, so that the tokens are the same: a row with temperature <= 0 (greedy) takes
+ * the argmax; the k-th sampled row takes argmax(logits / t - noise[k]) (Gumbel-max, noise =
+ * log(-log(u)) computed by torch from the row's uniforms). Writes tokens, and rows of
+ * `host` [3, n] (float64): token, log-prob under the distribution sampled from, finite. */
+void miles_sample(int64_t n, int64_t V, const float *logits, const float *temperature, const float *noise,
+                  int64_t *tokens, double *host) {
+    int64_t k = 0;
+    for (int64_t b = 0; b < n; b++) {
+        const float *x = logits + b * V;
+        const float t = temperature[b];
+        const int greedy = !(t > 0.0f);
+        const float *g = greedy ? NULL : noise + (k++) * V;
+        int finite = 1;
+        float top = -INFINITY;
+        for (int64_t i = 0; i < V; i++) {
+            float s = greedy ? x[i] : x[i] / t;
+            finite &= isfinite(x[i]) != 0;
+            top = s > top ? s : top;
+        }
+        int64_t best = 0;
+        float best_v = -INFINITY;
+        for (int64_t i = 0; i < V; i++) { /* first maximum, as torch's argmax */
+            float s = greedy ? x[i] : x[i] / t - g[i];
+            if (s > best_v) {
+                best_v = s;
+                best = i;
+            }
+        }
+        float total = 0.0f;
+        if (greedy) {
+#pragma omp simd reduction(+ : total)
+            for (int64_t i = 0; i < V; i++) total += exp_approx(x[i] - top);
+        } else {
+#pragma omp simd reduction(+ : total)
+            for (int64_t i = 0; i < V; i++) total += exp_approx(x[i] / t - top);
+        }
+        const float chosen = greedy ? x[best] : x[best] / t;
+        tokens[b] = best;
+        host[b] = (double)best;
+        host[n + b] = finite ? (double)(chosen - top - logf(total)) : NAN;
+        host[2 * n + b] = finite ? 1.0 : 0.0;
+    }
 }

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from miles.engines.sampling import GREEDY_EPS, SamplingBatch, uniforms
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -61,15 +63,20 @@ def _compiler() -> str:
     return cc
 
 
-@functools.cache
 def library() -> ctypes.CDLL:
     """The compiled kernel (built on first use, then cached on disk); raises KernelUnavailable."""
+    return build(tuple(FLAGS))
+
+
+@functools.cache
+def build(flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The kernel compiled with ``flags`` (tests also build it without the AVX-512 paths)."""
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"{cc} --version failed: {exc}") from None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_signature()]).encode())
     root = Path(os.environ.get("MILES_KERNEL_CACHE") or Path.home() / ".cache" / "miles" / "kernels")
     path = root / f"cpu_decode-{key.hexdigest()[:16]}.so"
     if not path.is_file():
@@ -77,7 +84,7 @@ def library() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)  # same directory: rename is atomic
         os.close(fd)
         try:
-            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                                   timeout=300)
             if done.returncode != 0:
                 raise KernelUnavailable(f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
@@ -90,6 +97,8 @@ def library() -> ctypes.CDLL:
     lib.miles_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_void_p]
+    lib.miles_sample.restype = None
+    lib.miles_sample.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5
     lib.miles_decode_workspace.restype = ctypes.c_int64
     lib.miles_decode_workspace.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     return lib
@@ -130,9 +139,9 @@ class CpuDecoder:
     Holds the addresses of the model's weights: the engine updates weights in place
     (``WeightStager``), which keeps them valid, as it does for the fused layers' own views."""
 
-    def __init__(self, model: Any, cache: Any, max_batch: int) -> None:
+    def __init__(self, model: Any, cache: Any, max_batch: int, lib: ctypes.CDLL | None = None) -> None:
         cfg = model.config
-        self.lib, self.sgemm = library(), torch_sgemm()
+        self.lib, self.sgemm = lib or library(), torch_sgemm()
         self.model, self.cache = model, cache
         self.eps = float(cfg.rms_norm_eps)
         self.hidden_size, self.vocab = cfg.hidden_size, cfg.vocab_size
@@ -193,3 +202,26 @@ class CpuDecoder:
         if rc:
             raise ValueError(f"decode step refused: {_ERRORS.get(rc, f'error {rc}')}")
         return logits, hidden
+
+    def sample(self, logits: Tensor, batch: SamplingBatch, generator: torch.Generator | None
+               ) -> tuple[Tensor, Tensor] | None:
+        """``sampling.sample`` plus the finite check in one call: (tokens [n] int64, host
+        [3, n] float64 rows token / log-prob / finite), the same tokens as ``sample`` draws
+        from the same generator state. None where a row truncates (top-k / top-p): the
+        caller samples with torch ops then."""
+        if any(k > 0 for k in batch.top_k) or any(p < 1.0 for p in batch.top_p):
+            return None
+        n, V = logits.shape
+        temps = [0.0 if t <= GREEDY_EPS else t for t in batch.temperature]
+        drawn = [i for i, t in enumerate(temps) if t > 0.0]
+        noise = None
+        if drawn:
+            u = uniforms([batch.keys[i] for i in drawn], V, logits.device, generator)
+            noise = torch.log(-torch.log(u))
+        temperature = torch.tensor(temps, dtype=torch.float32)
+        tokens = torch.empty(n, dtype=torch.int64)
+        host = torch.empty(3, n, dtype=torch.float64)
+        logits = logits.contiguous()
+        self.lib.miles_sample(n, V, logits.data_ptr(), temperature.data_ptr(),
+                              None if noise is None else noise.data_ptr(), tokens.data_ptr(), host.data_ptr())
+        return tokens, host

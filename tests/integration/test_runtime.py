@@ -78,6 +78,10 @@ def test_partial_rollout_spans_versions(ray_cluster, tiny_ckpt, task, tmp_path) 
         tiny_ckpt, task, out, mode="async", max_staleness=4, partial_rollout=True,
         rollout_max_response_len=160, num_rollout=6, rollout_batch_size=2,
         stale_policy="mask",
+        # A trajectory spans versions only if it is still generating when an update lands:
+        # decode must be slower than a train step. The CPU kernel decodes these 160 tokens
+        # in ~50 ms, under one step; the torch ops take ~5x longer.
+        cpu_decode_kernel=False,
     )
     assert summary["status"] == "completed" and summary["ledger_ok"]
     rows = _check_staleness(out, 4)

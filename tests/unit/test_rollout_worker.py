@@ -16,6 +16,8 @@ from miles.rollout import GenerateContext, generate_single_turn
 from miles.types import PromptSample, SamplingParams, Status, Trajectory
 from miles.weights import pack_all
 
+from .engines.helpers import paced
+
 
 def _worker(partial: bool, max_len: int = 40) -> tuple[RolloutWorker, ReplayBuffer, CausalLM]:
     torch.manual_seed(0)
@@ -25,6 +27,7 @@ def _worker(partial: bool, max_len: int = 40) -> tuple[RolloutWorker, ReplayBuff
     source.load_state_dict(model.state_dict())
     tok = build_tiny_tokenizer()
     engine = EmbeddedEngine(model, config=EngineConfig(max_batch_size=8, max_seq_len=128), tokenizer=tok)
+    paced(engine)  # abort / weight-update tests act mid-generation, whatever the decode speed
     engine.start()
     buf = ReplayBuffer(BufferConfig(max_staleness=8, n_samples_per_prompt=2))
     ctx = GenerateContext(engine=engine, tokenizer=tok, max_response_len=max_len, seed=1,

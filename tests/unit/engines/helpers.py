@@ -7,6 +7,7 @@ greedy decoding to be meaningful and far from ties.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,21 @@ def make_engine(model: CausalLM | None = None, tokenizer: Tokenizer | None = Non
                 **config: Any) -> EmbeddedEngine:
     cfg = EngineConfig(**{"max_batch_size": 8, "max_seq_len": 256, **config})
     return EmbeddedEngine(model if model is not None else make_model(), config=cfg, tokenizer=tokenizer)
+
+
+def paced(engine: EmbeddedEngine, seconds: float = 0.001) -> EmbeddedEngine:
+    """Make each decode step of ``engine`` take at least ``seconds`` longer. Tests that act in
+    mid-generation (abort, pause, a weight update at token k) must not depend on how fast the
+    engine decodes: with the CPU decode kernel a tiny model makes 40 tokens in ~4 ms, less
+    than one polling interval of such a test."""
+    decode = engine.runner.decode
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return decode(*args, **kwargs)
+
+    engine.runner.decode = slow  # type: ignore[method-assign]
+    return engine
 
 
 def run(coro_fn: Callable[[], Any]) -> Any:

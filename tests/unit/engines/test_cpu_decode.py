@@ -39,24 +39,33 @@ VARIANTS = {
 }
 
 
-def _runners(model: CausalLM, slots: int = 4, length: int = 96) -> tuple[ModelRunner, ModelRunner]:
+# The kernel as the engine builds it, and without its AVX-512 paths (the portable loops that
+# machines without AVX-512 run; on such a machine both builds are the same).
+BUILDS = {"native": tuple(cpu_decode.FLAGS), "no-avx512": (*cpu_decode.FLAGS, "-mno-avx512f")}
+
+
+def _runners(model: CausalLM, slots: int = 4, length: int = 96,
+             flags: tuple[str, ...] | None = None) -> tuple[ModelRunner, ModelRunner]:
     model = model.requires_grad_(False)
     model.fuse_projections()
     fast = ModelRunner(model, EngineConfig(max_batch_size=slots, max_seq_len=length))
     ref = ModelRunner(model, EngineConfig(max_batch_size=slots, max_seq_len=length, cpu_decode_kernel=False))
     assert fast.cpu_kernel is not None and ref.cpu_kernel is None
+    if flags is not None:
+        fast.cpu_kernel = cpu_decode.CpuDecoder(model, fast.cache, slots, lib=cpu_decode.build(flags))
     return fast, ref
 
 
+@pytest.mark.parametrize("build", sorted(BUILDS))
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_kernel_matches_the_torch_decode_step(variant: str) -> None:
+def test_kernel_matches_the_torch_decode_step(variant: str, build: str) -> None:
     model = make_model(seed=3, **VARIANTS[variant])
     with torch.no_grad():  # non-trivial norms and biases, so a misplaced one shows
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.3)
-    fast, ref = _runners(model)
-    seqs = [[5, 9, 11], [7] * 20, [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [40]]
+    fast, ref = _runners(model, flags=BUILDS[build])
+    seqs = [[5, 9, 11], [7] * 20, [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [40] * 33]  # blocks of 16 and tails
     for runner in (fast, ref):
         runner.prefill(list(range(4)), seqs, logits=False)
     positions = [len(s) for s in seqs]
@@ -138,7 +147,7 @@ def test_engine_logprobs_match_the_full_forward() -> None:
 def test_no_compiler_means_torch_ops(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("MILES_KERNEL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_decode, "library", cpu_decode.library.__wrapped__)  # not the cached build
+    monkeypatch.setattr(cpu_decode, "build", cpu_decode.build.__wrapped__)  # not the cached build
     with pytest.raises(cpu_decode.KernelUnavailable):
         cpu_decode.library()
     engine = make_engine(make_model())
@@ -153,5 +162,29 @@ def test_a_failed_build_says_why_and_leaves_no_file(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(cpu_decode, "SOURCE", bad)
     monkeypatch.setenv("MILES_KERNEL_CACHE", str(tmp_path / "cache"))
     with pytest.raises(cpu_decode.KernelUnavailable, match="failed to build"):
-        cpu_decode.library.__wrapped__()
+        cpu_decode.build.__wrapped__(tuple(cpu_decode.FLAGS))
     assert os.listdir(tmp_path / "cache") == []
+
+
+def test_kernel_sampling_draws_what_torch_sampling_draws() -> None:
+    """Same generator state, same tokens; log-probs to round-off; the finite flag per row."""
+    from miles.engines.sampling import SamplingBatch, sample
+
+    fast, _ = _runners(make_model(seed=7))
+    kernel = fast.cpu_kernel
+    g = torch.Generator().manual_seed(0)
+    params = [SamplingParams(temperature=t, seed=s) for t, s in
+              [(1.0, None), (0.0, None), (0.7, 5), (1.3, None), (1.0, 2), (1e-9, None)]]
+    batch = SamplingBatch.build(params, [3, 4, 5, 6, 7, 8])
+    for _ in range(3):
+        logits = torch.randn(6, 288, generator=g) * 3
+        logits[4, 17] = float("nan")
+        state = torch.Generator().manual_seed(11)
+        tokens, host = kernel.sample(logits, batch, state)
+        want_tok, want_lp = sample(logits, batch, torch.Generator().manual_seed(11))
+        ok = [0, 1, 2, 3, 5]  # row 4 has a NaN logit: its token is moot, its flag says so
+        assert tokens[ok].equal(want_tok[ok]) and host[0].long().equal(tokens)
+        torch.testing.assert_close(host[1, ok].float(), want_lp[ok], atol=1e-5, rtol=1e-6)
+        assert host[2].tolist() == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+    truncating = SamplingBatch.build([SamplingParams(top_k=5)] * 6, [0] * 6)
+    assert kernel.sample(logits, truncating, g) is None  # top-k / top-p rows: torch ops

@@ -14,7 +14,7 @@ from miles.models import save_pretrained, token_logprobs
 from miles.protocols import RolloutEngine
 from miles.types import GenerateRequest, SamplingParams
 
-from .helpers import make_engine, make_model, prompts, run
+from .helpers import make_engine, make_model, paced, prompts, run
 
 SEEDED = SamplingParams(max_new_tokens=48, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
 
@@ -59,7 +59,7 @@ def test_abort_then_resume_reproduces_uninterrupted_run(overlap: bool) -> None:
     prompt, other = prompts(2, seed=3)
 
     async def go():
-        engine = make_engine(model, overlap=overlap)
+        engine = paced(make_engine(model, overlap=overlap))
         full = await engine.generate(GenerateRequest(rid="full", input_ids=prompt, sampling=SEEDED))
         # Interrupted run, with another request sharing the batch (composition differs).
         noise = asyncio.create_task(engine.generate(GenerateRequest(
@@ -86,7 +86,7 @@ def test_abort_then_resume_reproduces_uninterrupted_run(overlap: bool) -> None:
 
 def test_abort_queued_all_and_idempotent() -> None:
     async def go():
-        engine = make_engine(max_batch_size=1)
+        engine = paced(make_engine(max_batch_size=1))
         sp = SamplingParams(max_new_tokens=200, ignore_eos=True)
         tasks = [asyncio.create_task(engine.generate(GenerateRequest(rid=str(i), input_ids=[5, 6], sampling=sp)))
                  for i in range(3)]
@@ -115,7 +115,7 @@ def test_weight_update_mid_generation_records_versions(keep_kv_cache: bool, over
     sp = SamplingParams(max_new_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
 
     async def go():
-        engine = make_engine(copy.deepcopy(old), overlap=overlap)  # updates its model in place
+        engine = paced(make_engine(copy.deepcopy(old), overlap=overlap))  # updates its model in place
         task = asyncio.create_task(engine.generate(GenerateRequest(rid="a", input_ids=prompt, sampling=sp)))
         await _wait_progress(engine, "a", 8)
         await engine.pause()
@@ -229,7 +229,7 @@ def test_eos_stops_unless_ignored() -> None:
 
 def test_cancelled_generate_aborts_its_request() -> None:
     async def go():
-        engine = make_engine()
+        engine = paced(make_engine())
         task = asyncio.create_task(engine.generate(GenerateRequest(
             rid="x", input_ids=[5, 6], sampling=SamplingParams(max_new_tokens=200, ignore_eos=True))))
         await _wait_progress(engine, "x", 2)
@@ -249,7 +249,7 @@ def test_event_loop_stays_free_while_decoding() -> None:
     """Another coroutine observes requests mid-flight: generate() does not block the loop."""
 
     async def go():
-        engine = make_engine()
+        engine = paced(make_engine())
         sp = SamplingParams(max_new_tokens=120, ignore_eos=True)
         seen: list[int] = []
 

@@ -12,7 +12,7 @@ import torch
 from miles.engines import WeightError
 from miles.engines.weights import WeightStager
 from miles.types import GenerateRequest, SamplingParams
-from tests.unit.engines.helpers import make_engine, make_model
+from tests.unit.engines.helpers import make_engine, make_model, paced
 
 
 def _params() -> dict[str, torch.Tensor]:
@@ -64,7 +64,7 @@ def test_staging_runs_while_the_engine_decodes() -> None:
     """A staging call that cannot finish (its tensors are still arriving) does not stop the
     stepping thread: tokens keep coming until the last tensor is in; then the commit swaps."""
     target = make_model(seed=7)
-    engine = make_engine(make_model(seed=1))
+    engine = paced(make_engine(make_model(seed=1)))
     arrived = threading.Event()
 
     def arriving():
