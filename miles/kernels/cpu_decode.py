@@ -6,7 +6,11 @@ torch-level fusion fixed here (``torch.compile`` on the CPU was slower: guard ch
 wrapper calls cost more than its kernels save; benchmarks/RESULTS.md, engine 2026-11-30).
 ``CpuDecoder.decode`` runs the whole forward of one decode step in one call: the GEMMs in the
 BLAS torch links (its ``sgemm_``, so threads and maths are torch's), the rest as plain loops
-that read each row's KV only up to its own position.
+that read each row's KV only up to its own position. ``CpuDecoder.sample`` then draws the
+step's tokens, their log-probs and the finite check in a second call (the same tokens as
+``miles.engines.sampling.sample`` from the same uniforms; top-k / top-p stay on torch ops).
+On the tiny CPU model a decode step is 2-6x faster than through torch ops (benchmarks/RESULTS.md,
+engine 2026-11-30 14:14).
 
 The library is compiled once per source, compiler and CPU (``-O3 -march=native``) into
 ``$MILES_KERNEL_CACHE`` (default ``~/.cache/miles/kernels``), a second or two. Where there is
