@@ -25,9 +25,11 @@ PROMPT = [17, 90, 33, 140, 7, 201]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     ck = make_checkpoint(tmp_path_factory.mktemp("ck"))
-    # a 2 ms stream interval: a stream of 160 tokens (~20 ms on the CPU kernel) sends several chunks
+    # Several tests here act on requests in mid-generation (abort, pause, a stream's chunks):
+    # the torch-ops decode path keeps 200 tokens at ~0.1 s, where the CPU kernel takes ~20 ms,
+    # less than the tests' HTTP round trips. A 2 ms stream interval: several chunks a stream.
     with serve(ck, "--max-seq-len", "512", "--max-batch-size", "8", "--stream-interval-s", "0.002",
-               log_dir=tmp_path_factory.mktemp("log")) as url:
+               "--no-cpu-decode-kernel", log_dir=tmp_path_factory.mktemp("log")) as url:
         yield url, ck
 
 
@@ -76,7 +78,8 @@ def test_logprobs_match_the_engine_and_a_full_forward(server, temperature) -> No
     ref = full_forward_logprobs(model, PROMPT, ids, temperature if temperature > 0 else 1.0)
     assert (ref - torch.tensor(lps)).abs().max().item() < TOL
 
-    engine = EmbeddedEngine(load(ck), config=EngineConfig(max_batch_size=2, max_seq_len=512))
+    engine = EmbeddedEngine(load(ck), config=EngineConfig(max_batch_size=2, max_seq_len=512,
+                                                          cpu_decode_kernel=False))  # as the server
     req = GenerateRequest(rid="local", input_ids=PROMPT, sampling=SamplingParams(
         max_new_tokens=24, temperature=temperature, seed=11, ignore_eos=True))
 

@@ -33,7 +33,10 @@ PROMPT = [40, 12, 250, 9, 77]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     ck = make_checkpoint(tmp_path_factory.mktemp("ck"), seed=1)
-    with serve(ck, "--max-seq-len", "512", "--max-batch-size", "8", log_dir=tmp_path_factory.mktemp("log")) as url:
+    # updates land while requests generate: the torch-ops decode path keeps them running long
+    # enough for the tests' HTTP round trips (the CPU kernel makes 200 tokens in ~20 ms)
+    with serve(ck, "--max-seq-len", "512", "--max-batch-size", "8", "--no-cpu-decode-kernel",
+               log_dir=tmp_path_factory.mktemp("log")) as url:
         yield url, ck
 
 
