@@ -13,7 +13,8 @@ On the tiny CPU model a decode step is 2-6x faster than through torch ops (bench
 engine 2026-11-30 14:14).
 
 The library is compiled once per source, compiler and CPU (``-O3 -march=native``) into
-``$MILES_KERNEL_CACHE`` (default ``~/.cache/miles/kernels``), a second or two. Where there is
+``$MILES_KERNEL_CACHE`` (default ``~/.cache/miles/kernels``; a per-user temp folder where that
+is not writable), a second or two. Where there is
 no compiler, torch links no ``sgemm_`` (non-MKL builds), or the model is not a dense float32
 decoder, ``CpuDecoder.build`` returns None and says why; the engine then decodes with torch
 ops, as before. The engine's ``cpu_decode_kernel`` turns it off; ``--deterministic`` keeps the
@@ -67,6 +68,32 @@ def _compiler() -> str:
     return cc
 
 
+def _cache_dirs() -> list[Path]:
+    """``$MILES_KERNEL_CACHE``, else ``~/.cache/miles/kernels``; then a per-user temp folder."""
+    first = os.environ.get("MILES_KERNEL_CACHE") or Path.home() / ".cache" / "miles" / "kernels"
+    return [Path(first), Path(tempfile.gettempdir()) / f"miles-kernels-{os.getuid()}"]
+
+
+def _compile(cc: str, flags: tuple[str, ...], path: Path) -> None:
+    """Build the library at ``path``: into a temporary file beside it, renamed when complete
+    (processes building at once each write their own file; the rename is atomic)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        try:
+            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                                  timeout=300)
+        except subprocess.SubprocessError as exc:
+            raise KernelUnavailable(f"{cc} did not build {SOURCE.name}: {exc}") from None
+        if done.returncode != 0:
+            raise KernelUnavailable(f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def library() -> ctypes.CDLL:
     """The compiled kernel (built on first use, then cached on disk); raises KernelUnavailable."""
     return build(tuple(FLAGS))
@@ -81,22 +108,24 @@ def build(flags: tuple[str, ...]) -> ctypes.CDLL:
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"{cc} --version failed: {exc}") from None
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_signature()]).encode())
-    root = Path(os.environ.get("MILES_KERNEL_CACHE") or Path.home() / ".cache" / "miles" / "kernels")
-    path = root / f"cpu_decode-{key.hexdigest()[:16]}.so"
-    if not path.is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)  # same directory: rename is atomic
-        os.close(fd)
-        try:
-            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                                  timeout=300)
-            if done.returncode != 0:
-                raise KernelUnavailable(f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(path))
+    name = f"cpu_decode-{key.hexdigest()[:16]}.so"
+    cached = [root / name for root in _cache_dirs()]
+    path = next((p for p in cached if p.is_file()), None)
+    if path is None:
+        problems = []
+        for target in cached:  # the first directory that takes the file
+            try:
+                _compile(cc, flags, target)
+                path = target
+                break
+            except OSError as exc:  # unwritable, full, or noexec: try the next one
+                problems.append(f"{target.parent}: {exc}")
+        if path is None:
+            raise KernelUnavailable("no writable directory for the compiled kernel (" + "; ".join(problems) + ")")
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelUnavailable(f"cannot load {path}: {exc}") from None
     lib.miles_decode.restype = ctypes.c_int
     lib.miles_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

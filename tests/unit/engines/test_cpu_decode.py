@@ -188,3 +188,15 @@ def test_kernel_sampling_draws_what_torch_sampling_draws() -> None:
         assert host[2].tolist() == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
     truncating = SamplingBatch.build([SamplingParams(top_k=5)] * 6, [0] * 6)
     assert kernel.sample(logits, truncating, g) is None  # top-k / top-p rows: torch ops
+
+
+def test_an_unwritable_cache_falls_back_to_a_temp_folder(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    import tempfile
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("MILES_KERNEL_CACHE", str(blocker / "kernels"))  # mkdir fails under a file
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    lib = cpu_decode.build.__wrapped__(tuple(cpu_decode.FLAGS))
+    assert lib.miles_decode_workspace is not None
+    assert list((tmp_path / "tmp").glob("miles-kernels-*/cpu_decode-*.so"))
