@@ -7,6 +7,10 @@ tokens per row against the cache in one forward (a speculative verify step, or a
 model catching up on several tokens). A runner built with ``headroom`` > 0 has that many
 spare cache positions past ``max_seq_len`` for draft tokens.
 
+The CPU kernel (dense float32 models on the CPU, ``EngineConfig.cpu_decode_kernel``): a
+decode step is one C call (``miles.kernels.cpu_decode``) instead of ~40 torch ops a layer;
+it reads each row's KV only up to its own position, so no context bucket or split applies.
+
 CUDA graphs (dense models on CUDA only): the decode forward for a batch padded up to a
 bucket size ``nb`` and a context bucket ``L`` is captured once into a shared memory pool
 (lazily, or for every batch bucket at engine start with the length-aware kernel, whose
