@@ -277,9 +277,10 @@ class Driver:
         up = max((ws.get("rollout/uptime_s", 0.0) for ws in self.worker_stats.values()), default=0.0)
         if up:
             totals["rollout/tokens_per_s"] = totals.get("rollout/tokens", 0.0) / up
-        draws = [ws["engine/fused_draw_classes"] for ws in self.worker_stats.values() if "engine/fused_draw_classes" in ws]
-        if draws:  # the worker whose seeded draws are least fused
-            totals["engine/fused_draw_classes"] = min(draws)
+        for key in ("engine/fused_draw_classes", "engine/cpu_decode_kernel"):
+            vals = [ws[key] for ws in self.worker_stats.values() if key in ws]
+            if vals:  # the worker that runs least of its step fused (seeded draws; the CPU kernel)
+                totals[key] = min(vals)
         stats.update(totals)
         stats.update(self.scheduler.stats())
         mean_keys = {k for ws in self.worker_stats.values() for k in ws

@@ -320,6 +320,8 @@ class EmbeddedEngine:
             "engine/graph_capture_s": GRAPH_CAPTURES["seconds"],
             # shape classes of the seeded draw running as one fused kernel (CUDA: 4 of 4 expected)
             "engine/fused_draw_classes": float(fused_draw_classes()) if self.device.type == "cuda" else 0.0,
+            # 1 where decode steps run through the CPU kernel (0: torch ops; the log says why)
+            "engine/cpu_decode_kernel": float(self.runner.cpu_kernel is not None),
         })
         pauses = list(self.swap_pauses)
         if pauses:

@@ -45,6 +45,7 @@ def test_modes_respect_bound_and_ledger(ray_cluster, tiny_ckpt, task, tmp_path, 
     cfg, summary = _run(tiny_ckpt, task, out, mode=mode, **extra)
     assert summary["status"] == "completed" and summary["steps"] == cfg.run.num_rollout
     assert summary["ledger_ok"]
+    assert all(w["engine/cpu_decode_kernel"] == 1.0 for w in summary["workers"])  # the CPU default
     ledger = summary["ledger"]
     assert ledger["trained"] == cfg.run.num_rollout * 4 * 4
     rows = _check_staleness(out, eta)

@@ -111,7 +111,9 @@ def test_bad_steps_are_refused_and_write_nothing() -> None:
 
 
 def test_engine_uses_the_kernel_where_it_applies() -> None:
-    assert make_engine(make_model()).runner.cpu_kernel is not None
+    engine = make_engine(make_model())
+    assert engine.runner.cpu_kernel is not None and engine.stats()["engine/cpu_decode_kernel"] == 1.0
+    assert make_engine(make_model(), cpu_decode_kernel=False).stats()["engine/cpu_decode_kernel"] == 0.0
     # torch ops where the kernel does not apply or the user asked for a torch attention
     assert make_engine(make_model(moe=True)).runner.cpu_kernel is None
     assert make_engine(make_model(), dtype="bfloat16").runner.cpu_kernel is None
