@@ -21,6 +21,17 @@ def _run(tiny_ckpt, task, out, **extra):
     return cfg, summary
 
 
+def _kernel_builds() -> bool:
+    from miles.kernels import cpu_decode
+
+    try:
+        cpu_decode.library()
+        cpu_decode.torch_sgemm()
+    except cpu_decode.KernelUnavailable:
+        return False
+    return True
+
+
 def _check_staleness(out, eta: int) -> list[dict]:
     rows = read_jsonl(out / "trajectories.jsonl")
     assert rows, "no trajectories dumped"
@@ -45,7 +56,8 @@ def test_modes_respect_bound_and_ledger(ray_cluster, tiny_ckpt, task, tmp_path, 
     cfg, summary = _run(tiny_ckpt, task, out, mode=mode, **extra)
     assert summary["status"] == "completed" and summary["steps"] == cfg.run.num_rollout
     assert summary["ledger_ok"]
-    assert all(w["engine/cpu_decode_kernel"] == 1.0 for w in summary["workers"])  # the CPU default
+    # the CPU default, wherever the kernel builds (a machine with no C compiler: torch ops)
+    assert all(w["engine/cpu_decode_kernel"] == float(_kernel_builds()) for w in summary["workers"])
     ledger = summary["ledger"]
     assert ledger["trained"] == cfg.run.num_rollout * 4 * 4
     rows = _check_staleness(out, eta)
