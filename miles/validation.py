@@ -99,6 +99,9 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
         # timing; async modes train on whatever finished first.
         yield "--deterministic needs --mode sync without --over-sampling-batch-size"
     engine = cfg.engine
+    if run.deterministic and engine.cpu_decode_kernel:
+        # its batch-invariant padded steps run on torch ops; the kernel sums in its own order
+        yield "--deterministic keeps the torch decode path: drop --cpu-decode-kernel"
     if engine.decode_attention not in DECODE_ATTENTION:
         yield (f"--decode-attention {engine.decode_attention!r}: choose {', '.join(DECODE_ATTENTION[:-1])} "
                f"or {DECODE_ATTENTION[-1]}")

@@ -156,3 +156,9 @@ def test_bad_function_path(files, capsys) -> None:
     argv[argv.index("--custom-rm-path") + 1] = f"{files['rm']}:nope"
     _fails(argv, capsys, "has no attribute 'nope'")
     assert not files["out"].exists()
+
+
+def test_deterministic_refuses_the_cpu_kernel(files, capsys) -> None:
+    argv = _argv(files, "--mode", "sync", "--deterministic", "--cpu-decode-kernel")
+    _fails(argv, capsys, "--deterministic keeps the torch decode path")
+    assert not files["out"].exists()
