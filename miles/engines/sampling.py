@@ -67,7 +67,12 @@ def _lsr(x: Tensor, s: int) -> Tensor:
 def counter_uniform(keys: Tensor, vocab: int) -> Tensor:
     """u[b, v] in (0, 1), float32, a pure function of (keys[b], v): splitmix64's finaliser on
     ``key + v * golden`` (int64 arithmetic wraps, as on every torch backend)."""
-    return _mix(keys, torch.arange(vocab, device=keys.device, dtype=torch.int64) * _signed(_GOLDEN))
+    return _mix(keys, _golden(vocab, keys.device))
+
+
+def _golden(vocab: int, device: torch.device) -> Tensor:
+    """``v * golden`` for v < vocab (int64, wrapping)."""
+    return torch.arange(vocab, device=device, dtype=torch.int64) * _signed(_GOLDEN)
 
 
 def _mix(keys: Tensor, offsets: Tensor) -> Tensor:
@@ -127,9 +132,8 @@ def _call(fn: Any, keys: Tensor, vocab: int) -> Tensor:
     and adaptive speculation changes k all the time."""
     with torch.no_grad():
         offsets = _offsets.get((vocab, keys.device))
-        if offsets is None:
-            offsets = torch.arange(vocab, device=keys.device, dtype=torch.int64) * _signed(_GOLDEN)
-            _offsets[(vocab, keys.device)] = offsets
+        if offsets is None:  # made once per (vocab, device)
+            offsets = _offsets[(vocab, keys.device)] = _golden(vocab, keys.device)
         return fn(keys if keys._base is None else keys.clone(), offsets)
 
 
@@ -201,6 +205,11 @@ class SamplingBatch:
             keys=[None if p.seed is None else row_key(p.seed, pos) for p, pos in zip(params, positions)],
         )
 
+    def truncates(self, rows: Any = None) -> bool:
+        """Whether any of ``rows`` (default: all) samples from a top-k / top-p truncation."""
+        rows = range(len(self.top_k)) if rows is None else rows
+        return any(self.top_k[i] > 0 or self.top_p[i] < 1.0 for i in rows)
+
 
 def truncate(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     """Set logits outside each row's top-k, then outside its top-p nucleus, to -inf.
@@ -248,7 +257,7 @@ def _sampled(logits: Tensor, batch: SamplingBatch, rows: Any, generator: torch.G
     rows = list(rows)
     temps = [batch.temperature[i] for i in rows]
     scaled = logits if all(t == 1.0 for t in temps) else logits / to_device(temps, torch.float32, dev)[:, None]
-    if any(batch.top_k[i] > 0 or batch.top_p[i] < 1.0 for i in rows):
+    if batch.truncates(rows):
         top_k = to_device([batch.top_k[i] for i in rows], torch.long, dev)
         top_p = to_device([batch.top_p[i] for i in rows], torch.float32, dev)
         scaled = truncate(scaled, top_k, top_p)

@@ -242,7 +242,7 @@ class CpuDecoder:
         [3, n] float64 rows token / log-prob / finite), the same tokens as ``sample`` draws
         from the same generator state. None where a row truncates (top-k / top-p): the
         caller samples with torch ops then."""
-        if any(k > 0 for k in batch.top_k) or any(p < 1.0 for p in batch.top_p):
+        if batch.truncates():
             return None
         n, V = logits.shape
         temps = [0.0 if t <= GREEDY_EPS else t for t in batch.temperature]
