@@ -4,13 +4,18 @@ Speculation pays when a round delivers more tokens per second than plain decodin
 
     rate(plain) = 1 / t_plain(b)            rate(k) = tokens_per_row(b, k) / t_round(b, k)
 
-where ``b`` is the batch size rounded up to a power of two and each rate is the median of the
-last few measured steps of that option at that size: a plain decode step, or a whole round
-(draft + verify + accept + bookkeeping) with the tokens each row really emitted in it —
-medians, because a step that the OS or another process interrupted must not flip the
-decision; measured tokens, because acceptance falls with the draft position, so a model
-with one per-token acceptance probability α overrates long rounds. (α — decayed counts of
-accepted drafts over accepted + first rejections — is still reported.) The rule:
+where ``b`` is the batch size rounded up to a power of two. The times are the median of the
+last few measured steps of that option at that size (a plain decode step, or a whole round:
+draft + verify + accept + bookkeeping): a step that the OS or another process interrupted
+must not flip the decision. The tokens per row are a decayed *mean* of what the rows really
+emitted in that option's rounds: measured, because acceptance falls with the draft
+position, so a model with one per-token acceptance probability α overrates long rounds; a
+mean, because a round's yield is skewed and at small batches nearly bimodal (a row's drafts
+are all rejected or mostly kept). The rule once took the median of per-round rates: on the
+H200 at batch 1 most rounds emitted one token, so it measured k = 4 at 266 tokens/s per row
+where the always-on engine ran 629, and it speculated in 11% of the steps at 0.95× plain
+decoding while always speculating was 1.21×. (α — decayed counts of accepted drafts over
+accepted + first rejections — is still reported.) The rule:
 
 1. never speculate above ``--speculative-max-batch-size`` (0 = no cap);
 2. without ``--speculative-adaptive``: always a round of ``k = --speculative-num-steps``;
@@ -34,7 +39,7 @@ accepted drafts over accepted + first rejections — is still reported.) The rul
    probe alone can also be off the other way: a plain step between rounds has no earlier
    step in flight, so its time ends at the launch, without the device work (with overlap,
    a plain step's time is launching it plus finishing the one before). The trial's two
-   further steps are timed whole, and the median of the three sets the rate.
+   further steps are timed whole, and the median of the three sets the time.
 
 Why this shape: where decode is memory-bound (small batches) a verify step of k + 1 tokens
 per row costs about one plain step, so any decent acceptance wins; as the batch grows the
@@ -56,7 +61,8 @@ from miles.engines.spec.config import SpeculativeConfig
 
 WARMUP = 3  # measurements of each option before the rule trusts them
 SWITCH_GAIN = 0.05  # leave the current option only for one predicted this much faster
-WINDOW = 9  # recent rates per option whose median the rule uses
+WINDOW = 9  # recent step times per option whose median the rule uses
+YIELD_DECAY = 0.9  # per-measurement decay of an option's tokens-per-row mean (~19 rounds' worth)
 DECAY = 0.98  # per-round decay of the acceptance counts
 MAX_BACKOFF = 16  # the longest probe interval, in --speculative-probe-interval units
 
@@ -84,20 +90,45 @@ class VersionStats:
 
 @dataclass
 class _Rates:
-    """Recent measured rates (tokens per second per row) of each (batch bucket, option)."""
+    """Recent measurements of each (batch bucket, option): step times (their median) and the
+    tokens each row emitted (a decayed mean: ``YIELD_DECAY``)."""
 
-    recent: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
+    seconds: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
+    emitted: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # decayed (tokens, rows)
+    latest: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # the last step's
     count: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
     last: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
 
-    def add(self, key: tuple[int, int], rate: float, step: int) -> None:
-        self.recent.setdefault(key, deque(maxlen=WINDOW)).append(rate)
+    def add(self, key: tuple[int, int], seconds: float, tokens: int, rows: int, step: int) -> None:
+        self.seconds.setdefault(key, deque(maxlen=WINDOW)).append(max(seconds, 1e-9))
+        t, r = self.emitted.get(key, (0.0, 0.0))
+        self.emitted[key] = (YIELD_DECAY * t + tokens, YIELD_DECAY * r + max(rows, 1))
+        self.latest[key] = (float(tokens), float(max(rows, 1)))
         self.count[key] += 1
         self.last[key] = step
 
-    def median(self, key: tuple[int, int]) -> float | None:
-        window = self.recent.get(key)
-        return statistics.median(window) if window else None
+    def per_row(self, key: tuple[int, int]) -> float:
+        t, r = self.emitted.get(key, (0.0, 0.0))
+        return t / r if r else 0.0
+
+    def rate(self, key: tuple[int, int]) -> float | None:
+        """Tokens per second per row: the mean yield over the median step time."""
+        window = self.seconds.get(key)
+        return self.per_row(key) / statistics.median(window) if window else None
+
+    def last_rate(self, key: tuple[int, int]) -> float | None:
+        """The latest step's own rate (a probe's: its yield over its time)."""
+        window = self.seconds.get(key)
+        if not window:
+            return None
+        tokens, rows = self.latest[key]
+        return tokens / rows / window[-1]
+
+    def restart(self, key: tuple[int, int]) -> None:
+        """Keep only the latest step (a trial: rule 4): older times may come from a cold
+        engine, older yields from a draft that has trained since."""
+        self.seconds[key] = deque([self.seconds[key][-1]], maxlen=WINDOW)
+        self.emitted[key] = self.latest[key]
 
 
 class SpecController:
@@ -160,10 +191,10 @@ class SpecController:
             best = current  # a switch costs a drain and a draft catch-up: not for noise
         if b in self.probed:  # the first choice after a probe: did it change anything?
             probed = self.probed.pop(b)
-            window = t.recent.get((b, probed))
-            if window and probed != best and window[-1] >= (1 + SWITCH_GAIN) * self.rate(b, best):
+            probe_rate = t.last_rate((b, probed))
+            if probe_rate is not None and probed != best and probe_rate >= (1 + SWITCH_GAIN) * self.rate(b, best):
                 # the probe alone beat the choice: a trial of fresh measurements (rule 4)
-                t.recent[(b, probed)] = deque([window[-1]], maxlen=WINDOW)
+                t.restart((b, probed))
                 self.trial[b] = [probed, WARMUP - 1]
                 self.trials += 1
                 return self._choose_trial(b)
@@ -185,16 +216,16 @@ class SpecController:
 
     def rate(self, b: int, option: int) -> float:
         """Measured tokens per second per row of ``option`` at batch bucket ``b`` (0: unmeasured)."""
-        return self.rates.median((b, option)) or 0.0
+        return self.rates.rate((b, option)) or 0.0
 
     def observe_plain(self, batch: int, seconds: float, tokens: int) -> None:
-        self.rates.add((bucket(batch), 0), 1.0 / max(seconds, 1e-9), self.steps)
+        self.rates.add((bucket(batch), 0), seconds, tokens, batch, self.steps)
         self.plain_tokens += tokens
         self.plain_s += seconds
 
     def observe_round(self, batch: int, k: int, seconds: float, version: int, *, rows: int,
                       drafted: int, accepted: int, rejections: int, emitted: int) -> None:
-        self.rates.add((bucket(batch), k), emitted / max(rows, 1) / max(seconds, 1e-9), self.steps)
+        self.rates.add((bucket(batch), k), seconds, emitted, rows, self.steps)
         self.acc = DECAY * self.acc + accepted
         self.rej = DECAY * self.rej + rejections
         vs = self.by_version[version]
