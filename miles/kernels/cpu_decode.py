@@ -14,7 +14,9 @@ engine 2026-11-30 14:14).
 
 The library is compiled once per source, compiler and CPU (``-O3 -march=native``) into
 ``$MILES_KERNEL_CACHE`` (default ``~/.cache/miles/kernels``; a per-user temp folder where that
-is not writable), a second or two. Where there is
+is not writable), a second or two. Each load marks its file used; each build removes the
+builds there that went unused for ``STALE_DAYS`` (an edited source, compiler or CPU makes a new
+key, so old files would otherwise pile up). Where there is
 no compiler, torch links no ``sgemm_`` (non-MKL builds), or the model is not a dense float32
 decoder, ``CpuDecoder.build`` returns None and says why; the engine then decodes with torch
 ops, as before. The engine's ``cpu_decode_kernel`` turns it off; ``--deterministic`` keeps the
@@ -32,6 +34,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +75,21 @@ def _cache_dirs() -> list[Path]:
     """``$MILES_KERNEL_CACHE``, else ``~/.cache/miles/kernels``; then a per-user temp folder."""
     first = os.environ.get("MILES_KERNEL_CACHE") or Path.home() / ".cache" / "miles" / "kernels"
     return [Path(first), Path(tempfile.gettempdir()) / f"miles-kernels-{os.getuid()}"]
+
+
+STALE_DAYS = 30  # a cached build unused this long is removed by the next build beside it
+
+
+def _prune(folder: Path, keep: Path) -> None:
+    """Remove the builds in ``folder`` unused for ``STALE_DAYS`` (never ``keep``). A process
+    still running one keeps its mapping; one about to load it falls back to torch ops."""
+    cutoff = time.time() - STALE_DAYS * 86400
+    for old in folder.glob("cpu_decode-*.so"):
+        try:
+            if old != keep and old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:  # another process removed it first, or the folder is shared read-only
+            pass
 
 
 def _compile(cc: str, flags: tuple[str, ...], path: Path) -> None:
@@ -122,6 +140,12 @@ def build(flags: tuple[str, ...]) -> ctypes.CDLL:
                 problems.append(f"{target.parent}: {exc}")
         if path is None:
             raise KernelUnavailable("no writable directory for the compiled kernel (" + "; ".join(problems) + ")")
+        _prune(path.parent, path)
+    else:
+        try:
+            os.utime(path)  # used now: not stale for the next build's prune
+        except OSError:  # a read-only cache still serves
+            pass
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
+import time
 
 import pytest
 import torch
@@ -202,3 +203,24 @@ def test_an_unwritable_cache_falls_back_to_a_temp_folder(monkeypatch: pytest.Mon
     lib = cpu_decode.build.__wrapped__(tuple(cpu_decode.FLAGS))
     assert lib.miles_decode_workspace is not None
     assert list((tmp_path / "tmp").glob("miles-kernels-*/cpu_decode-*.so"))
+
+
+def test_a_new_build_removes_builds_unused_for_a_month(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Each edit of the source (or a new compiler, or CPU) makes a new cached build; the old
+    ones must not pile up. A build removes those unused for ``STALE_DAYS`` and keeps the rest;
+    loading a cached build marks it used."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("MILES_KERNEL_CACHE", str(cache))
+    old, recent, other = cache / "cpu_decode-0000000000000000.so", cache / "cpu_decode-1111111111111111.so", cache / "notes.so"
+    for f in (old, recent, other):
+        f.write_bytes(b"")
+    month = (cpu_decode.STALE_DAYS + 1) * 86400
+    os.utime(old, (time.time() - month, time.time() - month))
+    os.utime(other, (time.time() - month, time.time() - month))
+    cpu_decode.build.__wrapped__(tuple(cpu_decode.FLAGS))
+    built = [p for p in cache.glob("cpu_decode-*.so") if p not in (old, recent)]
+    assert len(built) == 1 and not old.exists() and recent.exists() and other.exists()
+    os.utime(built[0], (time.time() - month, time.time() - month))
+    cpu_decode.build.__wrapped__(tuple(cpu_decode.FLAGS))  # a cached load: marked used again
+    assert built[0].stat().st_mtime > time.time() - 60
