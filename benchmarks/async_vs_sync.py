@@ -203,6 +203,10 @@ def measure(rows: list[dict]) -> dict[str, float]:
         "rollout_tokens_per_s": (last.get("rollout/tokens", 0.0) - first.get("rollout/tokens", 0.0)) / span,
         # CUDA graph captures the engines made over the span (each new batch × context shape)
         "capture_share": (last.get("engine/graph_capture_s", 0.0) - first.get("engine/graph_capture_s", 0.0)) / span,
+        # the engines' stepping threads over the span: the share spent with nothing to decode
+        # (starved by the worker: leases, admission) and the mean rows a decode step carried
+        "engine_idle": _delta_share(first, last, "engine/idle_s", "engine/busy_s"),
+        "rows_per_step": _delta_ratio(first, last, "engine/decode_rows", "engine/decode_steps"),
         # share of the KV positions decode steps read that a row attends to (the rest is
         # padding up to the batch's longest context), cumulative over the run
         "kv_useful": last.get("engine/kv_read_useful_frac", float("nan")),
@@ -213,6 +217,23 @@ def measure(rows: list[dict]) -> dict[str, float]:
         "trainer_recompiles": last.get("perf/compiled_graphs", 0.0) - first.get("perf/compiled_graphs", 0.0),
         "train_step_max_s": max(r["perf/train_step_s"] for r in rows[1:]) if len(rows) > 1 else float("nan"),
     }
+
+
+def _delta_ratio(first: dict, last: dict, num: str, den: str) -> float:
+    """Change of ``num`` over change of ``den`` between two metric rows (nan without both)."""
+    if num not in last or den not in last:
+        return float("nan")
+    d = last[den] - first.get(den, 0.0)
+    return (last[num] - first.get(num, 0.0)) / d if d > 0 else float("nan")
+
+
+def _delta_share(first: dict, last: dict, part: str, other: str) -> float:
+    """The share of ``part`` in ``part`` + ``other`` over the span between two metric rows."""
+    if part not in last or other not in last:
+        return float("nan")
+    p = last[part] - first.get(part, 0.0)
+    total = p + last[other] - first.get(other, 0.0)
+    return p / total if total > 0 else float("nan")
 
 
 def buffer_parts(rows: list[dict]) -> str:
@@ -395,15 +416,16 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
     sync = results.get("sync")
     gpu_cols = sorted({k for r in results.values() for k in r if k.startswith("gpu")})
     lines = ["| config | trained samples/s | × sync | tokens/s | × sync | raw trained/s | stock drawn | final reward | "
-             "wait for data | buffer busy | admission | max staleness | rollout tok/s | graph capture | KV read useful |"
+             "wait for data | buffer busy | admission | max staleness | rollout tok/s | graph capture | KV read useful | engine idle | rows/step |"
              + "".join(f" {c.removesuffix('_util').upper()} util |" for c in gpu_cols),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
     for name, r in results.items():
         ratio = r["samples_per_s"] / sync["samples_per_s"] if sync else float("nan")
         tratio = r["tokens_per_s"] / sync["tokens_per_s"] if sync else float("nan")
         lines.append(f"| {name} | {r['samples_per_s']:.2f} | {ratio:.2f}× | {r['tokens_per_s']:.0f} | {tratio:.2f}× | "
                      f"{r['trained_samples_per_s']:.2f} | {100 * r['stock_drawn']:.0f}% | {r['reward']:.3f} | {100 * r['wait_share']:.0f}% | {100 * r['buffer_share']:.2f}% | "
-                     f"{100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} | {r['rollout_tokens_per_s'] or float('nan'):.0f} | {100 * r['capture_share']:.0f}% | {100 * r['kv_useful']:.0f}% |"
+                     f"{100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} | {r['rollout_tokens_per_s'] or float('nan'):.0f} | {100 * r['capture_share']:.0f}% | {100 * r['kv_useful']:.0f}% | "
+                     f"{100 * r.get('engine_idle', float('nan')):.0f}% | {r.get('rows_per_step', float('nan')):.1f} |"
                      + "".join(f" {r[c]:.0f}% |" if c in r else " – |" for c in gpu_cols))
     machine = (f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
     if gpu:
@@ -432,7 +454,9 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
         "--health-check-interval-s, nan when the run was shorter); 'graph capture' the share of the span the "
         "engines spent capturing CUDA graphs for new batch × context shapes; 'KV read useful' the share of "
         "the KV cache positions decode steps read that a row attends to (a step reads every row up to the "
-        "batch's longest context). GPU util: nvidia-smi's "
+        "batch's longest context); 'engine idle' the share of the span the engines' stepping threads had "
+        "nothing to decode (the worker left them unfed), and 'rows/step' the mean rows a decode step carried "
+        "(both from the workers' last reports). GPU util: nvidia-smi's "
         "utilization.gpu (share of time a kernel ran), averaged from the end of step 1 to the end of the "
         "last step; disaggregated, GPU0 is the trainer's and GPU1 the engine's"
         + (" (each lane's own GPUs)." if lanes else "."),

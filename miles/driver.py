@@ -269,7 +269,8 @@ class Driver:
         totals: dict[str, float] = {}
         for ws in self.worker_stats.values():
             for key in ("rollout/tokens", "rollout/busy_s", "rollout/partial", "rollout/drain_s", "rollout/swap_s",
-                        "rollout/stage_s", "engine/graph_captures", "engine/graph_capture_s"):
+                        "rollout/stage_s", "engine/graph_captures", "engine/graph_capture_s", "engine/idle_s",
+                        "engine/busy_s", "engine/decode_steps", "engine/decode_rows"):
                 totals[key] = totals.get(key, 0.0) + ws.get(key, 0.0)
             if "engine/swap_pause_s_max" in ws:  # the longest decode pause a weight swap caused
                 totals["engine/swap_pause_s_max"] = max(totals.get("engine/swap_pause_s_max", 0.0),

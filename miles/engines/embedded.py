@@ -306,6 +306,8 @@ class EmbeddedEngine:
     def stats(self) -> dict[str, float]:
         st = self.stats_
         out = {f"engine/{k}": float(v) for k, v in st.counters.items()}
+        with self._cv:  # the stepping thread moves an idle stretch into idle_s under this lock
+            out.update({f"engine/{k}": v for k, v in st.seconds().items()})
         occ = list(st.occupancy)
         out.update({
             "rollout/tokens_generated": float(st.counters["tokens_generated"]),
@@ -373,10 +375,17 @@ class EmbeddedEngine:
         with torch.inference_mode() if cpu else torch.no_grad():
             if self.runner.graphs is not None and self.config.capture_graphs_at_start:
                 self.runner.graphs.capture_all()
+            st = self.stats_
+            if st.thread_start is None:
+                st.thread_start = time.perf_counter()
             while True:
                 with self._cv:
-                    while not self._has_work():
-                        self._cv.wait()
+                    if not self._has_work():
+                        st.idle_since = time.perf_counter()
+                        while not self._has_work():
+                            self._cv.wait()
+                        st.idle_s += time.perf_counter() - st.idle_since
+                        st.idle_since = None
                     if self._closed and not self._waiting and not self.stepper.running:
                         self.stepper.drain()
                         return

@@ -58,11 +58,26 @@ class _InFlight:
 class EngineStats:
     def __init__(self) -> None:
         self.counters = dict.fromkeys(
-            ("tokens_generated", "decode_steps", "prefill_tokens", "weight_updates",
+            ("tokens_generated", "decode_steps", "decode_rows", "prefill_tokens", "weight_updates",
              "requests_finished", "requests_aborted", "requests_failed", "spec_rounds",
              "draft_updates"), 0)
         self.occupancy: deque[float] = deque(maxlen=256)
         self.rate: deque[tuple[float, int]] = deque(maxlen=512)
+        # Where the stepping thread's time goes: waiting with nothing to do (idle: no request
+        # in the engine, so the worker did not feed it) or running admissions, steps and
+        # control (busy). An engine idle while its device is too points upstream (leases,
+        # admission); one busy while its device idles is bound by host work per step.
+        self.thread_start: float | None = None  # perf_counter when the stepping thread started
+        self.idle_s = 0.0  # finished idle stretches
+        self.idle_since: float | None = None  # the current idle stretch's start
+
+    def seconds(self) -> dict[str, float]:
+        """Cumulative idle and busy seconds of the stepping thread (0 before it starts)."""
+        if self.thread_start is None:
+            return {"idle_s": 0.0, "busy_s": 0.0}
+        now = time.perf_counter()
+        idle = self.idle_s + (now - self.idle_since if self.idle_since is not None else 0.0)
+        return {"idle_s": idle, "busy_s": now - self.thread_start - idle}
 
     def tokens(self, n: int) -> None:
         self.counters["tokens_generated"] += n
@@ -189,6 +204,7 @@ class Stepper:
             if r.hidden is not None:
                 r.hidden.append(out.hidden[i : i + 1].clone())  # graph outputs are reused
         self.stats.counters["decode_steps"] += 1
+        self.stats.counters["decode_rows"] += len(reqs)
         self.stats.occupancy.append(len(reqs) / self.config.max_batch_size)
         self.inflight = self._launch_sample(reqs, out)
         if prev is not None:
@@ -244,6 +260,7 @@ class Stepper:
                 done.append(r)
         self.stats.tokens(total)
         self.stats.counters["decode_steps"] += 1
+        self.stats.counters["decode_rows"] += len(reqs)
         self.stats.counters["spec_rounds"] += 1
         self.stats.occupancy.append(len(reqs) / self.config.max_batch_size)
         seconds = self._measured(start, captures) - self.spec.flush_s  # a backlog feed is the switch's cost

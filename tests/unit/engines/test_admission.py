@@ -11,7 +11,7 @@ import pytest
 from miles.engines import EngineConfig
 from miles.types import GenerateRequest, SamplingParams
 
-from .helpers import make_engine, make_model, prompts, run
+from .helpers import make_engine, make_model, paced, prompts, run
 
 
 def _request(rid: str, ids: list[int], new: int, seed: int) -> GenerateRequest:
@@ -107,3 +107,31 @@ def test_admission_settings_are_validated() -> None:
     assert EngineConfig(max_batch_size=256, device="cuda").admit_threshold() == 16
     assert EngineConfig(max_batch_size=8, device="cuda").admit_threshold() == 1
     assert EngineConfig(max_batch_size=256).admit_threshold() == 1  # the CPU admits each arrival
+
+
+def test_the_engine_reports_where_its_stepping_thread_spent_the_time() -> None:
+    """``engine/idle_s`` (nothing to decode: the worker left the engine unfed) and
+    ``engine/busy_s`` (admissions, steps, control) add up to the thread's lifetime;
+    ``engine/decode_rows`` over ``engine/decode_steps`` is the mean batch a step decoded. An
+    async run whose engine device idles needs them to say whether the engine was starved
+    or bound by host work per step."""
+    engine = paced(make_engine(make_model()), 0.002)
+
+    async def go() -> dict[str, float]:
+        await asyncio.gather(*(engine.generate(_request(f"a{i}", p, 12, i)) for i, p in enumerate(prompts(3))))
+        await asyncio.sleep(0.3)  # idle: nothing in the engine
+        await engine.generate(_request("b", prompts(1, seed=5)[0], 6, 9))
+        stats = engine.stats()
+        await engine.close()
+        return stats
+
+    import time
+
+    start = time.perf_counter()
+    stats = run(go)
+    lifetime = time.perf_counter() - start
+    assert stats["engine/idle_s"] >= 0.28
+    assert stats["engine/busy_s"] >= 0.02  # 17 paced steps of ≥ 2 ms
+    assert stats["engine/idle_s"] + stats["engine/busy_s"] <= lifetime
+    # 11 decode steps of 3 rows (the first token comes from the prefill), then 5 of one row
+    assert stats["engine/decode_steps"] == 16 and stats["engine/decode_rows"] == 3 * 11 + 5
