@@ -270,8 +270,12 @@ class Driver:
         for ws in self.worker_stats.values():
             for key in ("rollout/tokens", "rollout/busy_s", "rollout/partial", "rollout/drain_s", "rollout/swap_s",
                         "rollout/stage_s", "engine/graph_captures", "engine/graph_capture_s", "engine/idle_s",
-                        "engine/busy_s", "engine/decode_steps", "engine/decode_rows"):
+                        "engine/busy_s", "engine/decode_steps", "engine/decode_rows", "rollout/starved_s",
+                        "rollout/loop_lag_s"):
                 totals[key] = totals.get(key, 0.0) + ws.get(key, 0.0)
+            if "rollout/loop_lag_max_s" in ws:  # the latest any worker's event loop woke up
+                totals["rollout/loop_lag_max_s"] = max(totals.get("rollout/loop_lag_max_s", 0.0),
+                                                       ws["rollout/loop_lag_max_s"])
             if "engine/swap_pause_s_max" in ws:  # the longest decode pause a weight swap caused
                 totals["engine/swap_pause_s_max"] = max(totals.get("engine/swap_pause_s_max", 0.0),
                                                         ws["engine/swap_pause_s_max"])

@@ -40,6 +40,9 @@ from miles.types import PromptSample, Status, Trajectory, TrajectoryError
 from miles.utils.proc import rss_mb
 
 
+LAG_PROBE_S = 0.05  # the event-loop lag probe's sleep (20 wake-ups a second)
+
+
 class RolloutWorker:
     def __init__(
         self,
@@ -81,6 +84,13 @@ class RolloutWorker:
             "finished": 0, "partial": 0, "failed": 0, "tokens": 0, "weight_updates": 0,
             "drain_s": 0.0, "swap_s": 0.0, "stage_s": 0.0, "busy_s": 0.0, "refused_puts": 0,
             "weight_resyncs": 0,
+            # With room for more work, the time the buffer had none to lease (admission, the
+            # staleness bound, no prompts): with the engine's idle time it tells a worker the
+            # buffer starves from one whose own loop is too slow to feed its engine.
+            "starved_s": 0.0,
+            # How late the worker's event loop ran a timer (summed over LAG_PROBE_S probes): a
+            # loop slowed by the engine thread's share of the GIL serves leases late.
+            "loop_lag_s": 0.0, "loop_lag_max_s": 0.0,
         }
         self.inbox = WeightInbox(worker_id, engine, counters=self.counters, keep_kv_cache=keep_kv_cache,
                                  drain=self._drain)
@@ -97,20 +107,41 @@ class RolloutWorker:
         the staleness bound throws away (and make a resumed run depend on that timing)."""
         self._hold_until_version = max(self._hold_until_version, hold_until_version)
         last_renew = time.monotonic()
-        while not self._stopping:
-            leased: list[Trajectory] = []
-            free = self.max_inflight - len(self._inflight)
-            if free > 0 and not self._draining and self.engine.version >= self._hold_until_version:
-                leased = await self.buffer.call("lease", self.worker_id, free)
-                for traj in leased:
-                    self._inflight[traj.id] = asyncio.create_task(self._process(traj))
-            await self._flush()
-            if time.monotonic() - last_renew > self.renew_every_s and self._inflight:
-                await self.buffer.call("renew", self.worker_id)
-                last_renew = time.monotonic()
-            if not leased:
-                await self._wait_for_change()
+        starved_since: float | None = None  # an empty lease with room for work: since when
+        lag = asyncio.create_task(self._probe_loop_lag())
+        try:
+            while not self._stopping:
+                leased: list[Trajectory] = []
+                free = self.max_inflight - len(self._inflight)
+                if free > 0 and not self._draining and self.engine.version >= self._hold_until_version:
+                    leased = await self.buffer.call("lease", self.worker_id, free)
+                    for traj in leased:
+                        self._inflight[traj.id] = asyncio.create_task(self._process(traj))
+                    if not leased and starved_since is None:
+                        starved_since = time.monotonic()
+                if (leased or free <= 0 or self._draining) and starved_since is not None:
+                    self.counters["starved_s"] += time.monotonic() - starved_since
+                    starved_since = None
+                await self._flush()
+                if time.monotonic() - last_renew > self.renew_every_s and self._inflight:
+                    await self.buffer.call("renew", self.worker_id)
+                    last_renew = time.monotonic()
+                if not leased:
+                    await self._wait_for_change()
+        finally:
+            lag.cancel()
+            if starved_since is not None:
+                self.counters["starved_s"] += time.monotonic() - starved_since
         return self.stats()
+
+    async def _probe_loop_lag(self) -> None:
+        """Sleep ``LAG_PROBE_S`` at a time and add up how late each wake-up came."""
+        while True:
+            start = time.monotonic()
+            await asyncio.sleep(LAG_PROBE_S)
+            late = max(time.monotonic() - start - LAG_PROBE_S, 0.0)
+            self.counters["loop_lag_s"] += late
+            self.counters["loop_lag_max_s"] = max(self.counters["loop_lag_max_s"], late)
 
     async def _wait_for_change(self) -> None:
         tasks = list(self._inflight.values())

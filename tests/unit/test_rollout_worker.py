@@ -167,3 +167,29 @@ def test_routing_is_recorded_from_the_first_token_only() -> None:
     off = GenerateContext(engine=None, tokenizer=None, sampling=SamplingParams(), max_response_len=8)
     plain = Trajectory(id="c", prompt_id="p", group_id="g", index_in_group=2, prompt_tokens=[1, 2])
     assert not off.request_for(plain).return_routed_experts
+
+
+def test_the_worker_reports_starved_time_and_event_loop_lag() -> None:
+    """``rollout/starved_s``: the time the worker had room for work and the buffer gave it
+    none; ``rollout/loop_lag_s`` / ``loop_lag_max_s``: how late its event loop woke up. With
+    the engine's idle time they say whether an unfed engine waited on the buffer or on its
+    worker's own loop."""
+    import time
+
+    async def scenario() -> dict[str, float]:
+        worker, buf, _ = _worker(partial=True)
+        run = asyncio.create_task(worker.run())
+        await asyncio.sleep(0.3)  # nothing to lease
+        time.sleep(0.15)  # something holds the worker's event loop
+        buf.add_prompts(_prompts(2))
+        while worker.counters["finished"] < 4:
+            await asyncio.sleep(0.01)
+        await worker.stop()
+        await run
+        await worker.engine.close()
+        return worker.stats()
+
+    stats = asyncio.run(scenario())
+    assert 0.4 <= stats["rollout/starved_s"] < 1.5  # the empty 0.45 s, not the generation after it
+    assert stats["rollout/loop_lag_max_s"] >= 0.1
+    assert stats["rollout/loop_lag_s"] >= stats["rollout/loop_lag_max_s"]
