@@ -184,7 +184,7 @@ def measure(rows: list[dict]) -> dict[str, float]:
     span = last["wall_time"] - first["wall_time"]
     samples = sum(r["perf/trained_samples"] for r in rows[1:])
     tokens = sum(r["perf/trained_tokens"] for r in rows[1:])
-    completed = samples + last.get("buffer/ready", 0.0) - first.get("buffer/ready", 0.0)
+    completed = samples + _delta(first, last, "buffer/ready")
     steady = min(1.0, completed / samples) if samples else 1.0
     step_time = sum(r["perf/step_s"] for r in rows[1:])
     tail = rows[-max(3, len(rows) // 4):]
@@ -195,22 +195,22 @@ def measure(rows: list[dict]) -> dict[str, float]:
         "stock_drawn": 1.0 - steady,  # the share of the trained samples that came from the head start
         "reward": statistics.fmean(r["rollout/reward_mean"] for r in tail),
         "wait_share": sum(r["perf/wait_for_data_s"] for r in rows[1:]) / step_time,
-        "buffer_share": (last.get("perf/buffer_busy_s", 0) - first.get("perf/buffer_busy_s", 0)) / span,
+        "buffer_share": _delta(first, last, "perf/buffer_busy_s") / span,
         "admission_share": sum(r.get("perf/admission_s", 0) for r in rows[1:]) / span,
         "staleness_max": max(r["buffer/staleness_max"] for r in rows),
         "worker_busy": last.get("rollout/busy_s", 0.0),
         # every generated token (trained later, recycled or dropped too), over the same span
-        "rollout_tokens_per_s": (last.get("rollout/tokens", 0.0) - first.get("rollout/tokens", 0.0)) / span,
+        "rollout_tokens_per_s": _delta(first, last, "rollout/tokens") / span,
         # CUDA graph captures the engines made over the span (each new batch × context shape)
-        "capture_share": (last.get("engine/graph_capture_s", 0.0) - first.get("engine/graph_capture_s", 0.0)) / span,
+        "capture_share": _delta(first, last, "engine/graph_capture_s") / span,
         # the engines' stepping threads over the span: the share spent with nothing to decode
         # (starved by the worker: leases, admission) and the mean rows a decode step carried
         "engine_idle": _delta_share(first, last, "engine/idle_s", "engine/busy_s"),
         "rows_per_step": _delta_ratio(first, last, "engine/decode_rows", "engine/decode_steps"),
         # the workers over the span (summed over workers): seconds with room for work that
         # the buffer left empty, and seconds their event loops woke up late, per second
-        "worker_starved": (last.get("rollout/starved_s", 0.0) - first.get("rollout/starved_s", 0.0)) / span,
-        "loop_lag": (last.get("rollout/loop_lag_s", 0.0) - first.get("rollout/loop_lag_s", 0.0)) / span,
+        "worker_starved": _delta(first, last, "rollout/starved_s") / span,
+        "loop_lag": _delta(first, last, "rollout/loop_lag_s") / span,
         "loop_lag_max_s": last.get("rollout/loop_lag_max_s", float("nan")),
         # share of the KV positions decode steps read that a row attends to (the rest is
         # padding up to the batch's longest context), cumulative over the run
@@ -219,25 +219,30 @@ def measure(rows: list[dict]) -> dict[str, float]:
         # made the 11:22 sweep of 2026-11-30 sample eagerly, 10.6-12.2k rollout tok/s not 15-18k)
         "fused_draw_classes": last.get("engine/fused_draw_classes", float("nan")),
         # graphs the compiled trainer built after step 1 (a mid-run recompile: a step of seconds)
-        "trainer_recompiles": last.get("perf/compiled_graphs", 0.0) - first.get("perf/compiled_graphs", 0.0),
+        "trainer_recompiles": _delta(first, last, "perf/compiled_graphs"),
         "train_step_max_s": max(r["perf/train_step_s"] for r in rows[1:]) if len(rows) > 1 else float("nan"),
     }
+
+
+def _delta(first: dict, last: dict, key: str) -> float:
+    """How much the cumulative metric ``key`` grew between two metric rows (0 where absent)."""
+    return last.get(key, 0.0) - first.get(key, 0.0)
 
 
 def _delta_ratio(first: dict, last: dict, num: str, den: str) -> float:
     """Change of ``num`` over change of ``den`` between two metric rows (nan without both)."""
     if num not in last or den not in last:
         return float("nan")
-    d = last[den] - first.get(den, 0.0)
-    return (last[num] - first.get(num, 0.0)) / d if d > 0 else float("nan")
+    d = _delta(first, last, den)
+    return _delta(first, last, num) / d if d > 0 else float("nan")
 
 
 def _delta_share(first: dict, last: dict, part: str, other: str) -> float:
     """The share of ``part`` in ``part`` + ``other`` over the span between two metric rows."""
     if part not in last or other not in last:
         return float("nan")
-    p = last[part] - first.get(part, 0.0)
-    total = p + last[other] - first.get(other, 0.0)
+    p = _delta(first, last, part)
+    total = p + _delta(first, last, other)
     return p / total if total > 0 else float("nan")
 
 

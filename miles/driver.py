@@ -273,12 +273,11 @@ class Driver:
                         "engine/busy_s", "engine/decode_steps", "engine/decode_rows", "rollout/starved_s",
                         "rollout/loop_lag_s"):
                 totals[key] = totals.get(key, 0.0) + ws.get(key, 0.0)
-            if "rollout/loop_lag_max_s" in ws:  # the latest any worker's event loop woke up
-                totals["rollout/loop_lag_max_s"] = max(totals.get("rollout/loop_lag_max_s", 0.0),
-                                                       ws["rollout/loop_lag_max_s"])
-            if "engine/swap_pause_s_max" in ws:  # the longest decode pause a weight swap caused
-                totals["engine/swap_pause_s_max"] = max(totals.get("engine/swap_pause_s_max", 0.0),
-                                                        ws["engine/swap_pause_s_max"])
+            # the worst worker's: the longest decode pause a weight swap caused, the latest its
+            # event loop woke up
+            for key in ("engine/swap_pause_s_max", "rollout/loop_lag_max_s"):
+                if key in ws:
+                    totals[key] = max(totals.get(key, 0.0), ws[key])
         up = max((ws.get("rollout/uptime_s", 0.0) for ws in self.worker_stats.values()), default=0.0)
         if up:
             totals["rollout/tokens_per_s"] = totals.get("rollout/tokens", 0.0) / up

@@ -123,14 +123,13 @@ class ModelRunner:
         """One token per running request (host list, or device tensor from the previous
         step's samples); request i occupies slot i (i < n)."""
         useful = sum(positions) + len(positions)
+        self.kv_useful += useful
         if self.cpu_kernel is not None:  # reads each row up to its own position
-            self.kv_useful += useful
             self.kv_read += useful
             logits, hidden = self.cpu_kernel.decode(tokens, positions)
             return StepOut(logits, hidden, None)
         L = self.read_length(max(positions) + 1)
         split = self.choose_split(positions, L) if self.split and not self.config.deterministic else None
-        self.kv_useful += useful
         self.kv_read += useful if self.length_aware else len(positions) * L if split is None else split[2]
         if self.config.deterministic:
             return self._decode_padded(tokens, positions, L)

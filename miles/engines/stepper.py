@@ -65,9 +65,9 @@ class EngineStats:
         self.rate: deque[tuple[float, int]] = deque(maxlen=512)
         # Where the stepping thread's time goes: waiting with nothing to do (idle: no request
         # in the engine, so the worker did not feed it; or paused for a weight update, when the
-        # worker drains it) or running admissions, steps and
-        # control (busy). An engine idle while its device is too points upstream (leases,
-        # admission); one busy while its device idles is bound by host work per step.
+        # worker drains it) or running admissions, steps and control (busy). An engine idle
+        # while its device is too points upstream (leases, admission); one busy while its
+        # device idles is bound by host work per step.
         self.thread_start: float | None = None  # perf_counter when the stepping thread started
         self.idle_s = 0.0  # finished idle stretches
         self.idle_since: float | None = None  # the current idle stretch's start
