@@ -266,6 +266,23 @@ async def rl_run(args, policy: CausalLM, d0, targets: set[int]) -> tuple[list[di
     return rows, trainer.model.eval(), learner.draft.eval()
 
 
+PHASES = ("prefill", "plain", "round", "flush", "capture")  # EngineStats.phase_s
+
+
+def _compiles() -> int:
+    """Graphs dynamo compiled, plus variants of the Triton decode attention built, so far in
+    this process (a compile inside a timed run is a cost no option's rate shows)."""
+    from torch._dynamo.utils import counters
+
+    from miles.kernels import decode_attention as da
+
+    n = int(counters["stats"]["unique_graphs"])
+    for fn in (getattr(da, "_partial", None), getattr(da, "_merge", None)):
+        for cache in getattr(fn, "device_caches", {}).values():  # triton 3: (kernels, ...) per device
+            n += len(cache[0]) if isinstance(cache, tuple) else 0
+    return n
+
+
 async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
     """Rollout tokens/s at each batch size: plain vs spec (adaptive rule) vs spec (always)."""
     out = []
@@ -277,6 +294,8 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
                    "always": build_engine(args, policy, draft, batch, adaptive=False)}
         best = {name: float("inf") for name in engines}
         captured = {name: [0, 0.0] for name in engines}  # CUDA graphs captured inside timed runs
+        # where the adaptive engine's timed runs went (engine phases, dynamo compiles)
+        phases = dict.fromkeys(("wall", *PHASES, "compiles"), 0.0)
         # the first runs warm up: graphs, and the adaptive rule's measurements of every option
         # (its choices differ from run to run, so one warm-up left shapes to capture)
         warm = args.warmup_runs
@@ -295,7 +314,14 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
                 chosen_before = dict(rule.chosen)  # the rule's choices in the timed runs alone
             for name, engine in engines.items():
                 before = dict(GRAPH_CAPTURES)
+                st0, compiles0 = engine.stats(), _compiles()
                 _, t = await rollout(engine, prompts, seeds, args, f"{name}{rep}")
+                if rep >= warm and name == "auto":
+                    st1 = engine.stats()
+                    phases["wall"] += t
+                    phases["compiles"] += _compiles() - compiles0
+                    for p in PHASES:
+                        phases[p] += st1[f"engine/{p}_s"] - st0[f"engine/{p}_s"]
                 if rep >= warm:
                     best[name] = min(best[name], t)
                     captured[name][0] += GRAPH_CAPTURES["count"] - before["count"]
@@ -318,7 +344,15 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
                     # measured tokens/s per row of each option at this batch (0 = plain)
                     "auto_timed_choices": " ".join(f"{k}:{n}" for k, n in timed.items()),
                     "auto_rates": " ".join(f"{o}:{r:.0f}" for o, r in rates.items()),
+                    # what the rates rest on: median step ms per option, expected tokens per row
+                    # per k; and the always-on engine's own round time, for comparison
+                    "auto_step_ms": " ".join(f"{o}:{1e3 * rule.step_seconds(b, o):.2f}" for o in rule.options()),
+                    "auto_yield": " ".join(f"{k}:{stats['auto'].get(f'spec/expected_tokens_k{k}', 0.0):.2f}"
+                                           for k in rule.options() if k),
+                    "always_round_ms": 1e3 * engines["always"].spec.controller.step_seconds(b, args.k),
                     **{f"{n}_captures": f"{c[0]} ({c[1]:.2f} s)" for n, c in captured.items()},
+                    "auto_phases": " ".join(f"{p} {v:.3f}" if p != "compiles" else f"{p} {v:.0f}"
+                                            for p, v in phases.items()),
                     # rounds that replayed a CUDA graph (the rest ran eagerly), per engine
                     **{f"{n}_graph_rounds": f"{st.get('spec/graph_rounds', 0):.0f}/{st.get('engine/spec_rounds', 0):.0f}"
                        for n, st in stats.items()}})
@@ -333,10 +367,11 @@ async def sweep(args, policy: CausalLM, draft, state: str) -> list[dict]:
               f"of steps, mean k {out[-1]['auto_k_mean']:.2f}, {out[-1]['auto_probes']:.0f} probes, "
               f"{out[-1]['auto_trials']:.0f} trials, "
               f"{out[-1]['auto_flushes']:.0f} backlog feeds; timed steps by k {out[-1]['auto_timed_choices']}; "
-              f"measured tok/s per row by k {out[-1]['auto_rates']}; "
+              f"measured tok/s per row by k {out[-1]['auto_rates']} (step ms {out[-1]['auto_step_ms']}; "
+              f"expected tokens per row {out[-1]['auto_yield']}; always-on round {out[-1]['always_round_ms']:.2f} ms); "
               f"graph rounds auto {out[-1]['auto_graph_rounds']}, always {out[-1]['always_graph_rounds']}; "
               f"graphs captured in timed runs: plain {out[-1]['plain_captures']}, auto {out[-1]['auto_captures']}, "
-              f"always {out[-1]['always_captures']})",
+              f"always {out[-1]['always_captures']}; auto timed runs, seconds: {out[-1]['auto_phases']})",
               flush=True)
     return out
 

@@ -308,6 +308,7 @@ class EmbeddedEngine:
         out = {f"engine/{k}": float(v) for k, v in st.counters.items()}
         with self._cv:  # the stepping thread moves an idle stretch into idle_s under this lock
             out.update({f"engine/{k}": v for k, v in st.seconds().items()})
+            out.update({f"engine/{k}_s": v for k, v in st.phase_s.items()})
         occ = list(st.occupancy)
         out.update({
             "rollout/tokens_generated": float(st.counters["tokens_generated"]),

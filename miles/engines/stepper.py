@@ -71,6 +71,12 @@ class EngineStats:
         self.thread_start: float | None = None  # perf_counter when the stepping thread started
         self.idle_s = 0.0  # finished idle stretches
         self.idle_since: float | None = None  # the current idle stretch's start
+        # The busy time by phase (seconds, CUDA graph captures counted apart): where a slow
+        # run went. A speculative engine's wall time that its measured options do not
+        # explain (the adaptive rule at batch 1 on the H200 ran 0.38x plain while its plain
+        # steps and rounds measured near plain) is in ``flush`` (draft backlog feeds, which
+        # the rule's rates leave out), ``prefill`` or ``capture``.
+        self.phase_s = dict.fromkeys(("prefill", "plain", "round", "flush", "capture"), 0.0)
 
     def seconds(self) -> dict[str, float]:
         """Cumulative idle and busy seconds of the stepping thread (0 before it starts)."""
@@ -119,7 +125,9 @@ class Stepper:
             self.running.append(r)
             rows.append(r)
         if rows:
+            start, captures = time.perf_counter(), GRAPH_CAPTURES["seconds"]
             self._prefill(rows)
+            self._account("prefill", start, captures)
 
     def _prefill(self, rows: list[Request]) -> None:
         if self.spec is not None:
@@ -187,7 +195,11 @@ class Stepper:
                 if k:
                     self._spec_round(k)
                     return
+                start, captures = time.perf_counter(), GRAPH_CAPTURES["seconds"]
                 self.spec.drafter.flush(list(self.running))
+                if self.device.type == "cuda":  # the pipeline is drained: this waits for the feed alone
+                    torch.cuda.synchronize(self.device)
+                self._account("flush", start, captures)
         start, captures = time.perf_counter(), GRAPH_CAPTURES["seconds"]
         prev = self.inflight  # stays in place if this launch raises (fail_all drains it)
         reqs = list(self.running)
@@ -212,8 +224,9 @@ class Stepper:
             self._process(prev)
         if not self.overlap:
             self.drain()
+        seconds = self._account("plain", start, captures)
         if self.spec is not None:
-            self.spec.controller.observe_plain(len(reqs), self._measured(start, captures), len(reqs))
+            self.spec.controller.observe_plain(len(reqs), seconds, len(reqs))
 
     @staticmethod
     def _measured(start: float, captures: float) -> float:
@@ -224,12 +237,20 @@ class Stepper:
         one engine per process, as a rollout worker runs it)."""
         return time.perf_counter() - start - (GRAPH_CAPTURES["seconds"] - captures)
 
+    def _account(self, phase: str, start: float, captures: float) -> float:
+        """Add the seconds since ``start`` to ``phase`` (captures made meanwhile to
+        ``capture``); returns the phase's own seconds."""
+        seconds = self._measured(start, captures)
+        self.stats.phase_s[phase] += seconds
+        self.stats.phase_s["capture"] += GRAPH_CAPTURES["seconds"] - captures
+        return seconds
+
     def _spec_round(self, k: int) -> None:
         start, captures = time.perf_counter(), GRAPH_CAPTURES["seconds"]
         reqs = list(self.running)
         res = self.spec.run(reqs, k, self.generator)
         eos, max_len, tok = self.eos_ids, self.config.max_seq_len, self.tokenizer
-        done, total, drafted, accepted, rejections = [], 0, 0, 0, 0
+        done, total, outcomes = [], 0, []
         for i, r in enumerate(reqs):
             if not res.finite[i]:
                 r.fail(f"non-finite logits at response position {r.response_position}")
@@ -254,9 +275,7 @@ class Stepper:
             r.spec_rounds += 1
             r.spec_accepted += min(a, k_eff)
             total += emitted
-            drafted += k_eff
-            accepted += min(a, k_eff)
-            rejections += a < k_eff
+            outcomes.append((k_eff, min(a, k_eff)))
             if r.finish is not None:
                 done.append(r)
         self.stats.tokens(total)
@@ -264,9 +283,10 @@ class Stepper:
         self.stats.counters["decode_rows"] += len(reqs)
         self.stats.counters["spec_rounds"] += 1
         self.stats.occupancy.append(len(reqs) / self.config.max_batch_size)
-        seconds = self._measured(start, captures) - self.spec.flush_s  # a backlog feed is the switch's cost
-        self.spec.controller.observe_round(len(reqs), k, seconds, self.version, rows=len(reqs),
-                                           drafted=drafted, accepted=accepted, rejections=rejections, emitted=total)
+        seconds = self._account("round", start, captures) - self.spec.flush_s  # a backlog feed is the switch's cost
+        self.stats.phase_s["round"] -= self.spec.flush_s
+        self.stats.phase_s["flush"] += self.spec.flush_s
+        self.spec.controller.observe_round(len(reqs), k, seconds, self.version, outcomes, total)
         for r in done:
             self.release(r)
 

@@ -2,20 +2,35 @@
 
 Speculation pays when a round delivers more tokens per second than plain decoding:
 
-    rate(plain) = 1 / t_plain(b)            rate(k) = tokens_per_row(b, k) / t_round(b, k)
+    rate(plain) = 1 / t_plain(b)            rate(k) = tokens_per_row(k) / t_round(b, k)
 
 where ``b`` is the batch size rounded up to a power of two. The times are the median of the
 last few measured steps of that option at that size (a plain decode step, or a whole round:
 draft + verify + accept + bookkeeping): a step that the OS or another process interrupted
-must not flip the decision. The tokens per row are a decayed *mean* of what the rows really
-emitted in that option's rounds: measured, because acceptance falls with the draft
-position, so a model with one per-token acceptance probability α overrates long rounds; a
-mean, because a round's yield is skewed and at small batches nearly bimodal (a row's drafts
-are all rejected or mostly kept). The rule once took the median of per-round rates: on the
-H200 at batch 1 most rounds emitted one token, so it measured k = 4 at 266 tokens/s per row
-where the always-on engine ran 629, and it speculated in 11% of the steps at 0.95× plain
-decoding while always speculating was 1.21×. (α — decayed counts of accepted drafts over
-accepted + first rejections — is still reported.) The rule:
+must not flip the decision.
+
+The tokens per row of a round of k drafts come from one acceptance model shared by every k
+and every batch size (``_Acceptance``): for each draft position j, the share of rows that
+kept draft j among those that reached it (kept drafts 1..j-1), so
+
+    tokens_per_row(k) = 1 + sum_{j<=k} p_1 * ... * p_j
+
+Acceptance depends on the draft and the policy, not on k or the batch: draft j is proposed
+and judged the same way whatever comes after it. So a round of k = 4 informs the estimate of
+k = 1, 2 and 3 too, and each estimate rests on every round the engine ran. Per position,
+because acceptance falls with the position (one per-token α overrates long rounds). The
+rule once kept a separate mean of each option's own rounds: at batch 1 a round's yield is
+nearly bimodal (every draft rejected, or most kept), and the ~10 rounds an option had were
+too few. On the H200 at batch 1 it measured k = 4 at 462-541 tokens/s per row where the
+always-on engine ran 561-648, and chose plain decoding or k = 1 at 0.95x plain where always
+speculating ran 1.10-1.27x. (Earlier still it took the median of per-round rates, which
+read one token per round at batch 1.) The model forgets at a rate counted in rows
+(``ACCEPT_MEMORY``), so a batch of 64 refreshes it in a round or two and a batch of 1 in
+tens of rounds; a trial (rule 4) of a speculative option shrinks the old counts, so the
+trial's own rounds decide. α (one acceptance probability over all positions) is still
+reported.
+
+The rule:
 
 1. never speculate above ``--speculative-max-batch-size`` (0 = no cap);
 2. without ``--speculative-adaptive``: always a round of ``k = --speculative-num-steps``;
@@ -62,8 +77,11 @@ from miles.engines.spec.config import SpeculativeConfig
 WARMUP = 3  # measurements of each option before the rule trusts them
 SWITCH_GAIN = 0.05  # leave the current option only for one predicted this much faster
 WINDOW = 9  # recent step times per option whose median the rule uses
-YIELD_DECAY = 0.9  # per-measurement decay of an option's tokens-per-row mean (~19 rounds' worth)
-DECAY = 0.98  # per-round decay of the acceptance counts
+YIELD_DECAY = 0.9  # per-measurement decay of plain steps' tokens-per-row mean
+DECAY = 0.98  # per-round decay of the reported α's counts
+ACCEPT_MEMORY = 64  # rows the acceptance model remembers (its counts decay by 1 - 1/64 per row)
+ACCEPT_PRIOR = 2.0  # rows' worth of prior per position: p_1 ~ 0.5, p_j ~ p_{j-1}
+TRIAL_KEEP = 0.1  # the share of the acceptance counts a speculative trial keeps
 MAX_BACKOFF = 16  # the longest probe interval, in --speculative-probe-interval units
 
 
@@ -91,7 +109,8 @@ class VersionStats:
 @dataclass
 class _Rates:
     """Recent measurements of each (batch bucket, option): step times (their median) and the
-    tokens each row emitted (a decayed mean: ``YIELD_DECAY``)."""
+    tokens each row emitted (a decayed mean: ``YIELD_DECAY``; the rule uses it for plain
+    steps and for a probe's own rate, and ``_Acceptance`` for a round's expected yield)."""
 
     seconds: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
     emitted: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # decayed (tokens, rows)
@@ -131,6 +150,43 @@ class _Rates:
         self.emitted[key] = self.latest[key]
 
 
+class _Acceptance:
+    """Decayed counts, per draft position j = 1..k_max, of rows that reached draft j and of
+    rows that kept it; ``tokens(k)`` is the expected yield of a round of k drafts."""
+
+    def __init__(self, k_max: int) -> None:
+        self.reach = [0.0] * (k_max + 1)  # index 0 unused
+        self.kept = [0.0] * (k_max + 1)
+
+    def observe(self, outcomes: list[tuple[int, int]]) -> None:
+        """``outcomes``: per row (drafts it could keep, drafts it kept)."""
+        keep = (1.0 - 1.0 / ACCEPT_MEMORY) ** len(outcomes)
+        self.reach = [keep * x for x in self.reach]
+        self.kept = [keep * x for x in self.kept]
+        for drafts, kept in outcomes:
+            for j in range(1, min(kept + 1, drafts, len(self.reach) - 1) + 1):
+                self.reach[j] += 1.0
+                self.kept[j] += j <= kept
+
+    def shrink(self, share: float) -> None:
+        self.reach = [share * x for x in self.reach]
+        self.kept = [share * x for x in self.kept]
+
+    def probs(self) -> list[float]:
+        out, prior = [], 0.5
+        for j in range(1, len(self.reach)):
+            prior = (self.kept[j] + ACCEPT_PRIOR * prior) / (self.reach[j] + ACCEPT_PRIOR)
+            out.append(prior)
+        return out
+
+    def tokens(self, k: int) -> float:
+        total, run = 1.0, 1.0
+        for p in self.probs()[:k]:
+            run *= p
+            total += run
+        return total
+
+
 class SpecController:
     """Picks plain decoding (0) or a round of k drafts for each engine step."""
 
@@ -140,6 +196,7 @@ class SpecController:
         self.cap = cfg.speculative_max_batch_size
         self.probe = cfg.speculative_probe_interval
         self.rates = _Rates()
+        self.accept = _Acceptance(max(self.k_max, 1))
         self.acc, self.rej = 1.0, 1.0  # decayed counts (a weak prior of α = 0.5)
         self.steps = 0
         self.by_version: dict[int, VersionStats] = defaultdict(VersionStats)
@@ -191,10 +248,12 @@ class SpecController:
             best = current  # a switch costs a drain and a draft catch-up: not for noise
         if b in self.probed:  # the first choice after a probe: did it change anything?
             probed = self.probed.pop(b)
-            probe_rate = t.last_rate((b, probed))
+            probe_rate = t.last_rate((b, probed))  # its own yield: a shift the model has not seen yet
             if probe_rate is not None and probed != best and probe_rate >= (1 + SWITCH_GAIN) * self.rate(b, best):
                 # the probe alone beat the choice: a trial of fresh measurements (rule 4)
                 t.restart((b, probed))
+                if probed:
+                    self.accept.shrink(TRIAL_KEEP)
                 self.trial[b] = [probed, WARMUP - 1]
                 self.trials += 1
                 return self._choose_trial(b)
@@ -215,17 +274,33 @@ class SpecController:
         return option
 
     def rate(self, b: int, option: int) -> float:
-        """Measured tokens per second per row of ``option`` at batch bucket ``b`` (0: unmeasured)."""
-        return self.rates.rate((b, option)) or 0.0
+        """Tokens per second per row of ``option`` at batch bucket ``b`` (0: unmeasured): a
+        plain step's measured yield, or a round's expected one, over the median step time."""
+        if not option:
+            return self.rates.rate((b, 0)) or 0.0
+        window = self.rates.seconds.get((b, option))
+        return self.accept.tokens(option) / statistics.median(window) if window else 0.0
+
+    def step_seconds(self, b: int, option: int) -> float:
+        """The median measured step time of ``option`` at batch bucket ``b`` (0: unmeasured)."""
+        window = self.rates.seconds.get((b, option))
+        return statistics.median(window) if window else 0.0
 
     def observe_plain(self, batch: int, seconds: float, tokens: int) -> None:
         self.rates.add((bucket(batch), 0), seconds, tokens, batch, self.steps)
         self.plain_tokens += tokens
         self.plain_s += seconds
 
-    def observe_round(self, batch: int, k: int, seconds: float, version: int, *, rows: int,
-                      drafted: int, accepted: int, rejections: int, emitted: int) -> None:
+    def observe_round(self, batch: int, k: int, seconds: float, version: int,
+                      outcomes: list[tuple[int, int]], emitted: int) -> None:
+        """A round of ``k`` drafts over ``batch`` rows took ``seconds``; ``outcomes`` per
+        row: (drafts it could keep, drafts it kept); ``emitted``: tokens appended in all."""
+        rows = len(outcomes)
+        drafted = sum(d for d, _ in outcomes)
+        accepted = sum(a for _, a in outcomes)
+        rejections = sum(a < d for d, a in outcomes)
         self.rates.add((bucket(batch), k), seconds, emitted, rows, self.steps)
+        self.accept.observe(outcomes)
         self.acc = DECAY * self.acc + accepted
         self.rej = DECAY * self.rej + rejections
         vs = self.by_version[version]
@@ -250,6 +325,7 @@ class SpecController:
             "spec/accept_rate_total": tot["spec/accept_rate"],
             "spec/accept_len_total": tot["spec/accept_len"],
             "spec/alpha": self.alpha,
+            **{f"spec/expected_tokens_k{k}": self.accept.tokens(k) for k in range(1, self.k_max + 1)},
             "spec/spec_step_frac": 1.0 - self.chosen[0] / steps,
             "spec/k_mean": sum(k * c for k, c in self.chosen.items()) / steps,
             "spec/probes": float(self.probes),
