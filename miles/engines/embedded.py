@@ -334,6 +334,7 @@ class EmbeddedEngine:
             out.update(self.spec.controller.stats(self.version))
             out["spec/graph_rounds"] = float(self.spec.graph_rounds)
             out["spec/backlog_flushes"] = float(self.spec.backlog_flushes)
+            out["spec/eager_probes"] = float(self.spec.eager_probes)
             out["spec/draft_version"] = float(self.draft_version)
         return out
 

@@ -248,7 +248,7 @@ class Stepper:
     def _spec_round(self, k: int) -> None:
         start, captures = time.perf_counter(), GRAPH_CAPTURES["seconds"]
         reqs = list(self.running)
-        res = self.spec.run(reqs, k, self.generator)
+        res = self.spec.run(reqs, k, self.generator, probe=self.spec.controller.is_probe)
         eos, max_len, tok = self.eos_ids, self.config.max_seq_len, self.tokenizer
         done, total, outcomes = [], 0, []
         for i, r in enumerate(reqs):
@@ -286,7 +286,8 @@ class Stepper:
         seconds = self._account("round", start, captures) - self.spec.flush_s  # a backlog feed is the switch's cost
         self.stats.phase_s["round"] -= self.spec.flush_s
         self.stats.phase_s["flush"] += self.spec.flush_s
-        self.spec.controller.observe_round(len(reqs), k, seconds, self.version, outcomes, total)
+        self.spec.controller.observe_round(len(reqs), k, seconds if res.timed else None, self.version,
+                                           outcomes, total)
         for r in done:
             self.release(r)
 

@@ -195,3 +195,35 @@ def test_round_graphs_are_used_for_seeded_rounds() -> None:
     assert graphs is not None and graphs.graphs and not graphs.failed
     for p, o in zip(ps, outs):
         assert (_logprobs(ref, p, o) - torch.tensor(o.logprobs)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle"])
+def test_adaptive_probes_at_new_shapes_run_eagerly_on_cuda(kind: str) -> None:
+    """An adaptive engine whose rule decodes plainly and probes k = 2 now and then: a probe
+    at a shape with no round graph runs eagerly (no capture), untimed; the tokens and
+    log-probs are plain decoding's (coupled mode, float32)."""
+    ref = _model(13)
+    draft = _noisy(ref, 0.05) if kind == "draft" else build_draft("eagle", ref.config, seed=2)
+    spec = SpeculativeConfig(speculative_algorithm=kind, speculative_num_steps=3, speculative_sampling="coupled",
+                             speculative_adaptive=True)
+    cfg = EngineConfig(max_batch_size=16, max_seq_len=512, device="cuda", dtype="float32", kv_block=64)
+    engine = EmbeddedEngine(copy.deepcopy(ref), config=cfg, draft=copy.deepcopy(draft), speculative=spec)
+    c = engine.spec.controller
+    script = iter(([(0, False)] * 6 + [(2, True)] + [(0, False)] * 5 + [(2, False), (2, True)]) * 20)
+
+    def plan(batch: int) -> int:
+        k, c.is_probe = next(script, (0, False))
+        return k
+
+    engine.spec.plan = plan
+    ps = _prompts(6, seed=14)
+    sps = [SamplingParams(max_new_tokens=70, seed=i, temperature=1.0, ignore_eos=True) for i in range(6)]
+    plain = EmbeddedEngine(copy.deepcopy(ref), config=cfg)
+    a, b = _run(plain, ps, sps), _run(engine, ps, sps)
+    assert [o.output_ids for o in a] == [o.output_ids for o in b]
+    for p, o in zip(ps, b):
+        assert (_logprobs(ref, p, o) - torch.tensor(o.logprobs)).abs().max() < 1e-4
+    stats = engine.stats()
+    assert stats["spec/eager_probes"] > 0 and stats["spec/graph_rounds"] > 0
+    assert stats["spec/graph_rounds"] + stats["spec/eager_probes"] == stats["engine/spec_rounds"]
+    assert not engine.spec.round_graphs.failed

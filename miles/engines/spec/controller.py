@@ -210,6 +210,7 @@ class SpecController:
         self.trial: dict[int, list[int]] = {}  # batch bucket → [option, steps left] (rule 4)
         self.trials = 0
         self.probes = 0
+        self.is_probe = False  # whether the last choice was a probe (rule 3)
 
     @property
     def alpha(self) -> float:
@@ -220,6 +221,7 @@ class SpecController:
 
     def choose(self, batch: int) -> int:
         self.steps += 1
+        self.is_probe = False
         k = self._choose(batch)
         self.chosen[k] += 1
         return k
@@ -240,6 +242,7 @@ class SpecController:
         if self.steps >= self.next_probe.setdefault(b, self.steps + interval):
             self.next_probe[b] = self.steps + interval
             self.probes += 1
+            self.is_probe = True
             self.probed[b] = option = min(opts, key=lambda o: t.last[(b, o)])
             return option
         best = max(opts, key=lambda o: self.rate(b, o))
@@ -291,16 +294,24 @@ class SpecController:
         self.plain_tokens += tokens
         self.plain_s += seconds
 
-    def observe_round(self, batch: int, k: int, seconds: float, version: int,
+    def observe_round(self, batch: int, k: int, seconds: float | None, version: int,
                       outcomes: list[tuple[int, int]], emitted: int) -> None:
-        """A round of ``k`` drafts over ``batch`` rows took ``seconds``; ``outcomes`` per
-        row: (drafts it could keep, drafts it kept); ``emitted``: tokens appended in all."""
+        """A round of ``k`` drafts over ``batch`` rows took ``seconds`` (None: an untimed
+        eager probe, whose acceptance counts but not its time); ``outcomes`` per row:
+        (drafts it could keep, drafts it kept); ``emitted``: tokens appended in all."""
         rows = len(outcomes)
         drafted = sum(d for d, _ in outcomes)
         accepted = sum(a for _, a in outcomes)
         rejections = sum(a < d for d, a in outcomes)
-        self.rates.add((bucket(batch), k), seconds, emitted, rows, self.steps)
         self.accept.observe(outcomes)
+        b = bucket(batch)
+        if seconds is None:
+            self.rates.last[(b, k)] = self.steps  # probed: the next probe samples another option
+            self.probed.pop(b, None)  # no time to judge it by: no trial, no back-off change
+        else:
+            self.rates.add((b, k), seconds, emitted, rows, self.steps)
+            self.spec_tokens += emitted
+            self.spec_s += seconds
         self.acc = DECAY * self.acc + accepted
         self.rej = DECAY * self.rej + rejections
         vs = self.by_version[version]
@@ -308,8 +319,6 @@ class SpecController:
         vs.drafted += drafted
         vs.accepted += accepted
         vs.emitted += emitted
-        self.spec_tokens += emitted
-        self.spec_s += seconds
 
     def stats(self, version: int) -> dict[str, float]:
         out = self.by_version[version].as_dict() if version in self.by_version else VersionStats().as_dict()

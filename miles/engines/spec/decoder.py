@@ -58,6 +58,7 @@ class RoundResult:
     finite: list[bool]
     hidden: Tensor  # [n, k + 1, H] device (a view that the next round may overwrite)
     routing: list | None  # [n][k + 1][L_moe][top_k] when some row records routing
+    timed: bool = True  # False: an eager probe, whose time says nothing of the option's rate
 
 
 def pack(tokens: Tensor, logprobs: Tensor, accepted: Tensor, finite: Tensor) -> Tensor:
@@ -74,6 +75,7 @@ class SpecDecoder:
         self.round_graphs = None  # graphs.RoundGraphs, set by the engine on CUDA
         self.graph_rounds = 0  # rounds that replayed (or captured) a round graph
         self.backlog_flushes = 0  # plain-step backlogs fed to the draft before a round
+        self.eager_probes = 0  # probes run eagerly rather than capture a new shape's graphs
         self.flush_s = 0.0  # the last round's backlog feed, in seconds (not the round's cost)
 
     def plan(self, batch: int) -> int:
@@ -116,7 +118,15 @@ class SpecDecoder:
         v = verify(out.logits, draft, torch.stack(logqs, dim=1), rp, self.mode, noise=noise, generator=generator)
         return pack(v.tokens, v.logprobs, v.accepted, v.finite), out.hidden, out.routing
 
-    def run(self, reqs: list[Request], k: int, generator: torch.Generator | None) -> RoundResult:
+    def run(self, reqs: list[Request], k: int, generator: torch.Generator | None, *,
+            probe: bool = False) -> RoundResult:
+        """One round of ``k`` drafts for ``reqs``. ``probe``: the adaptive rule only samples
+        this option (it decodes otherwise): where its round graphs are not captured yet, the
+        round runs eagerly, with no graph at all, and comes back untimed. Capturing a shape's
+        graphs (every k at once, ~0.17 s each on the H200) for one probe cost more than the
+        probes saved: at batch 64, where the rule decodes plainly, 4 captures took 0.67 s of
+        a 1.47 s timed run. A probe's acceptance still counts; its time would not be the
+        option's (an eager round is several times slower than its graph)."""
         d, n, T = self.drafter, len(reqs), k + 1
         rp = RoundParams.build([r.sampling for r in reqs], [r.response_position for r in reqs], self.device)
         entries = [d.entries(r) for r in reqs]  # empty only for an EAGLE row with a 1-token prompt
@@ -142,6 +152,11 @@ class SpecDecoder:
             self.backlog_flushes += 1
         use_graph = graphs is not None and rp.all_seeded and width <= W
         L = self.context_bucket(reqs, max(k, W if use_graph else width))
+        eager = use_graph and probe and not graphs.captured(rp, n, k, L)
+        if eager:
+            use_graph = False
+            self.eager_probes += 1
+            L = self.context_bucket(reqs, max(k, width))
         host = [[r.context[-1] for r in reqs], [r.kv_len for r in reqs], [r.draft_len for r in reqs],
                 [max(len(e) - 1, 0) for e in entries]]
         cu = [e + [0] * ((W if use_graph else width) - len(e)) for e in entries]
@@ -150,8 +165,8 @@ class SpecDecoder:
                      cu_start=meta[2], cu_last=meta[3])
         result = graphs.run(rp, io, k, L) if use_graph else None
         self.graph_rounds += result is not None
-        if result is None:
-            result = self.core(rp, io, k, L, generator)
+        if result is None:  # eager: no graph for a probe (captured=True: no nested graphs either)
+            result = self.core(rp, io, k, L, generator, captured=eager)
         packed, hidden, routing = result
         for r in reqs:
             d.commit(r)
@@ -166,4 +181,5 @@ class SpecDecoder:
             finite=[bool(row[2 * T + 1]) for row in rows],
             hidden=hidden,
             routing=routing.cpu().tolist() if routing is not None else None,
+            timed=not eager,
         )

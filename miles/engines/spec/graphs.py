@@ -121,11 +121,20 @@ class RoundGraphs(GraphCache):
         self.packed[:nb, : packed.shape[1]].copy_(packed)
         self.hidden[:nb, : k + 1].copy_(hidden)
 
+    def key(self, rp: Any, n: int, k: int, L: int) -> tuple:
+        nb = next(b for b in self.buckets if b >= n)
+        flags = (rp.any_greedy or nb > n, rp.all_greedy, rp.truncated)  # padding rows are greedy
+        return nb, L, k, self.decoder.mode, flags
+
+    def captured(self, rp: Any, n: int, k: int, L: int) -> bool:
+        """Whether a round of this shape replays a graph already captured."""
+        return self.key(rp, n, k, L) in self.graphs
+
     def run(self, rp: Any, io: Any, k: int, L: int) -> tuple[Tensor, Tensor, None] | None:
         if self.failed:
             return None
         n = io.last.shape[0]
-        nb = next(b for b in self.buckets if b >= n)
+        nb, _, _, mode, flags = self.key(rp, n, k, L)
         self.f[0, :n].copy_(rp.temperature)
         self.f[1, :n].copy_(rp.top_p)
         for row, src in enumerate((rp.top_k, rp.greedy, rp.seeded, rp.base, io.last, io.kv, io.cu_start)):
@@ -140,8 +149,6 @@ class RoundGraphs(GraphCache):
             self.i[1, n:nb].fill_(1)
             self.cu[n:nb].zero_()
             self.cu_last[n:nb].zero_()
-        flags = (rp.any_greedy or nb > n, rp.all_greedy, rp.truncated)  # padding rows are greedy
-        mode = self.decoder.mode
         if self.all_k and (nb, L, k, mode, flags) not in self.graphs:
             for other in range(1, self.max_steps + 1):
                 if other != k and self.graph((nb, L, other, mode, flags),

@@ -472,3 +472,20 @@ def test_controller_pools_acceptance_over_every_k() -> None:
         assert tokens / seconds >= 1.25, (seed, tokens / seconds, dict(c.chosen))
         stats = c.stats(0)
         assert all(abs(stats[f"spec/expected_tokens_k{k}"] - e) < 0.4 for k, e in zip((1, 2, 3, 4), expected))
+
+
+def test_controller_flags_probes_and_keeps_untimed_rounds_out_of_the_rates() -> None:
+    """``is_probe`` marks the rule's probes; an untimed round (an eager probe) adds to the
+    acceptance model, not to the option's times, and starts no trial."""
+    c = SpecController(SpeculativeConfig(speculative_algorithm="draft", speculative_num_steps=1,
+                                         speculative_probe_interval=5))
+    rng = random.Random(1)
+    flags = []
+    for _ in range(40):
+        _simulated_step(c, 0.0, rng)  # drafts never kept: plain decoding, and a probe of k = 1 now and then
+        flags.append((c.chosen[1], c.is_probe))
+    assert any(probe for _, probe in flags) and c.probes == sum(probe for _, probe in flags)
+    times = c.rates.count[(8, 1)]
+    reach = c.accept.reach[1]
+    c.observe_round(8, 1, None, 0, [(1, 1)] * 8, 16)
+    assert c.rates.count[(8, 1)] == times and c.accept.reach[1] > reach and not c.trial

@@ -250,6 +250,42 @@ def test_adaptive_engines_capture_every_k_of_a_bucket_at_once(kind: str) -> None
     assert lazy == {1}  # the control: without all_k only the k that ran is captured
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_probes_at_uncaptured_shapes_run_eagerly_and_untimed(kind: str) -> None:
+    """A probe (the adaptive rule sampling an option it does not run) whose round graph is not
+    captured runs eagerly with no graph at all and reports no time, only its acceptance; a
+    chosen round captures; a probe at a captured shape replays it and is timed. The tokens,
+    log-probs and versions are plain decoding's throughout."""
+    policy = make_model(seed=24)
+    engine = spec_engine(policy, kind, mode="coupled", k=3, max_batch_size=4)
+    graphs = _fake_round_graphs(engine, 3)
+    c = engine.spec.controller
+    script = iter([(2, True), (2, False), (2, True), (0, False), (0, False)] * 20)
+
+    def plan(batch: int) -> int:
+        k, c.is_probe = next(script, (0, False))
+        return k
+
+    engine.spec.plan = plan
+    seen, observe = [], c.observe_round
+    c.observe_round = lambda b, k, seconds, *a, **kw: (seen.append((c.is_probe, seconds)), observe(b, k, seconds, *a, **kw))
+    ps = prompts(4, seed=25)
+    sps = [SamplingParams(max_new_tokens=40, seed=i, temperature=(1.0, 0.8)[i % 2], ignore_eos=True) for i in range(4)]
+    plain = generate_all(make_engine(policy, max_batch_size=4), _requests(ps, sps))
+    outs = generate_all(engine, _requests(ps, sps))
+    for a, b in zip(plain, outs):
+        assert b.output_ids == a.output_ids and b.versions == a.versions
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    stats = engine.stats()
+    assert seen[0] == (True, None)  # the first round: a probe at a new shape
+    assert all(probe for probe, seconds in seen if seconds is None)  # only probes go untimed
+    assert any(probe and seconds is not None for probe, seconds in seen)  # a probe at a captured shape
+    assert stats["spec/eager_probes"] == sum(seconds is None for _, seconds in seen) > 0
+    assert stats["spec/graph_rounds"] + stats["spec/eager_probes"] == stats["engine/spec_rounds"]
+    assert c.rates.count[(4, 2)] == sum(seconds is not None for _, seconds in seen)  # times: graph rounds only
+    assert sum(c.accept.reach) > 0
+
+
 def test_engine_without_draft_or_with_bad_draft() -> None:
     from miles.engines.spec import SpeculativeConfig
     from miles.models.draft import build_draft
