@@ -258,7 +258,7 @@ def test_probes_at_uncaptured_shapes_run_eagerly_and_untimed(kind: str) -> None:
     log-probs and versions are plain decoding's throughout."""
     policy = make_model(seed=24)
     engine = spec_engine(policy, kind, mode="coupled", k=3, max_batch_size=4)
-    graphs = _fake_round_graphs(engine, 3)
+    _fake_round_graphs(engine, 3)
     c = engine.spec.controller
     script = iter([(2, True), (2, False), (2, True), (0, False), (0, False)] * 20)
 
