@@ -11,6 +11,7 @@ import itertools
 import math
 import random
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -202,10 +203,10 @@ def test_an_lm_draft_is_fed_only_when_speculation_resumes() -> None:
     flush = drafter.flush
     drafter.flush = lambda rows: flushes.append((bool(in_round), max(map(drafter.pending, rows)))) or flush(rows)
 
-    def round_(*a):
+    def round_(*a, **kw):
         in_round.append(True)
         try:
-            return run(*a)
+            return run(*a, **kw)
         finally:
             in_round.pop()
 
@@ -416,6 +417,28 @@ def test_a_backlog_feed_is_not_counted_as_the_rounds_cost() -> None:
     assert fed and all(feed >= 0.3 and seconds < 0.3 for seconds, feed in fed), fed
 
 
+def _batch1_speedup(seed: int, steps: int, kept: Callable[[random.Random, int], int],
+                    cost: float) -> tuple[float, SpecController]:
+    """The rule at batch 1 over ``steps`` steps: a plain step takes 1 s and emits a token; a
+    round of k drafts takes 1 + ``cost`` k s and keeps ``kept(rng, k)`` of them (+ 1 token).
+    Returns tokens per second (× plain decoding) and the controller."""
+    rng = random.Random(seed)
+    c = SpecController(SpeculativeConfig(speculative_algorithm="draft", speculative_num_steps=4,
+                                         speculative_probe_interval=20))
+    tokens = seconds = 0.0
+    for _ in range(steps):
+        k = c.choose(1)
+        if k == 0:
+            c.observe_plain(1, 1.0, 1)
+            emitted, s = 1, 1.0
+        else:
+            a = kept(rng, k)
+            emitted, s = a + 1, 1.0 + cost * k
+            c.observe_round(1, k, s, 0, [(k, a)], emitted)
+        tokens, seconds = tokens + emitted, seconds + s
+    return tokens / seconds, c
+
+
 def test_controller_rates_skewed_rounds_by_their_mean_yield() -> None:
     """At batch 1 a round's yield is nearly bimodal: here 55% of the rounds emit one token
     and 45% all k + 1, in (1 + 0.025 k)× a plain step — k = 4 runs 2.5× plain decoding.
@@ -424,20 +447,8 @@ def test_controller_rates_skewed_rounds_by_their_mean_yield() -> None:
     always speculating ran 629. Over five seeds the rule must get ≥ 1.9× plain (the old
     median rule: 1.05-1.58×)."""
     for seed in range(5):
-        rng = random.Random(seed)
-        c = SpecController(SpeculativeConfig(speculative_algorithm="draft", speculative_num_steps=4,
-                                             speculative_probe_interval=20))
-        tokens = seconds = 0.0
-        for _ in range(300):
-            k = c.choose(1)
-            if k == 0:
-                c.observe_plain(1, 1.0, 1)
-                emitted, s = 1, 1.0
-            else:
-                emitted, s = (k + 1 if rng.random() < 0.45 else 1), 1.0 + 0.025 * k
-                c.observe_round(1, k, s, 0, [(k, emitted - 1)], emitted)
-            tokens, seconds = tokens + emitted, seconds + s
-        assert tokens / seconds >= 1.9, (seed, tokens / seconds, dict(c.chosen))
+        speedup, c = _batch1_speedup(seed, 300, lambda rng, k: k if rng.random() < 0.45 else 0, 0.025)
+        assert speedup >= 1.9, (seed, speedup, dict(c.chosen))
         assert max(c.rate(1, k) for k in (1, 2, 3, 4)) > 1.5 * c.rate(1, 0)
 
 
@@ -452,24 +463,16 @@ def test_controller_pools_acceptance_over_every_k() -> None:
     get ≥ 1.25× on all twelve, and estimate each k's yield."""
     p = (0.6, 0.55, 0.5, 0.5)
     expected = [1 + sum(math.prod(p[:j]) for j in range(1, k + 1)) for k in (1, 2, 3, 4)]
+
+    def kept(rng: random.Random, k: int) -> int:
+        a = 0
+        while a < k and rng.random() < p[a]:
+            a += 1
+        return a
+
     for seed in range(12):
-        rng = random.Random(seed)
-        c = SpecController(SpeculativeConfig(speculative_algorithm="draft", speculative_num_steps=4,
-                                             speculative_probe_interval=20))
-        tokens = seconds = 0.0
-        for _ in range(400):
-            k = c.choose(1)
-            if k == 0:
-                c.observe_plain(1, 1.0, 1)
-                emitted, s = 1, 1.0
-            else:
-                a = 0
-                while a < k and rng.random() < p[a]:
-                    a += 1
-                emitted, s = a + 1, 1.0 + 0.2 * k
-                c.observe_round(1, k, s, 0, [(k, a)], emitted)
-            tokens, seconds = tokens + emitted, seconds + s
-        assert tokens / seconds >= 1.25, (seed, tokens / seconds, dict(c.chosen))
+        speedup, c = _batch1_speedup(seed, 400, kept, 0.2)
+        assert speedup >= 1.25, (seed, speedup, dict(c.chosen))
         stats = c.stats(0)
         assert all(abs(stats[f"spec/expected_tokens_k{k}"] - e) < 0.4 for k, e in zip((1, 2, 3, 4), expected))
 

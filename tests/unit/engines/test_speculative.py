@@ -6,6 +6,7 @@ accept lengths, stop rules, MoE routing, and the CUDA-graph verify plumbing."""
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -196,6 +197,18 @@ def test_round_graph_plumbing_on_cpu(kind: str) -> None:
         assert torch.allclose(engine.pop_hidden_states(b.rid), full, atol=1e-4)
 
 
+def _same_as_plain(policy: Any, engine: EmbeddedEngine, seed: int) -> None:
+    """4 seeded requests (temperatures 1 and 0.8): ``engine`` gives plain decoding's tokens,
+    versions and log-probs."""
+    ps = prompts(4, seed=seed)
+    sps = [SamplingParams(max_new_tokens=40, seed=i, temperature=(1.0, 0.8)[i % 2], ignore_eos=True) for i in range(4)]
+    plain = generate_all(make_engine(policy, max_batch_size=4), _requests(ps, sps))
+    outs = generate_all(engine, _requests(ps, sps))
+    for a, b in zip(plain, outs):
+        assert b.output_ids == a.output_ids and b.versions == a.versions
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
 def _scripted_graph_rounds(kind: str, script: list[int], seed: int, *,
                            all_k: bool = False) -> tuple[dict[str, float], set[int], RoundGraphs]:
     """Run 4 seeded requests under a scripted choice of k (0 = a plain step) with fake round
@@ -206,13 +219,7 @@ def _scripted_graph_rounds(kind: str, script: list[int], seed: int, *,
     graphs = _fake_round_graphs(engine, 3, all_k=all_k)
     steps = iter(script * 20)
     engine.spec.plan = lambda batch: next(steps, 0)
-    ps = prompts(4, seed=seed + 1)
-    sps = [SamplingParams(max_new_tokens=40, seed=i, temperature=(1.0, 0.8)[i % 2], ignore_eos=True) for i in range(4)]
-    plain = generate_all(make_engine(policy, max_batch_size=4), _requests(ps, sps))
-    outs = generate_all(engine, _requests(ps, sps))
-    for a, b in zip(plain, outs):
-        assert b.output_ids == a.output_ids and b.versions == a.versions
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    _same_as_plain(policy, engine, seed + 1)
     stats = engine.stats()
     assert stats["spec/graph_rounds"] == stats["engine/spec_rounds"] > 0  # no round ran eagerly
     return stats, {key[2] for key in graphs.graphs}, graphs
@@ -269,13 +276,7 @@ def test_probes_at_uncaptured_shapes_run_eagerly_and_untimed(kind: str) -> None:
     engine.spec.plan = plan
     seen, observe = [], c.observe_round
     c.observe_round = lambda b, k, seconds, *a, **kw: (seen.append((c.is_probe, seconds)), observe(b, k, seconds, *a, **kw))
-    ps = prompts(4, seed=25)
-    sps = [SamplingParams(max_new_tokens=40, seed=i, temperature=(1.0, 0.8)[i % 2], ignore_eos=True) for i in range(4)]
-    plain = generate_all(make_engine(policy, max_batch_size=4), _requests(ps, sps))
-    outs = generate_all(engine, _requests(ps, sps))
-    for a, b in zip(plain, outs):
-        assert b.output_ids == a.output_ids and b.versions == a.versions
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    _same_as_plain(policy, engine, 25)
     stats = engine.stats()
     assert seen[0] == (True, None)  # the first round: a probe at a new shape
     assert all(probe for probe, seconds in seen if seconds is None)  # only probes go untimed
