@@ -207,6 +207,8 @@ def measure(rows: list[dict]) -> dict[str, float]:
         # (starved by the worker: leases, admission) and the mean rows a decode step carried
         "engine_idle": _delta_share(first, last, "engine/idle_s", "engine/busy_s"),
         "rows_per_step": _delta_ratio(first, last, "engine/decode_rows", "engine/decode_steps"),
+        # the share of the engines' busy time spent prefilling (re-prefills of recycled partials)
+        "engine_prefill": _delta_ratio(first, last, "engine/prefill_s", "engine/busy_s"),
         # the workers over the span (summed over workers): seconds with room for work that
         # the buffer left empty, and seconds their event loops woke up late, per second
         "worker_starved": _delta(first, last, "rollout/starved_s") / span,
@@ -426,16 +428,17 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
     sync = results.get("sync")
     gpu_cols = sorted({k for r in results.values() for k in r if k.startswith("gpu")})
     lines = ["| config | trained samples/s | × sync | tokens/s | × sync | raw trained/s | stock drawn | final reward | "
-             "wait for data | buffer busy | admission | max staleness | rollout tok/s | graph capture | KV read useful | engine idle | rows/step | worker starved | loop lag |"
+             "wait for data | buffer busy | admission | max staleness | rollout tok/s | graph capture | KV read useful | engine idle | engine prefill | rows/step | worker starved | loop lag |"
              + "".join(f" {c.removesuffix('_util').upper()} util |" for c in gpu_cols),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
     for name, r in results.items():
         ratio = r["samples_per_s"] / sync["samples_per_s"] if sync else float("nan")
         tratio = r["tokens_per_s"] / sync["tokens_per_s"] if sync else float("nan")
         lines.append(f"| {name} | {r['samples_per_s']:.2f} | {ratio:.2f}× | {r['tokens_per_s']:.0f} | {tratio:.2f}× | "
                      f"{r['trained_samples_per_s']:.2f} | {100 * r['stock_drawn']:.0f}% | {r['reward']:.3f} | {100 * r['wait_share']:.0f}% | {100 * r['buffer_share']:.2f}% | "
                      f"{100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} | {r['rollout_tokens_per_s'] or float('nan'):.0f} | {100 * r['capture_share']:.0f}% | {100 * r['kv_useful']:.0f}% | "
-                     f"{100 * r.get('engine_idle', float('nan')):.0f}% | {r.get('rows_per_step', float('nan')):.1f} | "
+                     f"{100 * r.get('engine_idle', float('nan')):.0f}% | {100 * r.get('engine_prefill', float('nan')):.0f}% | "
+                     f"{r.get('rows_per_step', float('nan')):.1f} | "
                      f"{100 * r.get('worker_starved', float('nan')):.0f}% | {1e3 * r.get('loop_lag', float('nan')):.1f} ms/s |"
                      + "".join(f" {r[c]:.0f}% |" if c in r else " – |" for c in gpu_cols))
     machine = (f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
@@ -466,7 +469,8 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
         "engines spent capturing CUDA graphs for new batch × context shapes; 'KV read useful' the share of "
         "the KV cache positions decode steps read that a row attends to (a step reads every row up to the "
         "batch's longest context); 'engine idle' the share of the span the engines' stepping threads had "
-        "nothing to decode (the worker left them unfed), and 'rows/step' the mean rows a decode step carried "
+        "nothing to decode (the worker left them unfed), 'engine prefill' the share of their busy time spent "
+        "prefilling (fresh prompts and the re-prefills of resumed partials), and 'rows/step' the mean rows a decode step carried "
         "(both from the workers' last reports); 'worker starved' the share of the span the workers had room for "
         "work and the buffer leased them none (summed over workers), 'loop lag' how late their event loops woke "
         "up, in ms per second. GPU util: nvidia-smi's "

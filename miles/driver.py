@@ -325,8 +325,8 @@ class Driver:
         for ws in self.worker_stats.values():
             for key in ("rollout/tokens", "rollout/busy_s", "rollout/partial", "rollout/drain_s", "rollout/swap_s",
                         "rollout/stage_s", "engine/graph_captures", "engine/graph_capture_s", "engine/idle_s",
-                        "engine/busy_s", "engine/decode_steps", "engine/decode_rows", "rollout/starved_s",
-                        "rollout/loop_lag_s"):
+                        "engine/busy_s", "engine/prefill_s", "engine/decode_steps", "engine/decode_rows",
+                        "rollout/starved_s", "rollout/loop_lag_s"):
                 totals[key] = totals.get(key, 0.0) + ws.get(key, 0.0)
             # the worst worker's: the longest decode pause a weight swap caused, the latest its
             # event loop woke up
