@@ -3,8 +3,10 @@
 Each line is a JSON object; ``--input-key`` names the prompt (a string, or a list of chat
 messages when ``--apply-chat-template`` is set), ``--label-key`` the label handed to the
 reward function, ``--metadata-key`` free metadata. Bad lines (malformed JSON, missing input,
-empty prompt, prompt longer than ``--max-prompt-len`` tokens) are skipped and counted by
-reason, or stop the run with the line number when ``--on-bad-data fail``.
+empty prompt, prompt longer than ``--max-prompt-len`` tokens, a token id the model's
+embedding does not have) are skipped and counted by reason, with the first line of each
+reason kept for the message, or stop the run with the line number when ``--on-bad-data
+fail``.
 
 Prompt ids are ``e{epoch}-l{line}``: the same line in a later epoch is a new prompt, so the
 replay buffer's ledger never sees a duplicate.
@@ -39,6 +41,8 @@ def _encode_prompt(raw: Any, tokenizer: TextTokenizer | None, chat: bool) -> tup
         if isinstance(rendered, list):
             return json.dumps(raw), [int(t) for t in rendered]
         return rendered, tokenizer.encode(rendered)
+    if isinstance(raw, list) and raw and all(isinstance(m, dict) and "role" in m for m in raw):
+        raise ValueError("the prompt is a list of chat messages: add --apply-chat-template")
     if not isinstance(raw, str):
         raise ValueError(f"expected a string prompt, got {type(raw).__name__}")
     return raw, (tokenizer.encode(raw) if tokenizer is not None else [])
@@ -57,6 +61,7 @@ class PromptDataset:
         metadata_key: str | None = "metadata",
         apply_chat_template: bool = False,
         max_prompt_len: int | None = None,
+        vocab_size: int | None = None,
         on_bad_data: str = "skip",
         shuffle: bool = False,
         seed: int = 0,
@@ -67,6 +72,7 @@ class PromptDataset:
         self.shuffle = shuffle
         self.seed = seed
         self.skipped: Counter[str] = Counter()
+        self.first_skip: dict[str, str] = {}  # reason → "line N: detail" of its first line
         self.rows: list[tuple[int, PromptSample]] = []
         with open(self.path, encoding="utf-8") as fh:
             for line_no, line in enumerate(fh, start=1):
@@ -74,24 +80,29 @@ class PromptDataset:
                     continue
                 try:
                     row = self._parse(line, line_no, tokenizer, input_key, label_key, metadata_key,
-                                      apply_chat_template, max_prompt_len)
+                                      apply_chat_template, max_prompt_len, vocab_size)
                 except _BadLine as bad:
                     if on_bad_data == "fail":
                         raise DataError(f"{self.path}:{line_no}: {bad.reason}: {bad.detail}") from None
                     self.skipped[bad.reason] += 1
+                    self.first_skip.setdefault(bad.reason, f"line {line_no}: {bad.detail}")
                     continue
                 self.rows.append((line_no, row))
         if not self.rows:
-            reasons = ", ".join(f"{k}={v}" for k, v in self.skipped.items()) or "the file is empty"
-            raise DataError(f"prompt data {str(self.path)!r} has no usable rows ({reasons})")
+            raise DataError(f"prompt data {str(self.path)!r} has no usable rows "
+                            f"({self.skip_summary() or 'the file is empty'})")
         self.epoch = 0
         self.position = 0
         self._order = self._make_order()
 
+    def skip_summary(self) -> str:
+        """The skipped lines by reason, each with its first line's detail ('' when none)."""
+        return "; ".join(f"{reason}={n} (first: {self.first_skip[reason]})" for reason, n in self.skipped.items())
+
     @staticmethod
     def _parse(line: str, line_no: int, tokenizer: TextTokenizer | None, input_key: str,
                label_key: str | None, metadata_key: str | None, chat: bool,
-               max_len: int | None) -> PromptSample:
+               max_len: int | None, vocab_size: int | None) -> PromptSample:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -111,6 +122,9 @@ class PromptDataset:
             raise _BadLine("empty_prompt", "the prompt encodes to no tokens")
         if max_len is not None and len(tokens) > max_len:
             raise _BadLine("prompt_too_long", f"{len(tokens)} tokens > --max-prompt-len {max_len}")
+        if vocab_size is not None and tokens and max(tokens) >= vocab_size:
+            raise _BadLine("token_outside_vocab", f"token id {max(tokens)} >= the model's vocab_size {vocab_size} "
+                           "(the tokenizer has more tokens than the checkpoint's embedding)")
         metadata = obj.get(metadata_key) if metadata_key else None
         if metadata is not None and not isinstance(metadata, dict):
             metadata = {"value": metadata}

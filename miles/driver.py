@@ -144,7 +144,7 @@ class Driver:
         self.step += 1
         end = time.monotonic()
         step_s = end - t0
-        metrics.update(batch_metrics(groups, version))
+        metrics.update(batch_metrics(groups, version, cfg.rollout.reward_key))
         n = metrics["perf/trained_samples"]
         metrics.update({
             "train/version": float(new_version), "perf/step_s": step_s, "perf/wait_for_data_s": wait_s,
@@ -381,6 +381,7 @@ class Driver:
         from miles.checkpoint import load_run_state
 
         self.step = await load_run_state(path, self.actors, self.dataset, self.scheduler)
+        self.out.resumed_at(self.step)
 
     def _checkpoint_note(self) -> str:
         if self.ckpt is None:
@@ -469,6 +470,10 @@ async def train(cfg: MilesConfig) -> dict[str, Any]:
         return await replay_debug_rollouts(cfg)
     check_functions(cfg)  # a bad --custom-*-path fails here, before Ray starts
     dataset, eval_data = load_datasets(cfg)  # bad data fails here, before any output exists
+    for data in (dataset, eval_data):
+        if data is not None and data.skipped:  # the run goes on without them: say so once
+            print(f"[miles] {data.path}: skipped {sum(data.skipped.values())} line(s): {data.skip_summary()}",
+                  flush=True)
     driver = Driver(cfg, dataset, eval_data)
     return await driver.run()
 
@@ -483,7 +488,7 @@ async def replay_debug_rollouts(cfg: MilesConfig) -> dict[str, Any]:
     for step, groups in enumerate(batches[: cfg.run.num_rollout], start=1):
         version = trainer.version
         metrics = dict(trainer.train_step(groups))
-        metrics.update(batch_metrics(groups, version))
+        metrics.update(batch_metrics(groups, version, cfg.rollout.reward_key))
         out.log_step(step, metrics)
     summary = {"status": "completed", "steps": len(batches[: cfg.run.num_rollout]), "mode": "debug-replay"}
     out.write_summary(summary)

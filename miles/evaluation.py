@@ -26,12 +26,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
-def eval_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
+def eval_metrics(trajs: Sequence[Trajectory], n: int, reward_key: str | None = None) -> dict[str, float]:
+    """Mean reward and pass@k (a sample is correct when its reward is > 0), on the reward
+    the trainer uses: ``reward_key``'s entry of a dict reward (None: the dict's sum)."""
     by_prompt: dict[str, list[Trajectory]] = defaultdict(list)
     for t in trajs:
         by_prompt[t.prompt_id].append(t)
     ok = [t for t in trajs if t.status is not Status.FAILED and t.reward is not None]
-    rewards = [t.scalar_reward() for t in ok]
+    rewards = [t.scalar_reward(reward_key) for t in ok]
     out = {
         "eval/reward_mean": statistics.fmean(rewards) if rewards else math.nan,
         "eval/response_len_mean": statistics.fmean(len(t.response_tokens) for t in trajs) if trajs else 0.0,
@@ -42,7 +44,7 @@ def eval_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
     while k <= n:
         scores = []
         for group in by_prompt.values():
-            correct = sum(1 for t in group if t.reward is not None and t.scalar_reward() > 0)
+            correct = sum(1 for t in group if t.reward is not None and t.scalar_reward(reward_key) > 0)
             scores.append(pass_at_k(len(group), correct, k))
         out[f"eval/pass@{k}"] = statistics.fmean(scores) if scores else math.nan
         k *= 2
@@ -60,4 +62,4 @@ async def run_evaluation(cfg: Any, dataset: Any, workers: list[Any], step: int) 
         *(w.evaluate.remote(chunk, n, id_prefix=f"eval{step}") for w, chunk in zip(workers, chunks) if chunk)
     )
     trajs = [t for chunk in results for t in chunk]
-    return eval_metrics(trajs, n)
+    return eval_metrics(trajs, n, cfg.rollout.reward_key)

@@ -80,6 +80,9 @@ def main(argv: Sequence[str]) -> int:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise UserError(f"{dump}:{line_no}: not JSON ({exc})") from None
+            if not isinstance(row, dict) or "response_tokens" not in row and "id" not in row:
+                raise UserError(f"{dump}:{line_no}: not a trajectory (is this the --dump-trajectories "
+                                "file, trajectories.jsonl?)")
             if args.id and row.get("id") != args.id:
                 continue
             print(render(row, tokenizer))

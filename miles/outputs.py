@@ -50,6 +50,12 @@ class RunOutputs:
 
             self._bar = tqdm(total=cfg.run.num_rollout, desc="miles", unit="step", file=sys.stderr, dynamic_ncols=True)
 
+    def resumed_at(self, step: int) -> None:
+        """A run resumed by --load continues at ``step``: the progress bar starts there."""
+        if self._bar is not None:
+            self._bar.n = self._bar.initial = step
+            self._bar.refresh()
+
     def dump_batch(self, step: int, trainer_version: int, groups: Sequence[Sequence[Trajectory]]) -> None:
         if self._dump is not None:
             for group in groups:
@@ -101,10 +107,12 @@ def load_debug_batches(directory: str | Path) -> list[list[list[Trajectory]]]:
     return [_batch_decoder.decode(f.read_bytes()) for f in files]
 
 
-def batch_metrics(groups: Sequence[Sequence[Trajectory]], trainer_version: int) -> dict[str, float]:
-    """Reward, length and staleness of one trained batch (staleness on loss tokens only)."""
+def batch_metrics(groups: Sequence[Sequence[Trajectory]], trainer_version: int,
+                  reward_key: str | None = None) -> dict[str, float]:
+    """Reward, length and staleness of one trained batch (staleness on loss tokens only).
+    The reward is the one the trainer uses: ``reward_key``'s entry of a dict reward."""
     trajs = [t for g in groups for t in g]
-    rewards = [t.scalar_reward() for t in trajs if t.reward is not None]
+    rewards = [t.scalar_reward(reward_key) for t in trajs if t.reward is not None]
     lengths = [len(t.response_tokens) for t in trajs]
     stale = [trainer_version - v for t in trajs for v, m in zip(t.versions, t.loss_mask) if m]
     spans = [len(set(t.loss_versions())) for t in trajs]

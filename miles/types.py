@@ -70,6 +70,10 @@ class Segment(msgspec.Struct, frozen=True, array_like=True):
 Reward = float | dict[str, float]
 
 
+def missing_reward_key(reward: dict[str, float], key: str) -> str:
+    return f"the reward dict has no key {key!r} (keys: {', '.join(sorted(reward))}); --reward-key names one of them"
+
+
 class Trajectory(msgspec.Struct, kw_only=True):
     """One sample: a prompt and the response generated (possibly over many turns) for it.
 
@@ -132,6 +136,8 @@ class Trajectory(msgspec.Struct, kw_only=True):
         if self.reward is None:
             raise TrajectoryError("reward", f"trajectory {self.id} has no reward yet")
         if isinstance(self.reward, dict):
+            if key and key not in self.reward:
+                raise TrajectoryError("reward", f"trajectory {self.id}: {missing_reward_key(self.reward, key)}")
             return float(self.reward[key]) if key else float(sum(self.reward.values()))
         return float(self.reward)
 

@@ -26,6 +26,19 @@ def check_config(cfg: Any) -> None:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
 
+def _checkpoint_problems(path: str, run: Any):
+    """The checkpoint against its config.json (headers only, no weights read) where an
+    embedded backend will load it; otherwise config.json alone. Checked here, a mismatch is
+    one line, not a traceback from every actor that loads the weights."""
+    from miles.models import CheckpointError, check_checkpoint, load_config
+
+    embedded = run.rollout_backend == "embedded" or run.train_backend == "embedded"
+    try:
+        check_checkpoint(path) if embedded else load_config(path)
+    except CheckpointError as exc:
+        yield f"--hf-checkpoint {path}: {exc}"
+
+
 def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads best
     run, data, rollout, sched, algo = cfg.run, cfg.data, cfg.rollout, cfg.scheduler, cfg.algorithm
     replay = bool(run.load_debug_rollout_data)
@@ -33,6 +46,8 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
         yield "--hf-checkpoint is required (a local directory with config.json and *.safetensors)"
     elif not (Path(rollout.hf_checkpoint) / "config.json").is_file():
         yield f"--hf-checkpoint {rollout.hf_checkpoint}: no config.json there"
+    else:
+        yield from _checkpoint_problems(rollout.hf_checkpoint, run)
     if not replay:
         if not data.prompt_data:
             yield "--prompt-data is required (a JSONL file)"

@@ -45,11 +45,14 @@ def load_tokenizer(cfg: MilesConfig) -> Any:
 
 
 def load_datasets(cfg: MilesConfig) -> tuple[PromptDataset, PromptDataset | None]:
+    from miles.models import load_config
+
     tokenizer = load_tokenizer(cfg)
     d = cfg.data
     common = dict(tokenizer=tokenizer, input_key=d.input_key, label_key=d.label_key,
                   metadata_key=d.metadata_key, apply_chat_template=d.apply_chat_template,
-                  max_prompt_len=_max_prompt_len(cfg), on_bad_data=d.on_bad_data)
+                  max_prompt_len=_max_prompt_len(cfg), on_bad_data=d.on_bad_data,
+                  vocab_size=load_config(cfg.rollout.hf_checkpoint).vocab_size)
     train = PromptDataset(d.prompt_data, shuffle=d.rollout_shuffle, seed=cfg.run.seed, **common)
     evaluation = PromptDataset(d.eval_prompt_data, **common) if d.eval_prompt_data else None
     return train, evaluation
@@ -199,6 +202,7 @@ def build_rollout_worker(cfg: MilesConfig, worker_id: str, *, buffer: Any, rewar
         "partial_rollout": cfg.rollout.partial_rollout,
         "keep_kv_cache": cfg.engine.keep_kv_cache_on_update,
         "lease_timeout_s": cfg.buffer.lease_timeout_s,
+        "reward_key": cfg.rollout.reward_key,
     }
 
 

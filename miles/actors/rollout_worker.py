@@ -36,7 +36,7 @@ from miles.rewards import RewardRunner
 from miles.rollout import GenerateContext, GenerateFn, call_generate
 from miles.transports.base import GroupSpec, WeightUpdate, as_update
 from miles.transports.inbox import WeightInbox
-from miles.types import PromptSample, Status, Trajectory, TrajectoryError
+from miles.types import PromptSample, Status, Trajectory, TrajectoryError, missing_reward_key
 from miles.utils.proc import rss_mb
 
 
@@ -59,6 +59,7 @@ class RolloutWorker:
         keep_kv_cache: bool = True,
         lease_timeout_s: float = 60.0,
         poll_interval_s: float = 0.01,
+        reward_key: str | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.init_s = 0.0  # construction seconds (set by the Ray actor that builds the engine)
@@ -73,6 +74,7 @@ class RolloutWorker:
         self.keep_kv_cache = keep_kv_cache
         self.renew_every_s = max(lease_timeout_s / 3, 0.05)
         self.poll_interval_s = poll_interval_s
+        self.reward_key = reward_key
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._outbox: list[Trajectory] = []
         self._stopping = False
@@ -159,6 +161,7 @@ class RolloutWorker:
             traj = await call_generate(self.generate_fn, traj, self.ctx)
             if traj.status.finished and traj.status is not Status.FAILED and traj.reward is None:
                 traj = await self._score(traj)
+            self._check_reward_key(traj)
         except Exception as exc:  # a generate function bug must not kill the worker
             traj.status = Status.FAILED
             traj.finish_reason = f"generate_error: {type(exc).__name__}: {exc}"[:500]
@@ -175,6 +178,15 @@ class RolloutWorker:
         self._inflight.pop(traj.id, None)
         if not self._inflight:
             self._idle.set()
+
+    def _check_reward_key(self, traj: Trajectory) -> None:
+        """A dict reward without the ``--reward-key`` entry fails here, with the keys it has,
+        not later inside the trainer (a KeyError that stopped the run at step 1)."""
+        key, reward = self.reward_key, traj.reward
+        if key and isinstance(reward, dict) and key not in reward and traj.status is not Status.FAILED:
+            traj.status = Status.FAILED
+            traj.finish_reason = f"reward_key_missing: {missing_reward_key(reward, key)}"[:500]
+            traj.reward = None
 
     async def _score(self, traj: Trajectory) -> Trajectory:
         if self.ctx.tokenizer is not None and not traj.response:
@@ -289,6 +301,7 @@ class RolloutWorker:
                 t = await call_generate(self.generate_fn, t, self.ctx)
                 if t.status.finished and t.status is not Status.FAILED and t.reward is None:
                     t = await self._score(t)
+                self._check_reward_key(t)
             except Exception as exc:
                 t.status, t.finish_reason = Status.FAILED, f"generate_error: {exc}"[:500]
             return t

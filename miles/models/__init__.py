@@ -8,7 +8,7 @@ trainer share, Hugging Face checkpoint IO, and the tokenizer wrapper.
 - ``tokenizer.py``  Tokenizer over ``tokenizers``, ``load_tokenizer``, ``build_tiny_tokenizer``
 """
 
-from miles.models.checkpoint import CheckpointError, load_config, load_pretrained, save_pretrained
+from miles.models.checkpoint import CheckpointError, check_checkpoint, load_config, load_pretrained, save_pretrained
 from miles.models.config import ConfigError, ModelConfig, tiny_config
 from miles.models.layers import AttentionBackend, FullAttention
 from miles.models.model import CausalLM, ModelOutput, token_logprobs
@@ -18,6 +18,7 @@ __all__ = [
     "AttentionBackend",
     "CausalLM",
     "CheckpointError",
+    "check_checkpoint",
     "ConfigError",
     "FullAttention",
     "ModelConfig",

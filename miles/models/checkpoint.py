@@ -14,6 +14,7 @@ its checkpoint must never half-load).
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ from miles.models.model import CausalLM
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # derived buffers some old checkpoints carry
 
+log = logging.getLogger(__name__)
+
 
 class CheckpointError(ValueError):
     """A checkpoint directory is missing files or does not match its config."""
@@ -37,16 +40,31 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def load_config(path: str | Path) -> ModelConfig:
+    """The checkpoint's ``config.json`` as a ModelConfig; CheckpointError (naming the file)
+    when it is missing, not JSON, or describes a model miles cannot build."""
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{path}: no config.json")
-    return ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+    try:
+        hf = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{cfg_path}: not a JSON object")
+    try:
+        return ModelConfig.from_hf(hf)
+    except (ValueError, KeyError, TypeError) as exc:  # ConfigError is a ValueError
+        what = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise CheckpointError(f"{cfg_path}: {what}") from None
 
 
 def _safetensor_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc})") from None
         files = sorted({path / f for f in weight_map.values()})
     else:
         files = sorted(path.glob("*.safetensors"))
@@ -56,6 +74,68 @@ def _safetensor_files(path: Path) -> list[Path]:
         if not f.is_file():
             raise CheckpointError(f"{path}: index names {f.name}, which is missing")
     return files
+
+
+def check_checkpoint(path: str | Path) -> ModelConfig:
+    """Check a checkpoint without loading its weights: config.json, and every tensor's name
+    and shape from the safetensors headers against what the config implies. The CLI runs it
+    before any actor starts, so a mismatch is one clear error, not a traceback from inside
+    each actor that loads the weights. Returns the config."""
+    path = Path(path)
+    config = load_config(path)
+    _check_tensors(path, config)
+    return config
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = CausalLM(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    return expected
+
+
+def _check_tensors(path: Path, config: ModelConfig) -> list[tuple[Path, list[str]]]:
+    """Names and shapes from the headers; returns (file, tensor names to load) per file."""
+    expected = _expected_shapes(config)
+    tied = config.tie_word_embeddings
+    found: set[str] = set()
+    plan = []
+    for file in _safetensor_files(path):
+        names = []
+        try:
+            fh = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as exc:  # a truncated or non-safetensors file
+            raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
+        with fh:
+            for name in fh.keys():
+                if tied and name == "lm_head.weight":  # as transformers does: the embedding is the head
+                    log.warning("%s: config.json ties the word embeddings, so its lm_head.weight is ignored "
+                                "(set tie_word_embeddings false to use it)", file)
+                    continue
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name not in expected:
+                    raise CheckpointError(
+                        f"{file.name}: tensor {name!r} is not part of a {config.model_type} model "
+                        f"with this config.json (layers={config.num_hidden_layers}, "
+                        f"experts={config.num_experts})"
+                    )
+                shape = tuple(fh.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise CheckpointError(
+                        f"{file.name}: tensor {name!r} has shape {shape}, config.json implies "
+                        f"{expected[name]}"
+                    )
+                names.append(name)
+                found.add(name)
+        plan.append((file, names))
+    missing = sorted(set(expected) - found)
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"{path}: tensors missing from the checkpoint: {missing[:5]}{more}")
+    return plan
 
 
 def load_pretrained(
@@ -72,35 +152,14 @@ def load_pretrained(
     path = Path(path)
     config = load_config(path)
     dtype = dtype or default_dtype(device)
+    plan = _check_tensors(path, config)  # every name and shape, before any tensor is read
     with torch.device("meta"):
         model = CausalLM(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    tied = config.tie_word_embeddings
-    if tied:
-        expected.pop("lm_head.weight")
     state: dict[str, torch.Tensor] = {}
-    for file in _safetensor_files(path):
+    for file, names in plan:
         with safe_open(str(file), framework="pt", device="cpu") as fh:
-            for name in fh.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-                    continue
-                if name not in expected:
-                    raise CheckpointError(
-                        f"{file.name}: tensor {name!r} is not part of a {config.model_type} model "
-                        f"with this config.json (layers={config.num_hidden_layers}, "
-                        f"experts={config.num_experts})"
-                    )
-                shape = tuple(fh.get_slice(name).get_shape())
-                if shape != expected[name]:
-                    raise CheckpointError(
-                        f"{file.name}: tensor {name!r} has shape {shape}, config.json implies "
-                        f"{expected[name]}"
-                    )
+            for name in names:
                 state[name] = fh.get_tensor(name).to(device=device, dtype=dtype, copy=True)
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"{path}: tensors missing from the checkpoint: {missing[:5]}{more}")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     model.rotary.reserve(model.rotary.default_length, device)

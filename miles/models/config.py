@@ -29,7 +29,7 @@ _ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class ConfigError(ValueError):

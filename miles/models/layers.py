@@ -41,7 +41,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """Inverse frequencies for default, linear and llama3 RoPE (as transformers computes them)."""
+    """Inverse frequencies for default, linear, llama3 and yarn RoPE (as transformers
+    computes them)."""
     dim = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = config.rope_scaling or {}
@@ -57,7 +58,52 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_ctx / hi) * ~(wavelen > old_ctx / lo)
         inv = torch.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        # YaRN: interpolate (÷ factor) the low frequencies, keep the high ones, and ramp
+        # linearly between the dims that turn beta_slow and beta_fast times over the
+        # original context (Peng et al. 2023; transformers' _compute_yarn_parameters).
+        factor, old_ctx = _yarn_factor(config)
+        fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+        def dim_of(rotations: float) -> float:
+            return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+        lo_dim, hi_dim = dim_of(fast), dim_of(slow)
+        if scaling.get("truncate", True):
+            lo_dim, hi_dim = math.floor(lo_dim), math.ceil(hi_dim)
+        lo_dim, hi_dim = max(lo_dim, 0), min(hi_dim, dim - 1)
+        if lo_dim == hi_dim:
+            hi_dim += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - lo_dim) / (hi_dim - lo_dim)).clamp(0, 1)
+        keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
+        inv = inv / factor * (1 - keep) + inv * keep
     return inv
+
+
+def _yarn_factor(config: ModelConfig) -> tuple[float, int]:
+    """YaRN's (factor, original context): a missing factor is the ratio of the two contexts."""
+    scaling = config.rope_scaling or {}
+    old_ctx = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
+    factor = scaling.get("factor") or config.max_position_embeddings / old_ctx
+    return float(factor), int(old_ctx)
+
+
+def rope_attention_scaling(config: ModelConfig) -> float:
+    """The factor on cos and sin (YaRN's attention temperature; 1 for the other kinds)."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", "default") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, _ = _yarn_factor(config)
+
+    def mscale_of(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return mscale_of(factor, m) / mscale_of(factor, m_all)
+    return mscale_of(factor)
 
 
 class Rotary:
@@ -71,6 +117,7 @@ class Rotary:
 
     def __init__(self, config: ModelConfig) -> None:
         self.inv_freq = rope_inv_freq(config)
+        self.scale = rope_attention_scaling(config)
         self.default_length = min(config.max_position_embeddings, 8192)
         self._cos: Tensor | None = None
         self._sin: Tensor | None = None
@@ -92,6 +139,8 @@ class Rotary:
         # exactly (only signs move), in 2 ops instead of 4 (see fused.rope_qk).
         half = emb.shape[-1] // 2
         self._cos, self._sin = emb.cos(), torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1)
+        if self.scale != 1.0:
+            self._cos, self._sin = self._cos * self.scale, self._sin * self.scale
 
     def __call__(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, signed sin of shape [B, 1, T, D] in ``dtype`` for position_ids [B, T]."""

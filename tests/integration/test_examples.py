@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from miles.config import load_yaml, resolve
+from miles.models import CausalLM, save_pretrained, tiny_config
 from miles.utils.loading import load_function
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,8 +100,7 @@ def test_data_files_are_slime_jsonl(tmp_path: Path) -> None:
 def test_config_resolves_with_async_defaults(tmp_path: Path) -> None:
     values = load_yaml(EXAMPLE / "config.yaml")
     ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text("{}")
+    save_pretrained(CausalLM(tiny_config()), ckpt)  # validation reads the checkpoint's headers
     data = tmp_path / "d.jsonl"
     data.write_text('{"input": "x", "label": "y"}\n')
     values.update(hf_checkpoint=str(ckpt), prompt_data=str(data), eval_prompt_data=str(data),

@@ -74,3 +74,24 @@ def test_chat_template(tmp_path, tok) -> None:
     (row,) = ds.next(1)
     assert row.prompt.startswith("<|im_start|>user\nhi<|im_end|>")
     assert row.prompt_tokens[0] == 3 and row.prompt_tokens == tok.encode(row.prompt)  # <|im_start|> is one token
+
+
+def test_unusable_rows_say_why_and_token_ids_must_fit_the_model(tmp_path, tok) -> None:
+    """Token ids the model's embedding lacks (a tokenizer larger than the checkpoint's vocab)
+    are a skip reason; chat messages without --apply-chat-template get a hint; a file with
+    no usable rows names each reason's first line, not only the counts."""
+    path = _write(tmp_path / "d.jsonl", [
+        json.dumps({"input": "hello"}),
+        json.dumps({"input": [{"role": "user", "content": "hi"}]}),
+        json.dumps({"input": "ok"}),
+    ])
+    ids = tok.encode("hello")
+    ds = PromptDataset(path, tokenizer=tok, vocab_size=max(ids) + 1)
+    assert len(ds) == 2 and dict(ds.skipped) == {"bad_prompt": 1}  # both text prompts fit
+    small = min(max(ids), max(tok.encode("ok")))  # an embedding too small for both prompts
+    with pytest.raises(DataError) as err:
+        PromptDataset(path, tokenizer=tok, vocab_size=small)
+    message = str(err.value)
+    assert "has no usable rows" in message
+    assert "token_outside_vocab=2 (first: line 1: token id" in message and f"vocab_size {small}" in message
+    assert "bad_prompt=1 (first: line 2: the prompt is a list of chat messages: add --apply-chat-template)" in message

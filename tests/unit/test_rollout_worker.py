@@ -193,3 +193,29 @@ def test_the_worker_reports_starved_time_and_event_loop_lag() -> None:
     assert 0.4 <= stats["rollout/starved_s"] < 1.5  # the empty 0.45 s, not the generation after it
     assert stats["rollout/loop_lag_max_s"] >= 0.1
     assert stats["rollout/loop_lag_s"] >= stats["rollout/loop_lag_max_s"]
+
+
+def test_a_dict_reward_without_the_reward_key_fails_with_its_keys() -> None:
+    """--reward-key names an entry the reward dict lacks: the trajectory fails at the worker,
+    with the keys the dict has, instead of a KeyError inside the trainer at step 1; the
+    metrics of a batch and of an evaluation read the same entry as the trainer."""
+    from miles.evaluation import eval_metrics
+    from miles.outputs import batch_metrics
+
+    worker, _, _ = _worker(partial=False)
+    worker.reward_key = "acc"
+    t = Trajectory(id="t", prompt_id="p", group_id="g", prompt_tokens=[1], status=Status.COMPLETED,
+                   reward={"score": 1.0, "fmt": 0.5})
+    worker._check_reward_key(t)
+    assert t.status is Status.FAILED and t.reward is None
+    assert t.finish_reason == ("reward_key_missing: the reward dict has no key 'acc' (keys: fmt, score); "
+                               "--reward-key names one of them")
+    ok = [Trajectory(id=f"t{i}", prompt_id="p", group_id="g", prompt_tokens=[1], status=Status.COMPLETED,
+                     reward={"acc": float(i), "fmt": 0.5}) for i in range(2)]
+    for t in ok:
+        worker._check_reward_key(t)
+        assert t.status is Status.COMPLETED
+    assert batch_metrics([ok], 0, "acc")["rollout/reward_mean"] == 0.5  # the trainer's entry, not the sum (1.0)
+    assert batch_metrics([ok], 0)["rollout/reward_mean"] == 1.0
+    assert eval_metrics(ok, 2, "acc")["eval/pass@1"] == 0.5 and eval_metrics(ok, 2)["eval/pass@1"] == 1.0
+    asyncio.run(worker.engine.close())

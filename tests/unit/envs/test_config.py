@@ -7,7 +7,7 @@ import pytest
 from miles.actors.factory import build_generate_fn
 from miles.config import ConfigError, build_parser, default_config, resolve
 from miles.envs import EnvConfig, EnvRollout
-from miles.models import build_tiny_tokenizer
+from miles.models import CausalLM, build_tiny_tokenizer, save_pretrained, tiny_config
 from miles.rollout import generate_single_turn
 
 
@@ -35,8 +35,8 @@ def test_bad_values_are_config_errors(values, message) -> None:
 
 
 def _checked(tmp_path, **flat):
-    (tmp_path / "ck").mkdir(exist_ok=True)
-    (tmp_path / "ck" / "config.json").write_text("{}")
+    if not (tmp_path / "ck" / "config.json").is_file():  # a real (tiny) checkpoint: validation reads its headers
+        save_pretrained(CausalLM(tiny_config()), tmp_path / "ck")
     (tmp_path / "d.jsonl").write_text('{"input": "x"}\n')
     return resolve({"hf_checkpoint": str(tmp_path / "ck"), "prompt_data": str(tmp_path / "d.jsonl"), **flat})
 

@@ -121,3 +121,45 @@ def test_load_tokenizer_errors(tmp_path) -> None:
     tok.chat_template = None
     with pytest.raises(ValueError, match="no chat_template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_check_checkpoint_reads_headers_only_and_names_the_problem(tmp_path) -> None:
+    """``check_checkpoint`` (what the CLI runs before any actor starts) finds what
+    ``load_pretrained`` would, from the safetensors headers alone; a config.json that is not
+    JSON, or names an architecture miles cannot build, is a CheckpointError naming the file."""
+    from miles.models import check_checkpoint
+
+    save_pretrained(_model(), tmp_path)
+    assert check_checkpoint(tmp_path) == _model().config
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "hidden_size": 96}))
+    with pytest.raises(CheckpointError, match=r"tensor '.*' has shape"):
+        check_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{'model_type': 'qwen3'}")  # not JSON
+    with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
+        check_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    with pytest.raises(CheckpointError, match=r"config\.json: model_type 'gpt2' not in"):
+        check_checkpoint(tmp_path)
+    heads = ("num_attention_heads", "num_key_value_heads")
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in heads}))
+    with pytest.raises(CheckpointError, match=r"config\.json: missing key 'num_attention_heads'"):
+        check_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        check_checkpoint(tmp_path)
+
+
+def test_the_cli_checks_the_checkpoint_before_anything_starts(tmp_path) -> None:
+    from miles.config import ConfigError, resolve
+
+    save_pretrained(_model(), tmp_path / "ck")
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    (tmp_path / "ck" / "config.json").write_text(json.dumps({**cfg, "vocab_size": 300}))
+    (tmp_path / "d.jsonl").write_text('{"input": "x"}\n')
+    vocab = cfg["vocab_size"]
+    with pytest.raises(ConfigError, match=rf"--hf-checkpoint .*: model\.safetensors: tensor '.*' has shape \({vocab}, "
+                                          r"64\), config\.json implies \(300, 64\)"):
+        resolve({"hf_checkpoint": str(tmp_path / "ck"), "prompt_data": str(tmp_path / "d.jsonl"),
+                 "custom_rm_path": "pkg.mod:fn"})

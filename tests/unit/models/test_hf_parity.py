@@ -26,6 +26,12 @@ VARIANTS = {
                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0,
                                       "original_max_position_embeddings": 64}),
+    # YaRN as long-context Qwen3 checkpoints ship it (factor 4 over a 32-token original
+    # context, so the 40-token inputs below run past it), and DeepSeek-style mscale terms
+    "qwen3_yarn": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    "qwen3_yarn_mscale": dict(rope_scaling={"rope_type": "yarn", "factor": 8.0, "mscale": 0.707,
+                                            "mscale_all_dim": 1.0, "beta_fast": 16,
+                                            "original_max_position_embeddings": 16}),
 }
 HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -35,7 +41,7 @@ def _pair(tmp_path, **kw):
     model = CausalLM(tiny_config(initializer_range=0.1, **kw)).eval()
     save_pretrained(model, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    return model, hf
+    return load_pretrained(tmp_path), hf  # through our loader too (it builds on the meta device)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -121,8 +121,8 @@ def test_config_hf_roundtrip_and_errors() -> None:
     assert tiny_config(model_type="llama").qk_norm is False
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         ModelConfig.from_hf({**hf, "model_type": "gpt2"})
-    with pytest.raises(ValueError, match="rope_type 'yarn'"):
-        ModelConfig.from_hf({**hf, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="rope_type 'longrope'"):
+        ModelConfig.from_hf({**hf, "rope_parameters": {"rope_type": "longrope", "factor": 4.0}})
     with pytest.raises(ValueError, match="not a multiple"):
         tiny_config(num_key_value_heads=3)
     with pytest.raises(ValueError, match="no shared expert"):
