@@ -8,6 +8,8 @@ and the values one component derives from another's flags are set once — the b
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import random
 from typing import Any
@@ -85,7 +87,13 @@ def buffer_args(cfg: MilesConfig) -> dict[str, Any]:
     )
     filters = []
     if cfg.rollout.dynamic_sampling_filter_path:
-        filters.append(load_function(cfg.rollout.dynamic_sampling_filter_path))
+        fn = load_function(cfg.rollout.dynamic_sampling_filter_path)
+        key = cfg.rollout.reward_key
+        if key and "reward_key" in inspect.signature(fn).parameters:  # judge the reward the trainer uses
+            name = getattr(fn, "name", None) or fn.__name__
+            fn = functools.partial(fn, reward_key=key)
+            fn.name = name  # type: ignore[attr-defined] - the reason its drops are counted under
+        filters.append(fn)
     return {"config": config, "group_filters": filters}
 
 

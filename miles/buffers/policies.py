@@ -77,14 +77,15 @@ def evict_fifo(groups: Iterable[Group]) -> Iterable[Group]:
 # ---- group filters ----------------------------------------------------------------------
 
 
-def drop_uniform_rewards(group: Sequence[Trajectory]) -> bool:
+def drop_uniform_rewards(group: Sequence[Trajectory], reward_key: str | None = None) -> bool:
     """Keep a group only if its rewards differ (DAPO's dynamic sampling): with equal
     rewards every GRPO advantage is zero, so the group only costs compute. Groups of one
-    sample are kept (there is nothing to compare)."""
+    sample are kept (there is nothing to compare). ``reward_key``: the dict entry the
+    trainer uses (the run binds ``--reward-key`` to any filter that takes this keyword)."""
     if len(group) < 2:
         return True
-    first = group[0].scalar_reward()
-    return any(t.scalar_reward() != first for t in group[1:])
+    first = group[0].scalar_reward(reward_key)
+    return any(t.scalar_reward(reward_key) != first for t in group[1:])
 
 
 def drop_aborted(group: Sequence[Trajectory]) -> bool:

@@ -219,3 +219,19 @@ def test_a_dict_reward_without_the_reward_key_fails_with_its_keys() -> None:
     assert batch_metrics([ok], 0)["rollout/reward_mean"] == 1.0
     assert eval_metrics(ok, 2, "acc")["eval/pass@1"] == 0.5 and eval_metrics(ok, 2)["eval/pass@1"] == 1.0
     asyncio.run(worker.engine.close())
+
+
+def test_the_uniform_reward_filter_judges_the_reward_key_entry(tmp_path) -> None:
+    """With --reward-key the run binds the key to a dynamic-sampling filter that takes it:
+    a group whose 'acc' entries are equal is dropped even though the dicts' sums differ."""
+    from miles.actors.factory import buffer_args
+    from miles.buffers.policies import filter_name
+    from miles.config import default_config
+
+    group = [Trajectory(id=f"t{i}", prompt_id="p", group_id="g", prompt_tokens=[1], status=Status.COMPLETED,
+                        reward={"acc": 1.0, "fmt": float(i)}) for i in range(2)]
+    cfg = default_config(dynamic_sampling_filter_path="miles.buffers:drop_uniform_rewards", reward_key="acc")
+    (keyed,) = buffer_args(cfg)["group_filters"]
+    assert keyed(group) is False and filter_name(keyed) == "drop_uniform_rewards"
+    (summed,) = buffer_args(default_config(dynamic_sampling_filter_path="miles.buffers:drop_uniform_rewards"))["group_filters"]
+    assert summed(group) is True
