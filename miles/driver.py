@@ -7,8 +7,7 @@ Four things run at once, all meeting in the replay buffer:
 2. rollout workers (``RolloutWorker.run``): lease work — partial trajectories first — and
    stream finished and partial trajectories back;
 3. the train loop below: take a batch as soon as one satisfies the bound, train, publish
-   version v+1 through the broadcaster (in the background: the next batch is asked for
-   while the weights travel), log, evaluate, checkpoint;
+   version v+1 through the broadcaster, log, evaluate, checkpoint;
 4. ``watch``: pings every actor; a dead rollout worker's leased work goes back to the queue
    (exactly once) and a fresh worker replaces it; a dead trainer stops the run.
 
@@ -64,10 +63,6 @@ class Driver:
         self.eval_tasks: list[asyncio.Task[None]] = []
         self.draft_run: Any = None
         self.step = 0
-        self.trainer_version: int | None = None  # the trainer's version after the last step
-        self.publishing: asyncio.Task[None] | None = None  # the publish in flight
-        self.logging: asyncio.Task[None] | None = None  # the last step's stats and log line
-        self.published_at = 0.0  # monotonic time the last publish finished
         self.admit_s = 0.0
         self.trainer_rss_mb = 0.0
         self.trainer_weights: dict[str, float] = {}  # the trainer's weight-transport counters
@@ -89,10 +84,6 @@ class Driver:
                     await self._train_step()
                 except ray.exceptions.RayActorError as exc:  # trainer or buffer: fatal
                     self._fail(f"{_actor_name(exc)} died ({_root_cause(exc)}){self._checkpoint_note()}")
-            try:  # the last step's publish and log line
-                await self._settle()
-            except ray.exceptions.RayActorError as exc:
-                self._fail(f"{_actor_name(exc)} died ({_root_cause(exc)}){self._checkpoint_note()}")
             if self.stop.is_set():
                 status = "failed" if self.failure else "interrupted"
             for task in background:
@@ -108,23 +99,14 @@ class Driver:
         return summary
 
     async def _train_step(self) -> None:
-        """One step: take a batch, train, hand the publish of version v+1 (and the step's
-        metrics) to the background, and return. The next step asks the buffer for its batch
-        at once, while the weights travel: the trainer's work is serialized by its own lock
-        (a publish's export reads the weights that the next ``train`` changes), and a batch
-        for version v+1 depends on v+1 alone, not on whether the workers have it yet. Done
-        in line, every step paid the whole publish (export, transfer, a Ray round trip per
-        stage) and the stats calls before the trainer could ask for data."""
         cfg, a = self.cfg, self.actors
-        version = self.scheduler.version if self.trainer_version is None else self.trainer_version
+        version = self.scheduler.version
         t0 = time.monotonic()
         batch_ref = a.buffer.get_batch_async.remote(cfg.scheduler.rollout_batch_size, version)
-        groups = await self._until_stopped(batch_ref, watch=self.publishing)
-        arrived = time.monotonic()
-        ready = max(t0, await self._settle())  # the trainer is free once the last publish is done
+        groups = await self._until_stopped(batch_ref)
         if groups is None:
             return
-        wait_s = max(0.0, arrived - ready)
+        wait_s = time.monotonic() - t0
         if cfg.scheduler.mode == "sync" and cfg.rollout.partial_rollout:
             # Over-sampled generations still running would be off-policy after this step:
             # park them now; they resume on the new weights.
@@ -137,14 +119,15 @@ class Driver:
         train_s = time.monotonic() - t1
         # The buffer learns the new version before any worker can hold its weights: a put
         # with tokens of a version the buffer does not know yet is refused as invalid.
-        new_version = await a.trainer.get_version.remote()
-        await a.buffer.set_version.remote(new_version)
-        self.trainer_version = new_version
-        self.publishing = asyncio.create_task(self._publish())
+        await a.buffer.set_version.remote(await a.trainer.get_version.remote())
+        new_version = await a.trainer.publish.remote(a.broadcaster)
+        if cfg.scheduler.mode == "sync":
+            await a.broadcaster.wait_applied.remote(new_version)
+        self.scheduler.on_version(new_version)
         self.step += 1
-        end = time.monotonic()
-        step_s = end - t0
+        step_s = time.monotonic() - t0
         metrics.update(batch_metrics(groups, version, cfg.rollout.reward_key))
+        metrics.update(await self._rollout_and_buffer_stats())
         n = metrics["perf/trained_samples"]
         metrics.update({
             "train/version": float(new_version), "perf/step_s": step_s, "perf/wait_for_data_s": wait_s,
@@ -153,39 +136,11 @@ class Driver:
             "perf/admission_s": self.admit_s,
         })
         self.admit_s = 0.0
-        self.logging = asyncio.create_task(self._log(self.step, metrics, end, self.logging))
+        self.out.log_step(self.step, metrics)
         if self.eval_data is not None and cfg.run.eval_interval and self.step % cfg.run.eval_interval == 0:
-            self.eval_tasks.append(asyncio.create_task(self._evaluate(self.step, self.publishing)))
+            self.eval_tasks.append(asyncio.create_task(self._evaluate(self.step)))
         if self.ckpt is not None and cfg.run.save_interval and self.step % cfg.run.save_interval == 0:
-            await self._settle()
             await self._save()
-
-    async def _publish(self) -> None:
-        """Send the trainer's weights to every worker; in sync mode wait until all run them
-        (the next batch then never starts on old weights); then open the admission budget."""
-        a = self.actors
-        version = await a.trainer.publish.remote(a.broadcaster)
-        if self.cfg.scheduler.mode == "sync":
-            await a.broadcaster.wait_applied.remote(version)
-        self.scheduler.on_version(version)
-        self.published_at = time.monotonic()
-
-    async def _log(self, step: int, metrics: dict[str, Any], end: float, before: asyncio.Task[None] | None) -> None:
-        """Add the buffer's, broadcaster's and workers' stats and log the step (after the
-        step before it: rows stay in order), stamped with the step's end."""
-        if before is not None:
-            await before
-        metrics.update(await self._rollout_and_buffer_stats())
-        self.out.log_step(step, metrics, at=end)
-
-    async def _settle(self) -> float:
-        """Wait for the publish and the logging in flight (raising their errors); returns
-        when the last publish finished (0 if none ran)."""
-        for task in (self.publishing, self.logging):
-            if task is not None:
-                await task
-        self.publishing = self.logging = None
-        return self.published_at
 
     async def _admit(self) -> None:
         """Keep the buffer supplied with prompts, within the staleness budget."""
@@ -296,21 +251,11 @@ class Driver:
         if self.eval_data is not None and self.cfg.run.eval_interval and self.step == 0:
             self.eval_tasks.append(asyncio.create_task(self._evaluate(0)))  # the starting point
 
-    async def _until_stopped(self, ref: Any, watch: asyncio.Task[Any] | None = None) -> Any:
-        """Await ``ref`` unless the run is stopped first (then return None). ``watch``: a
-        task whose failure is raised at once (the publish in flight: in sync mode the batch
-        waits on the weights it would have delivered)."""
+    async def _until_stopped(self, ref: Any) -> Any:
+        """Await ``ref`` unless the run is stopped first (then return None)."""
         task = asyncio.ensure_future(ref)
         stopper = asyncio.ensure_future(self.stop.wait())
-        pending = {task, stopper} | ({watch} if watch is not None and not watch.done() else set())
-        while True:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if watch in done and watch.exception() is not None:
-                task.cancel()
-                stopper.cancel()
-                raise watch.exception()
-            if task in done or stopper in done:
-                break
+        done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
         if task in done:
             return task.result()
@@ -359,14 +304,9 @@ class Driver:
         stats["mem/driver_rss_mb"] = rss_mb()
         return stats
 
-    async def _evaluate(self, step: int, publishing: asyncio.Task[None] | None = None) -> None:
+    async def _evaluate(self, step: int) -> None:
         from miles.evaluation import run_evaluation
 
-        if publishing is not None:  # evaluate the step's weights, not the ones before
-            try:
-                await publishing
-            except Exception:  # the train loop reports it
-                return
         metrics = await run_evaluation(self.cfg, self.eval_data, list(self.actors.workers.values()), step)
         self.out.log_eval(step, metrics)
 

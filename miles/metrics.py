@@ -44,10 +44,8 @@ class MetricsRecorder:
         # Only the newest row is kept in memory: a long run's history lives in the file.
         self.last: dict[str, Any] = {}
 
-    def log(self, step: int, metrics: Mapping[str, Any], *, at: float | None = None) -> dict[str, Any]:
-        """Write one row; ``wall_time`` is seconds from the start to ``at`` (a
-        ``time.monotonic()`` stamp: the step's end, when its row is written later) or now."""
-        row = {"step": step, "wall_time": round((time.monotonic() if at is None else at) - self._start, 4)}
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        row = {"step": step, "wall_time": round(time.monotonic() - self._start, 4)}
         row.update({k: _clean(v) for k, v in metrics.items()})
         self.last = row
         if self._file is not None:
