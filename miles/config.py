@@ -14,6 +14,9 @@ cross-field rules), and the driver writes the result to ``OUTPUT_DIR/config.yaml
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -114,8 +117,36 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
     for name, owners in _field_table().items():
         section, info = owners[0]
         where = ", ".join(s for s, _ in owners)
-        _add_argument(parser, name, info, f"[{where}] default: {_default(info)!r}")
+        text = next((t for s, _ in owners if (t := field_comments(SECTIONS[s]).get(name))), "")
+        doc = f"{text + ' ' if text else ''}[{where}] default: {_default(info)!r}"
+        _add_argument(parser, name, info, doc.replace("%", "%%"))  # argparse formats help with %
     return parser
+
+
+@functools.cache
+def field_comments(cls: type) -> dict[str, str]:
+    """Each field of a config struct → its source comment (at the end of its line, or the
+    comment lines just above it): the flag's ``--help`` text, kept where the field is."""
+    try:
+        lines = inspect.getsource(cls).splitlines()[1:]
+    except (OSError, TypeError):  # no source (a frozen install): the help says type and default only
+        return {}
+    out: dict[str, str] = {}
+    above: list[str] = []
+    for line in lines:
+        text = line.strip()
+        if text.startswith(("def ", "@", "class ")):
+            break  # the fields come first
+        if text.startswith("#"):
+            above.append(text.lstrip("#").strip())
+            continue
+        field = re.match(r"(\w+)\s*:[^#]*?(?:#\s*(.*))?$", text)
+        if field and not text.startswith(('"', "'")):
+            comment = field.group(2) or " ".join(above)
+            if comment:
+                out[field.group(1)] = comment
+        above = []
+    return out
 
 
 def _flatten_yaml(data: Any, path: Path) -> dict[str, Any]:

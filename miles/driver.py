@@ -63,6 +63,7 @@ class Driver:
         self.eval_tasks: list[asyncio.Task[None]] = []
         self.draft_run: Any = None
         self.step = 0
+        self.saved_step = -1  # the step of the last checkpoint this run wrote
         self.admit_s = 0.0
         self.trainer_rss_mb = 0.0
         self.trainer_weights: dict[str, float] = {}  # the trainer's weight-transport counters
@@ -316,11 +317,13 @@ class Driver:
 
         async with self.admission_lock:
             await save_run_state(self.ckpt, self.step, self.actors, self.dataset, self.scheduler)
+        self.saved_step = self.step
 
     async def _load(self, path: str) -> None:
         from miles.checkpoint import load_run_state
 
         self.step = await load_run_state(path, self.actors, self.dataset, self.scheduler)
+        self.saved_step = self.step  # that checkpoint holds this state already
         self.out.resumed_at(self.step)
 
     def _checkpoint_note(self) -> str:
@@ -352,8 +355,8 @@ class Driver:
             await asyncio.gather(a.draft_trainer.stop.remote(), return_exceptions=True)
             if self.draft_run is not None:
                 await asyncio.gather(self.draft_run, return_exceptions=True)
-        if self.ckpt is not None and status == "interrupted":
-            await self._save()
+        if self.ckpt is not None and status in ("interrupted", "completed") and self.saved_step != self.step:
+            await self._save()  # --save keeps the end of a run too, whatever --save-interval says
         ledger = await a.buffer.ledger.remote()
         summary = {
             "status": status,

@@ -74,8 +74,8 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True):
     use_tis: bool = False
     tis_clip: float = 2.0  # importance_weights' ``high``
     tis_clip_low: float | None = None  # ``low``; None → 0 (truncate) or 1/tis_clip (mask)
-    tis_level: TisLevel = "token"
-    tis_mode: TisMode = "truncate"
+    tis_level: TisLevel = "token"  # importance ratios per token, per sequence (product), or their geometric mean
+    tis_mode: TisMode = "truncate"  # truncate (TIS) or mask (MIS) ratios beyond the bounds
     tis_veto: float | None = None  # mask a sequence if any token ratio < veto
 
     # --- decoupled PPO ------------------------------------------------------------------
@@ -85,7 +85,7 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True):
     # --- regularizers -------------------------------------------------------------------
     kl_coef: float = 0.0  # KL(π_θ‖π_ref) loss term; needs a reference model when > 0
     kl_type: KlType = "k1"
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # entropy bonus in the loss
 
     # --- aggregation --------------------------------------------------------------------
     loss_agg: LossAgg = "seq-mean-token-mean"

@@ -48,7 +48,7 @@ class BufferConfig(msgspec.Struct, kw_only=True):
     # otherwise. A buffer built directly treats "auto" as "drop".
     stale_policy: str = "auto"
     capacity: int = 4096  # live trajectories (queued+in flight+partial+waiting+ready)
-    lease_timeout_s: float = 60.0
+    lease_timeout_s: float = 60.0  # a leased trajectory not renewed this long goes back to the queue
     n_samples_per_prompt: int = 1
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_batch_size: int = 64
     # Context length of one slot (prompt + response); ≤ the model's max_position_embeddings.
     max_seq_len: int = 2048
-    device: str = "cpu"
+    device: str = "cpu"  # "cpu" or "cuda" (the engines; the trainer's is the same flag)
     # "auto": float32 on the CPU, bfloat16 on CUDA; or "float32" / "bfloat16" / "float16".
     dtype: str = "auto"
     # Default for weight updates: keep in-flight requests' KV cache (PipelineRL) or

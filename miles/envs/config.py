@@ -28,8 +28,8 @@ class EnvConfig(msgspec.Struct, kw_only=True):
     # "pkg.mod:Env" or "path/file.py:Env": a class (or factory) called once per episode
     # with ``--env-kwargs`` as keyword arguments.
     env_path: str | None = None
-    env_kwargs: dict[str, Any] = {}
-    max_turns: int = 8
+    env_kwargs: dict[str, Any] = {}  # keyword arguments for the environment (JSON or k=v,...)
+    max_turns: int = 8  # model turns per episode
     max_total_tokens: int | None = None
     max_turn_tokens: int | None = None
     turn_timeout_s: float = 60.0

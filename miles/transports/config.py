@@ -29,8 +29,8 @@ Transport = Literal["auto", "object_store", "nccl", "gloo", "cuda_ipc"]
 
 
 class WeightsConfig(msgspec.Struct, kw_only=True):
-    weight_transport: Transport = "auto"
-    weight_update_changed_only: bool = False
+    weight_transport: Transport = "auto"  # auto: CUDA IPC colocated, NCCL on separate GPUs, else the object store
+    weight_update_changed_only: bool = False  # send only the tensors that changed (frozen or LoRA-style training)
     weight_transport_timeout_s: float = 300.0
 
 

@@ -36,8 +36,9 @@ def test_exact_resume_is_bitwise(ray_cluster, tiny_ckpt, task, tmp_path) -> None
     full = tmp_path / "full"
     asyncio.run(train(resolve(run_flags(tiny_ckpt, task, full / "out", save=str(full / "ck"), **common))))
     part = tmp_path / "part"
-    first = dict(common, num_rollout=2)
+    first = dict(common, num_rollout=2, save_interval=0)  # the checkpoint a run writes at its end
     asyncio.run(train(resolve(run_flags(tiny_ckpt, task, part / "out", save=str(part / "ck"), **first))))
+    assert [p.name for p in sorted((part / "ck").glob("step_*"))] == ["step_000002"]
     summary = asyncio.run(train(resolve(run_flags(
         tiny_ckpt, task, part / "out", save=str(part / "ck"), load=str(part / "ck"), **common))))
     assert summary["status"] == "completed" and summary["steps"] == 4 and summary["ledger_ok"]

@@ -57,7 +57,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True):
     draft_hidden_size: int = 0  # the independent LM's width (0: a quarter of the policy's)
     # ---- DraftTrainer ------------------------------------------------------------------
     enable_draft_training: bool = False
-    draft_lr: float = 1e-4
+    draft_lr: float = 1e-4  # the DraftTrainer's learning rate
     draft_train_interval: int = 1  # publish a draft version every N trained policy batches
     draft_kl_coef: float = 0.0  # + KL(policy ‖ draft) on the policy copy's full distribution
     draft_micro_batch_size: int = 16  # trajectories per draft optimizer step
