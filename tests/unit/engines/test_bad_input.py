@@ -11,7 +11,7 @@ from miles.engines import EngineConfig
 from miles.models import token_logprobs
 from miles.types import GenerateRequest, SamplingParams
 
-from .helpers import make_engine, make_model, run
+from .helpers import make_engine, make_model, paced, run
 
 OK = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True)
 
@@ -22,12 +22,14 @@ def _gen(engine, rid, ids, sp=OK, **kw):
 
 def test_bad_requests_error_while_others_are_served() -> None:
     async def go():
-        engine = make_engine(max_seq_len=32)
+        # paced: g0's 16 steps take >= 32 ms, so the duplicate below surely finds it in flight
+        # (with the CPU decode kernel they took ~2 ms, and on a loaded machine the duplicate,
+        # one event-loop turn later, sometimes found g0 done)
+        engine = paced(make_engine(max_seq_len=32), 0.002)
         good = [asyncio.create_task(_gen(engine, f"g{i}", [5 + i, 6, 7])) for i in range(3)]
         await asyncio.sleep(0)  # the good requests are queued (generate registers before its first await)
-        # a second request with g0's id while g0 is surely in flight (submitted after the bad
-        # ones, it raced g0's 16 steps on a loaded machine and sometimes found g0 done)
-        dup_task = asyncio.create_task(_gen(engine, "g0", [5]))
+        dup_task = asyncio.create_task(_gen(engine, "g0", [5]))  # a second request with g0's id
+        await asyncio.sleep(0)
         bad = await asyncio.gather(
             _gen(engine, "long", list(range(5, 37))),
             _gen(engine, "oov", [5, 288, 6]),
