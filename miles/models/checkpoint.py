@@ -83,23 +83,24 @@ def check_checkpoint(path: str | Path) -> ModelConfig:
     each actor that loads the weights. Returns the config."""
     path = Path(path)
     config = load_config(path)
-    _check_tensors(path, config)
+    _check_tensors(path, _meta_model(config))
     return config
 
 
-def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def _meta_model(config: ModelConfig) -> CausalLM:
+    """The model of ``config`` with no storage: its state dict's names and shapes."""
     with torch.device("meta"):
-        model = CausalLM(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight")
-    return expected
+        return CausalLM(config)
 
 
-def _check_tensors(path: Path, config: ModelConfig) -> list[tuple[Path, list[str]]]:
-    """Names and shapes from the headers; returns (file, tensor names to load) per file."""
-    expected = _expected_shapes(config)
+def _check_tensors(path: Path, model: CausalLM) -> list[tuple[Path, list[str]]]:
+    """Names and shapes from the headers against ``model``'s; returns (file, tensor names to
+    load) per file."""
+    config = model.config
     tied = config.tie_word_embeddings
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if tied:
+        expected.pop("lm_head.weight")
     found: set[str] = set()
     plan = []
     for file in _safetensor_files(path):
@@ -152,9 +153,8 @@ def load_pretrained(
     path = Path(path)
     config = load_config(path)
     dtype = dtype or default_dtype(device)
-    plan = _check_tensors(path, config)  # every name and shape, before any tensor is read
-    with torch.device("meta"):
-        model = CausalLM(config)
+    model = _meta_model(config)
+    plan = _check_tensors(path, model)  # every name and shape, before any tensor is read
     state: dict[str, torch.Tensor] = {}
     for file, names in plan:
         with safe_open(str(file), framework="pt", device="cpu") as fh:

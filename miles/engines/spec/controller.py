@@ -157,6 +157,7 @@ class _Acceptance:
     def __init__(self, k_max: int) -> None:
         self.reach = [0.0] * (k_max + 1)  # index 0 unused
         self.kept = [0.0] * (k_max + 1)
+        self._yields: list[float] | None = None  # tokens(k) for k = 0..k_max
 
     def observe(self, outcomes: list[tuple[int, int]]) -> None:
         """``outcomes``: per row (drafts it could keep, drafts it kept)."""
@@ -167,10 +168,12 @@ class _Acceptance:
             for j in range(1, min(kept + 1, drafts, len(self.reach) - 1) + 1):
                 self.reach[j] += 1.0
                 self.kept[j] += j <= kept
+        self._yields = None
 
     def shrink(self, share: float) -> None:
         self.reach = [share * x for x in self.reach]
         self.kept = [share * x for x in self.kept]
+        self._yields = None
 
     def probs(self) -> list[float]:
         out, prior = [], 0.5
@@ -180,11 +183,15 @@ class _Acceptance:
         return out
 
     def tokens(self, k: int) -> float:
-        total, run = 1.0, 1.0
-        for p in self.probs()[:k]:
-            run *= p
-            total += run
-        return total
+        """Expected tokens per row of a round of k drafts (the rule asks for every k at
+        every step: computed once per change of the counts)."""
+        if self._yields is None:
+            total, run, self._yields = 1.0, 1.0, [1.0]
+            for p in self.probs():
+                run *= p
+                total += run
+                self._yields.append(total)
+        return self._yields[min(k, len(self._yields) - 1)]
 
 
 class SpecController:
@@ -281,8 +288,8 @@ class SpecController:
         plain step's measured yield, or a round's expected one, over the median step time."""
         if not option:
             return self.rates.rate((b, 0)) or 0.0
-        window = self.rates.seconds.get((b, option))
-        return self.accept.tokens(option) / statistics.median(window) if window else 0.0
+        seconds = self.step_seconds(b, option)
+        return self.accept.tokens(option) / seconds if seconds else 0.0
 
     def step_seconds(self, b: int, option: int) -> float:
         """The median measured step time of ``option`` at batch bucket ``b`` (0: unmeasured)."""
