@@ -2,6 +2,7 @@
 
     python benchmarks/weight_sync.py [--device cpu|cuda] [--quick] [--sizes 0.5b,7b]
                                      [--transports object_store,nccl,gloo,cuda_ipc] [--no-stall]
+                                     [--no-graph-pack]
 
 For each transport (``miles.transports``) and state dict — random bf16 tensors with the
 shapes of Qwen3-0.6B ("0.5b", 1.19 GB) and Qwen2.5-7B ("7b", 15.2 GB) — the trainer side
@@ -18,6 +19,11 @@ process, or a Ray actor for the object store) that stages it exactly as an engin
   ``ray.put`` + ``get`` of one buffer of the same size landing on the engine's device
   (object store; host memcpy is printed beside it).
 * goals: ≥ 80% of the ceiling for NCCL and CUDA IPC.
+* CUDA IPC's pack alone, by how it is launched: one multi-tensor copy, plain copies for the
+  large tensors (the default), a plain copy each, and the default as a CUDA graph replay (what
+  the sender does once a pooled buffer's pack repeats; ``--no-graph-pack`` turns that off in
+  the sender, for an A/B of 'to staged'). Its timed runs follow two warm-ups: the second
+  update is the one that captures the graph.
 * the rollout stall: a real ``EmbeddedEngine`` (Qwen3-0.6B-shaped, random weights, on the
   GPU; the tiny test model on the CPU) decodes a batch while an update arrives through the
   transport; reported: the engine's ``engine/swap_pause_s`` (the commit), the longest gap
@@ -53,6 +59,7 @@ import torch  # noqa: E402
 
 from miles.models import CausalLM, ModelConfig, tiny_config  # noqa: E402
 from miles.transports import make_sender  # noqa: E402
+from miles.transports.cuda_ipc import capture_graph  # noqa: E402
 from miles.transports.changed import fingerprints  # noqa: E402
 from miles.weights import MEMCPY_BYTES, layout, pack_into, plan_buckets, slots  # noqa: E402
 from weight_sync_engine import EngineSide, serve  # noqa: E402
@@ -141,10 +148,13 @@ def engine_device(kind: str, device: str) -> str:
     return "cuda:1" if kind == "nccl" else "cuda:0"
 
 
-def open_pair(kind: str, device: str, timeout_s: float) -> tuple[Any, Remote]:
-    """The trainer's sender and the engine side, joined into a group where needed."""
+def open_pair(kind: str, device: str, timeout_s: float, graph_pack: bool = True) -> tuple[Any, Remote]:
+    """The trainer's sender and the engine side, joined into a group where needed;
+    ``graph_pack``: whether the CUDA IPC sender replays its pack as a CUDA graph."""
     sender = make_sender(kind, device=device, dtype=torch.bfloat16, use_ray=kind == "object_store",
                          timeout_s=timeout_s)
+    if kind == "cuda_ipc":
+        sender.graph_pack = graph_pack
     remote = Remote(engine_device(kind, device), use_ray=kind == "object_store")
     if kind in ("nccl", "gloo"):
         spec = sender.new_spec(2)
@@ -175,19 +185,23 @@ def bench_transport(kind: str, size: str, args: argparse.Namespace, ceilings: di
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     plans = list(plan_buckets(named, args.bucket_mb << 20))
     buckets = 1 if kind == "cuda_ipc" else len(plans)  # CUDA IPC packs an update into one buffer
-    sender, remote = open_pair(kind, device, args.timeout_s)
+    sender, remote = open_pair(kind, device, args.timeout_s, graph_pack=not args.no_graph_pack)
+    # the first run warms up allocators and connections; CUDA IPC's second captures its pack
+    # as a CUDA graph (a one-off), so the timed runs see the steady state: a replay
+    warmups = 2 if kind == "cuda_ipc" else 1
     try:
         remote.call("setup", shapes, "bfloat16")
         runs = []
-        for r in range(args.repeats + 1):  # the first run warms up allocators and connections
+        for r in range(args.repeats + warmups):
             t0, res = publish_once(sender, remote, r + 1, plans, device)
-            if r:
+            if r >= warmups:
                 # phases (host clocks of both processes: CLOCK_MONOTONIC is system-wide)
                 runs.append({"staged_s": res["t_staged"] - t0, "swap_s": res["swap_s"],
                              "prepare_s": res["t_prepared"] - t0, "trip_s": res["t_in"] - res["t_prepared"],
                              "receive_s": res["t_received"] - res["t_in"],
                              "wait_s": res["t_staged"] - res["t_received"]})
         exact = remote.call("fingerprint") == fingerprints(named)
+        graph_replays = getattr(sender, "graph_replays", 0)
         packing = pack_variants(named, device) if kind == "cuda_ipc" else {}
         ceiling_key = {"cuda_ipc": "d2d_copy", "object_store": "object_store_raw"}.get(kind, f"{kind}_bcast")
         ceilings[f"{ceiling_key}/{size}"] = measure_ceiling(kind, nbytes, sender, remote, device)
@@ -204,16 +218,19 @@ def bench_transport(kind: str, size: str, args: argparse.Namespace, ceilings: di
             **{k: statistics.median(r[k] for r in runs) for k in ("swap_s", *PHASES)},
             "gbps": gbps, "ceiling_key": ceiling_key,
             "ceiling_gbps": ceiling, "ratio": gbps / ceiling if ceiling else 0.0, "exact": exact,
-            "runs": runs, "packing": packing}
+            "runs": runs, "packing": packing, "graph_replays": graph_replays}
 
 
 PACKINGS = {"multi-tensor": 1 << 62, "default": MEMCPY_BYTES, "memcpy each": 0}  # pack_into's memcpy_bytes
+PACK_COLUMNS = (*PACKINGS, "graph")  # graph: the default pack captured once, then replayed
 
 
 def pack_variants(named: list[tuple[str, torch.Tensor]], device: str, repeats: int = 5) -> dict[str, dict[str, float]]:
     """The sender's pack alone, by how ``pack_into`` splits the work: every tensor in one
     multi-tensor copy, the default (large same-dtype tensors as plain copies), a plain copy
-    each. Best of ``repeats``: device ms (CUDA events) and host ms (the launches)."""
+    each; and the default captured once as a CUDA graph and replayed (what the sender does
+    from a pooled buffer's second full update on). Best of ``repeats``: device ms (CUDA
+    events) and host ms (the launches)."""
     metas, size = layout(named)
     flat = torch.empty(size, dtype=torch.uint8, device=device)
     dsts = slots(flat, metas)
@@ -222,6 +239,9 @@ def pack_variants(named: list[tuple[str, torch.Tensor]], device: str, repeats: i
         dev, host = best_cuda_time(lambda: pack_into(flat, named, metas, dsts=dsts, memcpy_bytes=memcpy_bytes),
                                    device, repeats)
         out[label] = {"device_s": dev, "host_s": host}
+    replay = capture_graph(lambda: pack_into(flat, named, metas, dsts=dsts), torch.cuda.Stream(device))
+    dev, host = best_cuda_time(replay, device, repeats)
+    out["graph"] = {"device_s": dev, "host_s": host}
     return out
 
 
@@ -367,6 +387,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=512, help="--update-weight-buffer-size, in MiB")
     ap.add_argument("--no-stall", action="store_true", help="bandwidth only")
+    ap.add_argument("--no-graph-pack", action="store_true",
+                    help="the CUDA IPC sender launches its pack's copies every update instead of replaying a CUDA graph")
     ap.add_argument("--no-bandwidth", action="store_true", help="the stall only")
     ap.add_argument("--stall-batch", type=int, default=32)
     ap.add_argument("--compile", action="store_true", help="torch.compile the stall engine (slower start)")
@@ -433,14 +455,17 @@ def report(rows: list[dict], stalls: list[dict], ceilings: dict[str, float], not
     packed = [r for r in rows if r.get("packing")]
     if packed:
         lines += ["", "The CUDA IPC sender's pack alone (best of 5; device ms by CUDA events, host ms the launches; "
-                  "% = the copy ceiling's time for the same bytes over the pack's device time):", "",
-                  "| state dict | " + " | ".join(f"{k} device ms | {k} host ms | {k} % of ceiling" for k in PACKINGS) + " |",
-                  "|---|" + "---|---|---|" * len(PACKINGS)]
+                  "% = the copy ceiling's time for the same bytes over the pack's device time; graph = the default "
+                  "pack captured once as a CUDA graph and replayed, as the sender does from a pooled buffer's "
+                  "second full update on):", "",
+                  "| state dict | " + " | ".join(f"{k} device ms | {k} host ms | {k} % of ceiling"
+                                               for k in PACK_COLUMNS) + " |",
+                  "|---|" + "---|---|---|" * len(PACK_COLUMNS)]
         for r in packed:
             floor = r["bytes"] / (r["ceiling_gbps"] * 1e9) if r["ceiling_gbps"] else float("nan")
             lines.append(f"| {r['size']} | " + " | ".join(
                 f"{1e3 * v['device_s']:.2f} | {1e3 * v['host_s']:.2f} | {100 * floor / v['device_s']:.0f}%"
-                for v in r["packing"].values()) + " |")
+                for v in (r["packing"][k] for k in PACK_COLUMNS)) + " |")
     if "host_memcpy" in ceilings:
         lines.append(f"\nHost memcpy (one thread): {ceilings['host_memcpy']:.1f} GB/s.")
     if stalls:

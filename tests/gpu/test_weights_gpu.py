@@ -2,7 +2,9 @@
 to the trainer's (full and changed-only updates); the engine keeps decoding while an update
 stages and only the commit pauses it (its pause is measured); NCCL broadcast between two
 GPUs (skipped with fewer). The trainer and the engine are separate processes, as in a run
-(a process cannot map its own IPC handles)."""
+(a process cannot map its own IPC handles). The CUDA IPC sender's pack as a CUDA graph: the
+engine gets the live parameters' current bytes from its replays; every copy path of the pack
+captures, also while other threads use CUDA; a failed capture falls back to eager packing."""
 
 from __future__ import annotations
 
@@ -173,3 +175,160 @@ def test_nccl_broadcast_between_two_gpus_is_bitwise() -> None:
         proc.join(timeout=TIMEOUT)
     assert n == len(named)
     assert prints == fingerprints([(k, t.to(torch.bfloat16)) for k, t in named])
+
+
+# ---- the CUDA IPC sender's pack as a CUDA graph ------------------------------------------
+def test_cuda_ipc_graph_pack_replays_the_live_parameters_bitwise() -> None:
+    """From a pooled buffer's second full update on, the pack is one CUDA graph replay: the
+    engine must still get each update's bytes (the parameters change in place between
+    updates), and after a parameter is reallocated its new bytes (an eager pack, then a new
+    capture)."""
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_ipc_engine, args=(inbox, outbox), daemon=True)
+    proc.start()
+    sender = make_sender("cuda_ipc", device="cuda", dtype=torch.bfloat16)
+    trainer = _model(seed=2).cuda()
+    layer = trainer.model.layers[0].mlp.down_proj
+    counts = []
+    try:
+        for version in range(1, 8):
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(0.01 * version)  # an optimizer step: the same storages
+                if version == 5:
+                    layer.weight = torch.nn.Parameter(layer.weight.detach() + 0.5)  # a new allocation
+            plans = list(plan_buckets(trainer.state_dict().items(), 1 << 14))
+            update = sender.prepare(version, plans, members=["w0"])
+            inbox.put(update)
+            got = outbox.get(timeout=TIMEOUT)
+            assert not isinstance(got, Exception), got
+            _, engine_version, weights = got
+            sender.release(version)
+            assert engine_version == version
+            for name, t in trainer.state_dict().items():
+                assert torch.equal(weights[name], t.to(torch.bfloat16).cpu()), (version, name)
+            counts.append((sender.graph_captures, sender.graph_replays))
+        # eager, captured, replayed ×2; the reallocation: eager, captured, replayed
+        assert counts == [(0, 0), (1, 1), (1, 2), (1, 3), (1, 3), (2, 4), (2, 5)]
+        assert sender.allocations == 1 and sender.packer.failures == 0
+    finally:
+        inbox.put(None)
+        proc.join(timeout=TIMEOUT)
+        sender.close()
+
+
+def _every_copy_path() -> list[tuple[str, torch.Tensor]]:
+    """Sources for each way pack_into copies: a plain memcpy (≥ MEMCPY_BYTES, same dtype), casts
+    and small tensors in the multi-tensor copy, a strided view, integers and booleans; plus
+    many small ones, so that a capture takes long enough to overlap other threads' CUDA calls."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    named = [("big", torch.randn(4096, 2048, generator=g, device="cuda").to(torch.bfloat16)),
+             ("cast", torch.randn(300, 129, generator=g, device="cuda")),
+             ("strided", torch.randn(64, 96, generator=g, device="cuda").to(torch.bfloat16).t()),
+             ("ids", torch.arange(1000, device="cuda")),
+             ("mask", torch.rand(77, generator=g, device="cuda") > 0.5)]
+    return named + [(f"small{i}", torch.randn(17 + i, generator=g, device="cuda")) for i in range(300)]
+
+
+def _step(named: list[tuple[str, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for _, t in named:
+            if t.dtype == torch.bool:
+                t.logical_not_()
+            else:
+                t.add_(1)
+
+
+def _assert_packed(sender: Any, version: int, update: Any, named: list[tuple[str, torch.Tensor]]) -> None:
+    from miles.weights import views
+
+    got = dict(views(sender.live[version].data, update.buckets[0].metas))
+    for name, t in named:
+        want = t.to(torch.bfloat16) if t.is_floating_point() else t
+        assert torch.equal(got[name], want), (version, name)
+
+
+def test_graph_pack_copies_every_path_and_captures_while_other_threads_use_cuda() -> None:
+    """The prepare runs in a worker thread, as in the trainer, while this thread allocates,
+    computes and synchronizes: a capture in ``global`` mode would fail (or fail them)."""
+    from miles.transports.cuda_ipc import CudaIpcSender
+
+    named = _every_copy_path()
+    sender = CudaIpcSender("cuda", dtype=torch.bfloat16)
+    done, errors = threading.Event(), []
+
+    def trainer() -> None:
+        try:
+            n = 0
+            while not done.is_set():
+                n += 1
+                x = torch.randn(256 + n % 64, 512, device="cuda")  # new sizes: fresh allocations
+                (x @ x.t()).sum().item()
+                torch.cuda.synchronize()
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    def publish() -> None:
+        try:
+            version = 0
+            for round_ in range(6):
+                if round_:
+                    named[1] = ("cast", named[1][1].clone())  # a new signature: eager, captured, replayed
+                for _ in range(3):
+                    version += 1
+                    _step(named)
+                    update = sender.prepare(version, [named])
+                    _assert_packed(sender, version, update, named)
+                    sender.release(version)
+            published.append(version)
+        except Exception as exc:  # reported below
+            published.append(exc)
+
+    published: list[Any] = []
+    worker = threading.Thread(target=trainer, daemon=True)
+    worker.start()
+    try:
+        publisher = threading.Thread(target=publish, daemon=True)
+        publisher.start()
+        publisher.join(TIMEOUT)
+    finally:
+        done.set()
+        worker.join(TIMEOUT)
+        sender.close()
+    assert published == [18] and not errors, (published, errors)
+    assert (sender.graph_captures, sender.graph_replays, sender.packer.failures) == (6, 12, 0)
+
+
+def test_a_failed_capture_packs_eagerly_and_later_captures_still_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pack that cannot be captured (here: it synchronizes) is packed eagerly and never
+    captured again; a later signature captures normally."""
+    from miles.transports import cuda_ipc
+
+    pack_into = cuda_ipc.pack_into
+
+    def syncing(*args: Any, **kwargs: Any) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not allowed while capturing: the capture fails
+        pack_into(*args, **kwargs)
+
+    monkeypatch.setattr(cuda_ipc, "pack_into", syncing)
+    named = _every_copy_path()[:5]
+    sender = cuda_ipc.CudaIpcSender("cuda", dtype=torch.bfloat16)
+    try:
+        for version in (1, 2, 3):
+            _step(named)
+            update = sender.prepare(version, [named])
+            _assert_packed(sender, version, update, named)
+            sender.release(version)
+        assert (sender.graph_captures, sender.packer.failures) == (0, 1)
+        monkeypatch.setattr(cuda_ipc, "pack_into", pack_into)
+        named[0] = ("big", named[0][1].clone())
+        for version in (4, 5, 6):
+            _step(named)
+            update = sender.prepare(version, [named])
+            _assert_packed(sender, version, update, named)
+            sender.release(version)
+        assert (sender.graph_captures, sender.graph_replays, sender.packer.failures) == (1, 2, 1)
+    finally:
+        sender.close()
