@@ -250,7 +250,7 @@ def _assert_packed(sender: Any, version: int, update: Any, named: list[tuple[str
 
 
 def test_graph_pack_copies_every_path_and_captures_while_other_threads_use_cuda() -> None:
-    """The prepare runs in a worker thread, as in the trainer, while this thread allocates,
+    """The prepare runs in a worker thread, as in the trainer, while another thread allocates,
     computes and synchronizes: a capture in ``global`` mode would fail (or fail them)."""
     from miles.transports.cuda_ipc import CudaIpcSender
 
@@ -263,7 +263,10 @@ def test_graph_pack_copies_every_path_and_captures_while_other_threads_use_cuda(
             n = 0
             while not done.is_set():
                 n += 1
-                x = torch.randn(256 + n % 64, 512, device="cuda")  # new sizes: fresh allocations
+                # new sizes: fresh allocations. No RNG op here: a capture puts the device's
+                # default generator in capture mode, and another thread's draw then fails (the
+                # PolicyTrainer never trains while it publishes: one lock serializes them)
+                x = torch.ones(256 + n % 64, 512, device="cuda") / (n % 7 + 1)
                 (x @ x.t()).sum().item()
                 torch.cuda.synchronize()
         except Exception as exc:  # reported below
