@@ -20,6 +20,20 @@ outputs. Padding rows use free slots (``n..nb-1``) at position 0, so they never
 touch a running request's cache. Weight updates copy into the parameters in place, so
 captured graphs stay valid. Any capture failure disables graphs and decode continues
 eagerly.
+
+Short prefills are CUDA graphs too (``PrefillGraphs``): an eager prefill forward of a 28-layer
+model costs ~17 ms of host time on the H200 whatever its size (the compiled layer functions'
+wrappers and guards, ~56 calls) against ~1-2 ms on the device, and 5-7x that while another
+thread of the process holds the GIL (a rollout worker's event loop): ~107 ms a prefill in
+``benchmarks/profile_admission.py``, where RL's short prompts arriving while 256 rows decode
+made the prefill phase 60% of the engine's busy time at 34-40% GPU use (async_vs_sync, 2×H200,
+2026-11-30 20:09). A prefill of ``n`` rows of at most ``T`` tokens is padded to a batch bucket
+``nb`` and a length bucket ``Tb`` (``PREFILL_T_BUCKETS``, ``nb × Tb ≤ PREFILL_GRAPH_TOKENS``)
+and captured the second time that shape is met (one-off shapes stay eager). Padding rows write
+their K/V into a scratch slot past ``max_batch_size`` that no request owns; padding tokens of a
+real row write K/V past its context, which decode overwrites before it ever reads them (as the
+eager prefill's right padding does). Prefills that need hidden states or routing (drafters,
+MoE) and longer ones stay eager.
 """
 
 from __future__ import annotations
@@ -40,6 +54,9 @@ from miles.models.model import CausalLM
 log = logging.getLogger(__name__)
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+PREFILL_T_BUCKETS = (8, 16, 32, 64, 128, 256)  # prompt lengths a prefill graph pads to
+PREFILL_GRAPH_TOKENS = 8192  # padded tokens (rows × length bucket) of the largest prefill graph
+PREFILL_GRAPH_AFTER = 2  # a prefill shape is captured when met this many times
 
 
 @dataclass
@@ -56,7 +73,10 @@ class ModelRunner:
         self.dtype = config.torch_dtype()
         self.model = model
         self.is_moe = model.config.is_moe
-        self.cache = KVCache(model.config, config.max_batch_size, config.max_seq_len,
+        use_graphs = config.cuda_graphs and self.device.type == "cuda" and not self.is_moe
+        prefill_graphs = use_graphs and not config.deterministic
+        # with prefill graphs, one scratch slot past the requests' for their padding rows
+        self.cache = KVCache(model.config, config.max_batch_size + int(prefill_graphs), config.max_seq_len,
                              self.device, self.dtype, headroom=headroom)
         model.rotary.reserve(self.cache.length, self.device)
         self.verify_graphs: Any = None  # set by the speculative decoder on CUDA
@@ -65,8 +85,8 @@ class ModelRunner:
         # the triton kernel reads each row only up to its own length, so decode passes the
         # whole cache length as the context: one CUDA graph per batch bucket, no padding read
         self.length_aware = self.attention == "triton"
-        use_graphs = config.cuda_graphs and self.device.type == "cuda" and not self.is_moe
         self.graphs = DecodeGraphs(self) if use_graphs else None
+        self.prefill_graphs = PrefillGraphs(self) if prefill_graphs else None
         # The CPU's decode step in one C call (miles.kernels.cpu_decode): dense float32 models,
         # not in deterministic mode (its padded batch-invariant steps stay on torch ops).
         self.cpu_kernel = None
@@ -107,6 +127,14 @@ class ModelRunner:
                 hidden: bool = False, routing: bool = False) -> StepOut:
         """Write the K/V of ``seqs`` (each from position 0) into ``slots``; logits at each
         sequence's last token when ``logits``."""
+        if self.prefill_graphs is not None and not hidden and not (routing and self.is_moe):
+            out = self.prefill_graphs.run(slots, seqs)
+            if out is not None:
+                return out
+        return self.prefill_eager(slots, seqs, logits=logits, hidden=hidden, routing=routing)
+
+    def prefill_eager(self, slots: list[int], seqs: list[list[int]], *, logits: bool,
+                      hidden: bool = False, routing: bool = False) -> StepOut:
         n, T = len(seqs), max(len(s) for s in seqs)
         ids = self._tensor([s + [0] * (T - len(s)) for s in seqs])
         pos = torch.arange(T, device=self.device).expand(n, T)
@@ -342,3 +370,74 @@ class DecodeGraphs(GraphCache):
                 return done
             done += 1
         return done
+
+
+class PrefillGraphs(GraphCache):
+    """Prefill CUDA graphs keyed by (batch bucket, length bucket), each captured the
+    ``PREFILL_GRAPH_AFTER``-th time its shape is met (see the module docstring for why).
+    Every graph computes the logits at each row's last token; padding rows go to the
+    scratch slot ``max_batch_size``."""
+
+    fallback = "prefilling eagerly"
+
+    def __init__(self, runner: ModelRunner) -> None:
+        super().__init__()
+        self.runner = runner
+        cap = runner.config.max_batch_size
+        self.scratch = cap  # the cache's extra slot
+        self.buckets = [b for b in _BATCH_BUCKETS if b < cap] + [cap]
+        self.t_buckets = [t for t in PREFILL_T_BUCKETS if t <= runner.cache.length]
+        self.seen: dict[tuple[int, int], int] = {}
+        dev = runner.device
+        t_max = self.t_buckets[-1] if self.t_buckets else 0
+        self.ids = torch.zeros(cap, t_max, dtype=torch.long, device=dev)
+        self.positions = torch.arange(t_max, device=dev).expand(cap, t_max)
+        self.slots = torch.full((cap,), self.scratch, dtype=torch.long, device=dev)
+        self.last = torch.zeros(cap, dtype=torch.long, device=dev)
+        self.logits = torch.zeros(cap, runner.model.config.vocab_size, dtype=torch.float32, device=dev)
+
+    def key(self, n: int, T: int) -> tuple[int, int] | None:
+        """The graph shape a prefill of ``n`` rows of at most ``T`` tokens pads to, or None
+        when it is too long for a graph."""
+        tb = next((t for t in self.t_buckets if t >= T), None)
+        if tb is None:
+            return None
+        nb = next(b for b in self.buckets if b >= n)
+        return (nb, tb) if nb * tb <= PREFILL_GRAPH_TOKENS else None
+
+    def _step(self, nb: int, tb: int) -> None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        runner = self.runner
+        # flash / memory-efficient attention capture cleanly; cuDNN's is left out
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            out = runner.model(self.ids[:nb, :tb], self.positions[:nb, :tb],
+                               kv_cache=PrefillAttention(runner.cache, self.slots[:nb]),
+                               return_logits=True, logits_index=self.last[:nb], check_inputs=False)
+        self.logits[:nb].copy_(out.logits[:, 0])
+
+    def run(self, slots: list[int], seqs: list[list[int]]) -> StepOut | None:
+        if self.failed:
+            return None
+        n = len(seqs)
+        key = self.key(n, max(len(s) for s in seqs))
+        if key is None:
+            return None
+        if key not in self.graphs:
+            self.seen[key] = self.seen.get(key, 0) + 1
+            if self.seen[key] < PREFILL_GRAPH_AFTER:
+                return None
+        nb, tb = key
+        pad = nb - n
+        rows = [s + [0] * (tb - len(s)) for s in seqs] + [[0] * tb] * pad
+        # one host-to-device copy for ids, slots and last positions together
+        packed = self.runner._tensor([r + [slot, len(s) - 1] for r, slot, s in zip(rows, slots, seqs)]
+                                     + [r + [self.scratch, 0] for r in rows[n:]])
+        self.ids[:nb, :tb].copy_(packed[:, :tb])
+        self.slots[:nb].copy_(packed[:, tb])
+        self.last[:nb].copy_(packed[:, tb + 1])
+        graph = self.graph(key, lambda: self._step(nb, tb))
+        if graph is None:
+            return None
+        graph.replay()
+        return StepOut(self.logits[:n], None, None)

@@ -41,9 +41,11 @@ replay on the same stream, so the event the engines wait on covers the graph's c
 replay into a buffer an engine still maps is the same case as an eager re-pack (see above).
 Measured on the H200 (RESULTS.md, 20:19 run): the 0.5B pack took 0.74 ms of device time as a
 graph against 0.97 ms launched eagerly (77% of the copy ceiling against 58%), and the sender's
-``prepare`` 0.5 ms of host time against 2.0 ms. One caveat: a capture puts the device's default
-CUDA generator in capture mode, so a random op another thread launches meanwhile fails. Nothing
-in miles does that: the PolicyTrainer holds one lock over training and publishing.
+``prepare`` 0.5 ms of host time against 2.0 ms. One caveat: while a capture runs, a random op
+or a device-wide synchronize from another thread fails (the capture holds the device's default
+generator, and a device sync would wait on the capturing stream), and the capture with it (the
+pack then falls back to eager). Nothing in miles does that: the PolicyTrainer holds one lock
+over training and publishing, and a capture happens once per pooled buffer.
 
 Receiver (rollout worker): opens its handle on the GPU with the trainer's UUID (so differing
 ``CUDA_VISIBLE_DEVICES`` orders do not matter), views the bucket's tensors and stages them

@@ -153,3 +153,34 @@ def test_decode_graphs_are_captured_at_start_for_every_batch_bucket(at_start: bo
     assert captured - before == (len(graphs.buckets) if at_start else 1)
     for p, out in zip([ps[0], *ps], [first, *rest]):
         assert (_logprobs(ref, p, out) - torch.tensor(out.logprobs)).abs().max() < 1e-4
+
+
+def test_prefill_graphs_match_eager_and_pad_into_the_scratch_slot() -> None:
+    """A short prefill is eager the first time its shape is met, captured the second, replayed
+    after that; its logits and K/V match the eager forward's, and its padding rows write only
+    the scratch slot (a running request's cache is left bit for bit)."""
+    engine = _engine(_model())
+    runner = engine.runner
+    graphs = runner.prefill_graphs
+    assert graphs is not None and graphs.scratch == 8 and runner.cache.k.shape[1] == 9
+    ps = _prompts(4, seed=5)
+    with torch.no_grad():
+        runner.prefill_eager([0], [ps[0]], logits=True)  # a "running" request in slot 0
+        k0, v0 = runner.cache.k[:, 0].clone(), runner.cache.v[:, 0].clone()
+        want = runner.prefill_eager([1, 2, 3], ps[1:], logits=True).logits.clone()
+        kw = [runner.cache.k[:, s, :, : len(p)].clone() for s, p in zip((1, 2, 3), ps[1:])]
+        runner.cache.k[:, 1:4].zero_()
+        for i in range(3):
+            got = runner.prefill([1, 2, 3], ps[1:], logits=True).logits
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            assert len(graphs.graphs) == (0 if i == 0 else 1), i
+        torch.cuda.synchronize()
+    assert list(graphs.graphs) == [(4, 64)]
+    assert torch.equal(runner.cache.k[:, 0], k0) and torch.equal(runner.cache.v[:, 0], v0)
+    for s, p, k in zip((1, 2, 3), ps[1:], kw):
+        torch.testing.assert_close(runner.cache.k[:, s, :, : len(p)], k, atol=1e-5, rtol=1e-5)
+    # hidden states (a drafter) and over-long prompts stay eager
+    with torch.no_grad():
+        assert runner.prefill([1], [ps[1]], logits=True, hidden=True).hidden is not None
+    assert graphs.key(1, 300) is None and graphs.key(256, 64) is None
+    asyncio.run(engine.close())

@@ -263,12 +263,13 @@ def test_graph_pack_copies_every_path_and_captures_while_other_threads_use_cuda(
             n = 0
             while not done.is_set():
                 n += 1
-                # new sizes: fresh allocations. No RNG op here: a capture puts the device's
-                # default generator in capture mode, and another thread's draw then fails (the
-                # PolicyTrainer never trains while it publishes: one lock serializes them)
+                # new sizes: fresh allocations, and kernels on this thread's stream. No RNG op
+                # and no device-wide synchronize here: a capture puts the device's default
+                # generator in capture mode, and cudaDeviceSynchronize would wait on the
+                # capturing stream, so either fails (the PolicyTrainer never trains while it
+                # publishes: one lock serializes them)
                 x = torch.ones(256 + n % 64, 512, device="cuda") / (n % 7 + 1)
-                (x @ x.t()).sum().item()
-                torch.cuda.synchronize()
+                (x @ x.t()).sum()
         except Exception as exc:  # reported below
             errors.append(exc)
 
