@@ -400,7 +400,7 @@ class PrefillGraphs(GraphCache):
         """The graph shape a prefill of ``n`` rows of at most ``T`` tokens pads to, or None
         when it is too long for a graph."""
         tb = next((t for t in self.t_buckets if t >= T), None)
-        if tb is None:
+        if tb is None or n > self.buckets[-1]:
             return None
         nb = next(b for b in self.buckets if b >= n)
         return (nb, tb) if nb * tb <= PREFILL_GRAPH_TOKENS else None

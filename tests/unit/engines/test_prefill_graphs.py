@@ -35,6 +35,7 @@ def test_shapes_pad_to_buckets_and_long_ones_stay_eager() -> None:
     assert g.key(1, 257) is None  # longer than the longest length bucket
     assert g.key(64, 256) is None and 64 * 256 > PREFILL_GRAPH_TOKENS  # too many padded tokens
     assert _graphs(cap=8, length=20).key(2, 17) is None  # a length bucket past the cache
+    assert _graphs(cap=8).key(9, 4) is None  # more rows than slots
 
 
 def test_a_shape_is_captured_when_met_again_and_replayed_after() -> None:
