@@ -42,7 +42,7 @@ def _arrivals(**config) -> tuple[list, list[int], int]:
         for i in (1, 2, 3):
             tasks.append(asyncio.create_task(engine.generate(_request(str(i), ps[i], 5, i))))
             seen = engine.progress("long")
-            while engine.progress("long") < seen + 3:  # the long request goes on meanwhile
+            while engine.progress("long") < seen + 5:  # the long request goes on meanwhile
                 await asyncio.sleep(0.001)
         at = engine.progress("long")
         outs = await asyncio.gather(*tasks)
@@ -94,7 +94,8 @@ def test_a_full_engine_admits_once_enough_slots_are_free() -> None:
 
 def test_the_oldest_waits_at_most_admit_max_wait_steps() -> None:
     # admit_min 3 is never reached before the wait runs out: each arrival is admitted
-    # within the wait (the long request moved 3 steps between arrivals, the wait is 2)
+    # within the wait (the long request moved 5 steps between arrivals, the wait is 2: a margin that
+    # a loaded machine, where the event loop sees the steps late, does not use up)
     _, sizes, _ = _arrivals(admit_min=3, admit_max_wait_steps=2)
     assert sizes == [1, 1, 1, 1]
 
