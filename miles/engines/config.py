@@ -48,7 +48,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # graphs); True also bypasses the CUDA graphs on the steps it splits, which loses on the
     # H200 (benchmarks/RESULTS.md, long_tail_decode): there the triton attention is the answer.
     decode_split: bool | None = None
-    # CUDA graphs for dense decode steps (ignored on the CPU and for MoE models).
+    # CUDA graphs for dense decode steps and short prefills (ignored on the CPU and for MoE
+    # models; prefills stay eager in deterministic mode).
     cuda_graphs: bool = True
     # Capture every batch bucket's decode graph when the engine starts (one per bucket with
     # the triton attention), as SGLang does, instead of the first time a bucket is met.
