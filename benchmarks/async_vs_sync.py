@@ -213,6 +213,10 @@ def measure(rows: list[dict]) -> dict[str, float]:
         # the buffer left empty, and seconds their event loops woke up late, per second
         "worker_starved": _delta(first, last, "rollout/starved_s") / span,
         "loop_lag": _delta(first, last, "rollout/loop_lag_s") / span,
+        # the workers' put_many + lease calls per trajectory the buffer took back (each call
+        # costs the buffer a fixed share on top of its per-trajectory work)
+        "buffer_calls_per_traj": (_delta(first, last, "rollout/put_calls") + _delta(first, last, "rollout/lease_calls"))
+        / max(_delta(first, last, "buffer/trained"), 1.0),
         "loop_lag_max_s": last.get("rollout/loop_lag_max_s", float("nan")),
         # share of the KV positions decode steps read that a row attends to (the rest is
         # padding up to the batch's longest context), cumulative over the run
@@ -428,15 +432,15 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
     sync = results.get("sync")
     gpu_cols = sorted({k for r in results.values() for k in r if k.startswith("gpu")})
     lines = ["| config | trained samples/s | × sync | tokens/s | × sync | raw trained/s | stock drawn | final reward | "
-             "wait for data | buffer busy | admission | max staleness | rollout tok/s | graph capture | KV read useful | engine idle | engine prefill | rows/step | worker starved | loop lag |"
+             "wait for data | buffer busy | buffer calls/traj | admission | max staleness | rollout tok/s | graph capture | KV read useful | engine idle | engine prefill | rows/step | worker starved | loop lag |"
              + "".join(f" {c.removesuffix('_util').upper()} util |" for c in gpu_cols),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
     for name, r in results.items():
         ratio = r["samples_per_s"] / sync["samples_per_s"] if sync else float("nan")
         tratio = r["tokens_per_s"] / sync["tokens_per_s"] if sync else float("nan")
         lines.append(f"| {name} | {r['samples_per_s']:.2f} | {ratio:.2f}× | {r['tokens_per_s']:.0f} | {tratio:.2f}× | "
                      f"{r['trained_samples_per_s']:.2f} | {100 * r['stock_drawn']:.0f}% | {r['reward']:.3f} | {100 * r['wait_share']:.0f}% | {100 * r['buffer_share']:.2f}% | "
-                     f"{100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} | {r['rollout_tokens_per_s'] or float('nan'):.0f} | {100 * r['capture_share']:.0f}% | {100 * r['kv_useful']:.0f}% | "
+                     f"{r.get('buffer_calls_per_traj', float('nan')):.2f} | {100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} | {r['rollout_tokens_per_s'] or float('nan'):.0f} | {100 * r['capture_share']:.0f}% | {100 * r['kv_useful']:.0f}% | "
                      f"{100 * r.get('engine_idle', float('nan')):.0f}% | {100 * r.get('engine_prefill', float('nan')):.0f}% | "
                      f"{r.get('rows_per_step', float('nan')):.1f} | "
                      f"{100 * r.get('worker_starved', float('nan')):.0f}% | {1e3 * r.get('loop_lag', float('nan')):.1f} ms/s |"
@@ -462,7 +466,8 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
         "the samples the rollout side completed within the measured span: 'raw trained/s' is what the trainer "
         "consumed, and 'stock drawn' the share of that which came from trajectories finished before the span "
         "(an async run's head start during step 1), left out of the steady rate (tokens/s scaled alike); "
-        "'buffer busy' is the replay buffer's own measured work as a share of wall time, "
+        "'buffer busy' is the replay buffer's own measured work as a share of wall time, 'buffer calls/traj' "
+        "the workers' put_many and lease calls per trajectory the buffer took back, "
         "'admission' the driver's admission loop (Ray round trips included); 'rollout tok/s' counts every "
         "token the engines generated (recycled and not yet trained ones too; the workers report every "
         "--health-check-interval-s, nan when the run was shorter); 'graph capture' the share of the span the "
