@@ -41,12 +41,6 @@ from miles.utils.proc import rss_mb
 
 
 LAG_PROBE_S = 0.05  # the event-loop lag probe's sleep (20 wake-ups a second)
-# After a generation finishes, the worker waits this long for others before it returns them
-# and leases their replacements, so one put_many and one lease carry several. Without it a
-# fast engine (~300 finished rows/s on the 2×H200 async runs) cost the buffer two calls per
-# trajectory; the engine batches admissions anyway (EngineConfig.admit_min), so the freed
-# slots lose nothing measurable.
-RETURN_WINDOW_S = 0.01
 
 
 class RolloutWorker:
@@ -66,7 +60,6 @@ class RolloutWorker:
         lease_timeout_s: float = 60.0,
         poll_interval_s: float = 0.01,
         reward_key: str | None = None,
-        return_window_s: float = RETURN_WINDOW_S,
     ) -> None:
         self.worker_id = worker_id
         self.init_s = 0.0  # construction seconds (set by the Ray actor that builds the engine)
@@ -81,7 +74,6 @@ class RolloutWorker:
         self.keep_kv_cache = keep_kv_cache
         self.renew_every_s = max(lease_timeout_s / 3, 0.05)
         self.poll_interval_s = poll_interval_s
-        self.return_window_s = return_window_s
         self.reward_key = reward_key
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._outbox: list[Trajectory] = []
@@ -157,10 +149,7 @@ class RolloutWorker:
     async def _wait_for_change(self) -> None:
         tasks = list(self._inflight.values())
         if tasks and not self._outbox:
-            done, pending = await asyncio.wait(tasks, timeout=self.poll_interval_s * 5,
-                                               return_when=asyncio.FIRST_COMPLETED)
-            if done and pending and self.return_window_s > 0 and not (self._stopping or self._draining):
-                await asyncio.wait(pending, timeout=self.return_window_s)  # others finish meanwhile
+            await asyncio.wait(tasks, timeout=self.poll_interval_s * 5, return_when=asyncio.FIRST_COMPLETED)
         else:
             await asyncio.sleep(self.poll_interval_s)
 
