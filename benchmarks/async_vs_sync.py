@@ -196,6 +196,9 @@ def measure(rows: list[dict]) -> dict[str, float]:
         "reward": statistics.fmean(r["rollout/reward_mean"] for r in tail),
         "wait_share": sum(r["perf/wait_for_data_s"] for r in rows[1:]) / step_time,
         "buffer_share": _delta(first, last, "perf/buffer_busy_s") / span,
+        # the same calls' CPU time (no descheduling, no GIL waits; nan from code without it)
+        "buffer_cpu_share": (_delta(first, last, "perf/buffer_cpu_s") / span if "perf/buffer_cpu_s" in last
+                             else float("nan")),
         "admission_share": sum(r.get("perf/admission_s", 0) for r in rows[1:]) / span,
         "staleness_max": max(r["buffer/staleness_max"] for r in rows),
         "worker_busy": last.get("rollout/busy_s", 0.0),
@@ -432,15 +435,15 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
     sync = results.get("sync")
     gpu_cols = sorted({k for r in results.values() for k in r if k.startswith("gpu")})
     lines = ["| config | trained samples/s | × sync | tokens/s | × sync | raw trained/s | stock drawn | final reward | "
-             "wait for data | buffer busy | buffer calls/traj | admission | max staleness | rollout tok/s | graph capture | KV read useful | engine idle | engine prefill | rows/step | worker starved | loop lag |"
+             "wait for data | buffer busy | buffer CPU | buffer calls/traj | admission | max staleness | rollout tok/s | graph capture | KV read useful | engine idle | engine prefill | rows/step | worker starved | loop lag |"
              + "".join(f" {c.removesuffix('_util').upper()} util |" for c in gpu_cols),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
     for name, r in results.items():
         ratio = r["samples_per_s"] / sync["samples_per_s"] if sync else float("nan")
         tratio = r["tokens_per_s"] / sync["tokens_per_s"] if sync else float("nan")
         lines.append(f"| {name} | {r['samples_per_s']:.2f} | {ratio:.2f}× | {r['tokens_per_s']:.0f} | {tratio:.2f}× | "
                      f"{r['trained_samples_per_s']:.2f} | {100 * r['stock_drawn']:.0f}% | {r['reward']:.3f} | {100 * r['wait_share']:.0f}% | {100 * r['buffer_share']:.2f}% | "
-                     f"{r.get('buffer_calls_per_traj', float('nan')):.2f} | {100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} | {r['rollout_tokens_per_s'] or float('nan'):.0f} | {100 * r['capture_share']:.0f}% | {100 * r['kv_useful']:.0f}% | "
+                     f"{100 * r.get('buffer_cpu_share', float('nan')):.2f}% | {r.get('buffer_calls_per_traj', float('nan')):.2f} | {100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} | {r['rollout_tokens_per_s'] or float('nan'):.0f} | {100 * r['capture_share']:.0f}% | {100 * r['kv_useful']:.0f}% | "
                      f"{100 * r.get('engine_idle', float('nan')):.0f}% | {100 * r.get('engine_prefill', float('nan')):.0f}% | "
                      f"{r.get('rows_per_step', float('nan')):.1f} | "
                      f"{100 * r.get('worker_starved', float('nan')):.0f}% | {1e3 * r.get('loop_lag', float('nan')):.1f} ms/s |"
@@ -466,7 +469,9 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
         "the samples the rollout side completed within the measured span: 'raw trained/s' is what the trainer "
         "consumed, and 'stock drawn' the share of that which came from trajectories finished before the span "
         "(an async run's head start during step 1), left out of the steady rate (tokens/s scaled alike); "
-        "'buffer busy' is the replay buffer's own measured work as a share of wall time, 'buffer calls/traj' "
+        "'buffer busy' is the replay buffer's own measured work as a share of wall time (the wall time of its calls), "
+        "'buffer CPU' the CPU time of the same calls (without the time its process was descheduled or waited for the "
+        "GIL), 'buffer calls/traj' "
         "the workers' put_many and lease calls per trajectory the buffer took back, "
         "'admission' the driver's admission loop (Ray round trips included); 'rollout tok/s' counts every "
         "token the engines generated (recycled and not yet trained ones too; the workers report every "

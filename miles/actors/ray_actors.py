@@ -53,6 +53,10 @@ class _BufferActor(ReplayBuffer):
         gcpolicy.install()  # full GC passes over the held token lists on a clock, not mid-call
         # per method: (seconds in all, the longest call), so a burst in busy_s names its call
         self.busy_by: dict[str, list[float]] = {}
+        # the same calls' CPU time on this thread: wall time minus the time the process was
+        # descheduled or waited for the GIL (Ray's threads, a loaded host); the two apart say
+        # whether the buffer's work or its process's share of the machine is the cost
+        self.cpu_s = 0.0
         self.changes = 0  # bumped by every state-changing call; admission long-polls on it
         self._changed: asyncio.Event | None = None
 
@@ -87,6 +91,7 @@ class _BufferActor(ReplayBuffer):
         out["mem/buffer_rss_mb"] = rss_mb()
         parts = self.busy_parts()
         out["perf/buffer_busy_s"] = sum(total for total, _ in parts.values())
+        out["perf/buffer_cpu_s"] = self.cpu_s
         for name, (total, longest) in parts.items():
             out[f"perf/buffer_busy_s/{name}"] = total
             out[f"perf/buffer_call_max_s/{name}"] = longest
@@ -97,11 +102,12 @@ def _timed(name: str, changes: bool) -> Any:
     inner = getattr(ReplayBuffer, name)
 
     def method(self: _BufferActor, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return inner(self, *args, **kwargs)
         finally:
             took = time.perf_counter() - start
+            self.cpu_s += time.thread_time() - cpu
             rec = self.busy_by.setdefault(name, [0.0, 0.0])
             rec[0] += took
             rec[1] = max(rec[1], took)
