@@ -62,10 +62,13 @@ def _train(argv: list[str]) -> int:
     from miles.models import CheckpointError as ModelCheckpointError
     from miles.utils import gcpolicy
     from miles.utils.loading import LoadError
+    from miles.validation import notes
 
     user_errors = (ConfigError, DataError, CheckpointError, ModelCheckpointError, LoadError, FileNotFoundError)
     try:
         cfg = parse_args(argv)
+        for note in notes(cfg):
+            print(f"miles train: note: {note}", file=sys.stderr)
         gcpolicy.install()  # the driver holds each batch too: its full GC passes on a clock
         summary = asyncio.run(train(cfg))
     except user_errors as exc:

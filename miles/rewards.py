@@ -115,7 +115,11 @@ class RewardValueError(ValueError):
 
 
 def check_reward(value: Any) -> Reward:
-    if isinstance(value, bool) or value is None:
+    """A reward as the trainer takes it: a finite float, or a non-empty dict of them. Numbers of
+    any numeric type pass (ints, numpy and 0-d torch scalars); booleans, strings and None do not:
+    ``"1.0"`` or ``True`` is almost always a reward function's bug (a parsed label returned
+    unconverted, a comparison returned as is), which a silent ``float()`` would hide."""
+    if value is None:
         raise RewardValueError(f"expected a float or dict of floats, got {value!r}")
     if isinstance(value, dict):
         if not value:
@@ -128,6 +132,9 @@ def check_reward(value: Any) -> Reward:
 
 
 def _finite(value: Any, what: str) -> float:
+    if isinstance(value, (str, bytes)) or type(value).__name__ in ("bool", "bool_"):  # numpy's bools too
+        raise RewardValueError(f"{what} is not a number: {value!r} ({type(value).__name__}); "
+                               "return a float (e.g. float(correct))")
     try:
         number = float(value)
     except (TypeError, ValueError):

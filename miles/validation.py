@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from miles.engines.config import DECODE_ATTENTION
+from miles.scheduler.staleness import SchedulerConfig
 from miles.transports.config import transport_problems
 
 _ESTIMATORS_NEEDING_GROUPS = {"grpo", "dr_grpo", "rloo"}
+_DEFAULT_STALENESS = SchedulerConfig.__struct_defaults__[SchedulerConfig.__struct_fields__.index("max_staleness")]
 
 
 def check_config(cfg: Any) -> None:
@@ -24,6 +26,20 @@ def check_config(cfg: Any) -> None:
     problems = list(_problems(cfg))
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def notes(cfg: Any) -> list[str]:
+    """Settings that are valid but do not do what they may look like; the CLI prints them
+    before the run (not errors: a YAML written for one mode, run with ``--mode`` overridden on
+    the command line, is a normal way to compare modes)."""
+    sched = cfg.scheduler
+    out = []
+    if sched.mode != "async" and sched.max_staleness != _DEFAULT_STALENESS:
+        # sync trains at η = 0 and one-step-off at η = 1 whatever the flag says
+        eta = 0 if sched.mode == "sync" else 1
+        out.append(f"--max-staleness {sched.max_staleness} is read only with --mode async; "
+                   f"--mode {sched.mode} trains at η = {eta}")
+    return out
 
 
 def _checkpoint_problems(path: str, run: Any):

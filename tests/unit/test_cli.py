@@ -187,3 +187,17 @@ def msgspec_fields(cls: type) -> list[str]:
     import msgspec
 
     return [f.name for f in msgspec.structs.fields(cls)]
+
+
+def test_max_staleness_outside_async_mode_is_noted_not_refused(files) -> None:
+    from miles.config import parse_args
+    from miles.validation import notes
+
+    def cfg(*extra: str):
+        return parse_args(_argv(files, *extra)[1:])  # without the command
+
+    assert notes(cfg("--mode", "sync", "--max-staleness", "2")) == [  # valid: parsed without an error
+        "--max-staleness 2 is read only with --mode async; --mode sync trains at η = 0"]
+    assert notes(cfg("--mode", "one-step-off", "--max-staleness", "4"))[0].endswith("η = 1")
+    assert notes(cfg("--mode", "async", "--max-staleness", "4")) == []
+    assert notes(cfg("--mode", "sync")) == []

@@ -79,3 +79,19 @@ def test_check_reward_accepts_ints_and_dicts() -> None:
     assert check_reward(1) == 1.0 and check_reward({"x": 2}) == {"x": 2.0}
     with pytest.raises(ValueError):
         check_reward(True)
+
+
+@pytest.mark.parametrize("value", ["1.0", b"1", True, {"x": "0.5"}, {"x": False}, None, {}, float("nan")])
+def test_check_reward_refuses_strings_booleans_and_non_finite_values(value) -> None:
+    with pytest.raises(ValueError):
+        check_reward(value)
+
+
+def test_check_reward_takes_numpy_and_torch_scalars() -> None:
+    import numpy as np
+    import torch
+
+    assert check_reward(np.float32(0.5)) == 0.5 and check_reward(torch.tensor(2.0)) == 2.0
+    assert check_reward({"a": np.int64(3)}) == {"a": 3.0}
+    with pytest.raises(ValueError, match="not a number"):
+        check_reward(np.bool_(True))
