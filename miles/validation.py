@@ -17,7 +17,7 @@ from miles.scheduler.staleness import SchedulerConfig
 from miles.transports.config import transport_problems
 
 _ESTIMATORS_NEEDING_GROUPS = {"grpo", "dr_grpo", "rloo"}
-_DEFAULT_STALENESS = SchedulerConfig.__struct_defaults__[SchedulerConfig.__struct_fields__.index("max_staleness")]
+_DEFAULT_STALENESS = SchedulerConfig().max_staleness
 
 
 def check_config(cfg: Any) -> None:

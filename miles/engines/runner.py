@@ -54,6 +54,13 @@ from miles.models.model import CausalLM
 log = logging.getLogger(__name__)
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def batch_buckets(cap: int) -> list[int]:
+    """The padded batch sizes a graph cache captures: ``_BATCH_BUCKETS`` below ``cap``, then ``cap``."""
+    return [b for b in _BATCH_BUCKETS if b < cap] + [cap]
+
+
 PREFILL_T_BUCKETS = (8, 16, 32, 64, 128, 256)  # prompt lengths a prefill graph pads to
 PREFILL_GRAPH_TOKENS = 8192  # padded tokens (rows × length bucket) of the largest prefill graph
 PREFILL_GRAPH_AFTER = 2  # a prefill shape is captured when met this many times
@@ -127,7 +134,7 @@ class ModelRunner:
                 hidden: bool = False, routing: bool = False) -> StepOut:
         """Write the K/V of ``seqs`` (each from position 0) into ``slots``; logits at each
         sequence's last token when ``logits``."""
-        if self.prefill_graphs is not None and not hidden and not (routing and self.is_moe):
+        if self.prefill_graphs is not None and not hidden:  # (MoE models, which route, have no graphs)
             out = self.prefill_graphs.run(slots, seqs)
             if out is not None:
                 return out
@@ -284,11 +291,16 @@ class GraphCache:
     its caller runs eagerly from then on (``graph`` returns None)."""
 
     fallback = "running eagerly"  # what the warning says happens instead
+    buckets: list[int]  # the subclass's batch_buckets(max_batch_size)
 
     def __init__(self) -> None:
         self.graphs: dict[tuple, Any] = {}
         self.pool: Any = None
         self.failed = False
+
+    def batch_bucket(self, n: int) -> int:
+        """The smallest batch bucket that holds ``n`` rows."""
+        return next(b for b in self.buckets if b >= n)
 
     def graph(self, key: tuple, step: Callable[[], None]) -> Any | None:
         """The graph of ``key``, captured from ``step`` if it is new; None once off."""
@@ -318,7 +330,7 @@ class DecodeGraphs(GraphCache):
         super().__init__()
         self.runner = runner
         cap = runner.config.max_batch_size
-        self.buckets = [b for b in _BATCH_BUCKETS if b < cap] + [cap]
+        self.buckets = batch_buckets(cap)
         dev = runner.device
         self.tokens = torch.zeros(cap, dtype=torch.long, device=dev)
         self.positions = torch.zeros(cap, dtype=torch.long, device=dev)
@@ -335,7 +347,7 @@ class DecodeGraphs(GraphCache):
         if self.failed:
             return None
         n = len(positions)
-        nb = next(b for b in self.buckets if b >= n)
+        nb = self.batch_bucket(n)
         pad = nb - n
         if isinstance(tokens, Tensor):
             self.tokens[:n].copy_(tokens)
@@ -385,7 +397,7 @@ class PrefillGraphs(GraphCache):
         self.runner = runner
         cap = runner.config.max_batch_size
         self.scratch = cap  # the cache's extra slot
-        self.buckets = [b for b in _BATCH_BUCKETS if b < cap] + [cap]
+        self.buckets = batch_buckets(cap)
         self.t_buckets = [t for t in PREFILL_T_BUCKETS if t <= runner.cache.length]
         self.seen: dict[tuple[int, int], int] = {}
         dev = runner.device
@@ -402,7 +414,7 @@ class PrefillGraphs(GraphCache):
         tb = next((t for t in self.t_buckets if t >= T), None)
         if tb is None or n > self.buckets[-1]:
             return None
-        nb = next(b for b in self.buckets if b >= n)
+        nb = self.batch_bucket(n)
         return (nb, tb) if nb * tb <= PREFILL_GRAPH_TOKENS else None
 
     def _step(self, nb: int, tb: int) -> None:

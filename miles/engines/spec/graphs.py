@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from miles.engines.runner import _BATCH_BUCKETS, GraphCache, StepOut
+from miles.engines.runner import GraphCache, StepOut, batch_buckets
 
 
 
@@ -27,7 +27,7 @@ class VerifyGraphs(GraphCache):
         super().__init__()
         self.runner = runner
         cap = runner.config.max_batch_size
-        self.buckets = [b for b in _BATCH_BUCKETS if b < cap] + [cap]
+        self.buckets = batch_buckets(cap)
         dev, cfg = runner.device, runner.model.config
         self.tokens = torch.zeros(cap, max_tokens, dtype=torch.long, device=dev)
         self.starts = torch.zeros(cap, dtype=torch.long, device=dev)
@@ -43,7 +43,7 @@ class VerifyGraphs(GraphCache):
         if self.failed:
             return None
         n, T = tokens.shape
-        nb = next(b for b in self.buckets if b >= n)
+        nb = self.batch_bucket(n)
         self.tokens[:n, :T].copy_(tokens)
         self.tokens[n:nb, :T].zero_()
         if isinstance(starts, Tensor):
@@ -93,7 +93,7 @@ class RoundGraphs(GraphCache):
         self.max_steps, self.all_k = max_steps, all_k
         runner = decoder.runner
         cap = runner.config.max_batch_size
-        self.buckets = [b for b in _BATCH_BUCKETS if b < cap] + [cap]
+        self.buckets = batch_buckets(cap)
         dev, T = runner.device, max_steps + 1
         self.width = max_steps + 2  # catch-up entries per row, whatever the round's k
         self.f = torch.zeros(2, cap, dtype=torch.float32, device=dev)  # temperature, top_p
@@ -122,7 +122,7 @@ class RoundGraphs(GraphCache):
         self.hidden[:nb, : k + 1].copy_(hidden)
 
     def key(self, rp: Any, n: int, k: int, L: int) -> tuple:
-        nb = next(b for b in self.buckets if b >= n)
+        nb = self.batch_bucket(n)
         flags = (rp.any_greedy or nb > n, rp.all_greedy, rp.truncated)  # padding rows are greedy
         return nb, L, k, self.decoder.mode, flags
 
