@@ -150,9 +150,11 @@ class Variant:
             torch.cuda.empty_cache()
 
 
-def print_profile(title: str, run: Any, device: str, rows: int = 15) -> None:
+def print_profile(title: str, run: Any, device: str, rows: int = 15, trace: str | None = None) -> None:
     """Profile one call of ``run`` (torch.profiler) and print its top ops by device time (on
-    CUDA) and by host time: where a train step goes, for the MFU work."""
+    CUDA) and by host time: where a train step goes, for the MFU work. ``trace``: also write
+    the step's Chrome trace there (gzipped when the name ends in .gz), for the GPU's idle gaps
+    and the kernels' timeline, which the tables do not show."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
@@ -165,6 +167,13 @@ def print_profile(title: str, run: Any, device: str, rows: int = 15) -> None:
     table = prof.key_averages()
     for key in (["cuda_time_total"] if len(activities) > 1 else []) + ["self_cpu_time_total"]:
         print(table.table(sort_by=key, row_limit=rows, max_name_column_width=50))
+    if trace:
+        prof.export_chrome_trace(trace)
+        print(f"trace: {trace}")
+
+
+def trace_path(args: argparse.Namespace, name: str) -> str | None:
+    return f"{args.trace_dir}/trainer_{name.replace('+', '_')}.json.gz" if args.trace_dir else None
 
 
 def run_variants(names: list[str], args: argparse.Namespace, groups: list[list[Trajectory]]) -> dict[str, dict]:
@@ -181,7 +190,8 @@ def run_variants(names: list[str], args: argparse.Namespace, groups: list[list[T
                 for i in range(args.warmup + args.steps):
                     v.step(groups, timed=i >= args.warmup)
                 if args.profile:
-                    print_profile(f"{name} trainer", lambda: v.step(groups, timed=False), args.device)
+                    print_profile(f"{name} trainer", lambda: v.step(groups, timed=False), args.device,
+                                  trace=trace_path(args, name))
             except torch.cuda.OutOfMemoryError:
                 print(f"{name}: out of GPU memory (try a smaller --max-tokens)", file=sys.stderr)
                 rows[name] = {"step_s": float("nan"), "tokens_per_s": float("nan"), "tflops": float("nan"),
@@ -197,7 +207,8 @@ def run_variants(names: list[str], args: argparse.Namespace, groups: list[list[T
         for v in variants:
             v.step(groups, timed=i >= args.warmup)
     for v in variants if args.profile else []:
-        print_profile(f"{v.name} trainer", lambda: v.step(groups, timed=False), args.device)
+        print_profile(f"{v.name} trainer", lambda: v.step(groups, timed=False), args.device,
+                      trace=trace_path(args, v.name))
     return {v.name: v.result(groups, 0.0) for v in variants}
 
 
@@ -231,6 +242,8 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="also run the torch.compile variant")
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile one more step of each variant (top ops by device and host time)")
+    p.add_argument("--trace-dir", default=None, help="with --profile: write each variant's Chrome trace here")
+    p.add_argument("--only", nargs="+", default=None, help="run only these variants (plain is the ratio's base)")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--peak-tflops", type=float, default=None, help="override the peak used for MFU")
     p.add_argument("--quick", action="store_true", help="fewer steps (smoke mode)")
@@ -265,16 +278,22 @@ def main() -> None:
         peak, peak_src = measured, "measured fp32 matmul, same run"
 
     variants = ["fused", "plain"] + (["fused+compile"] if args.compile else [])
+    if args.only:
+        unknown = sorted(set(args.only) - set(variants))
+        if unknown:
+            sys.exit(f"--only: unknown variant(s) {unknown}; choose from {variants}")
+        variants = [v for v in variants if v in args.only]
     rows = run_variants(variants, args, groups)
     if not gpu and not args.peak_tflops:  # re-measure after the runs; keep the best
         measured = max(measured, matmul_peak(args.device, dtype))
         peak = measured
 
-    head = f"{'variant':<15}{'step s':>9}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'vs plain':>10}{'peak GB':>9}"
+    base = rows.get("plain", next(iter(rows.values())))
+    head = f"{'variant':<26}{'step s':>9}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'vs plain':>10}{'peak GB':>9}"
     lines = [head, "-" * len(head)]
     for v, r in rows.items():
-        lines.append(f"{v:<15}{r['step_s']:>9.3f}{r['tokens_per_s']:>12.0f}{r['tflops']:>10.3f}"
-                     f"{r['tflops'] * 1e12 / peak:>8.1%}{rows['plain']['step_s'] / r['step_s']:>9.2f}x"
+        lines.append(f"{v:<26}{r['step_s']:>9.3f}{r['tokens_per_s']:>12.0f}{r['tflops']:>10.3f}"
+                     f"{r['tflops'] * 1e12 / peak:>8.1%}{base['step_s'] / r['step_s']:>9.2f}x"
                      f"{r['peak_mem_gb']:>9.1f}")
     table = "\n".join(lines)
     tokens = seq_len * sum(len(g) for g in groups)

@@ -31,11 +31,16 @@ log = logging.getLogger(__name__)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """transformers' RMSNorm numerics: float32 statistics, cast back, then scale."""
+    """transformers' RMSNorm numerics: float32 statistics, cast back, then scale, in x's
+    dtype. A float32 weight (the trainer's, under autocast) is cast to x's dtype first, so
+    the result stays bf16 as in the engine, whose weights are the bf16 copies of the same
+    floats: the product is the engine's, bit for bit. transformers would promote it to
+    float32, and the trainer's q/k then ran RoPE in float32 and were cast back for
+    attention, both ways: 70 ms of a 1.55 s H200 train step (2026-11-30 22:16)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # bitwise equal in float32
     x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight.to(x.dtype) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rope_qk(q: Tensor, k: Tensor, cos: Tensor, signed_sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -48,6 +53,26 @@ def rope_qk(q: Tensor, k: Tensor, cos: Tensor, signed_sin: Tensor) -> tuple[Tens
     qk = torch.cat((q, k), dim=2).transpose(1, 2)
     qk = qk * cos + torch.roll(qk, qk.shape[-1] // 2, dims=-1) * signed_sin
     return qk.split((H, KV), dim=1)
+
+
+def rope_qk_tokens(q: Tensor, k: Tensor, cos: Tensor, signed_sin: Tensor) -> tuple[Tensor, Tensor]:
+    """``rope_qk`` without the transpose: q [B, T, H, D], k [B, T, KV, D], cos/sin
+    [B, T, 1, D]; returns contiguous q [B, T, H, D] and k [B, T, KV, D].
+
+    The trainer's layers take this path. Compiled with dynamic batch and length, the
+    transposing form indexes its [B, H+KV, T, D] output through runtime sizes, so each
+    element pays integer divisions by them: on the H200 its kernel ran at ~1/4 of the copy
+    bandwidth (229 µs for 200 MB, 2026-11-30 22:04). Token-major, every divisor is a
+    static head count or head size. Attention gets the transposed views (``_attend``),
+    so their gradients come back token-major and contiguous, as the compiled backward
+    expects them: split views (as ``rope_qk`` returns) were copied to contiguous there,
+    three copies a layer, 52 ms of the same step."""
+    H, KV = q.shape[2], k.shape[2]
+    qk = torch.cat((q, k), dim=2)
+    cos, signed_sin = cos.to(qk.dtype), signed_sin.to(qk.dtype)  # the engine's tables are in its dtype too
+    qk = qk * cos + torch.roll(qk, qk.shape[-1] // 2, dims=-1) * signed_sin
+    q, k = qk.split((H, KV), dim=2)
+    return q.contiguous(), k.contiguous()
 
 
 def attention_input(h: Tensor, norm_w: Tensor, eps: float, qkv_w: Tensor, qkv_b: Tensor | None,

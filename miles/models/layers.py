@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from miles.models.config import ModelConfig
-from miles.models.fused import FastPath, fuse_linears, fused_layer_forward, rms_norm, rope_qk
+from miles.models.fused import FastPath, fuse_linears, fused_layer_forward, rms_norm, rope_qk_tokens
 
 
 class AttentionBackend(Protocol):
@@ -190,8 +190,9 @@ def _attend(attn: "Attention", backend: AttentionBackend, q: Tensor, k: Tensor, 
     (torch 2.13, CPU), and the fusions worth having (norms, RoPE, SwiGLU, residuals) sit
     around it. It reads ``layer_idx`` itself: read in the compiled forward, the int is a
     guard and every layer recompiles (past dynamo's limit of 8 the later layers ran eager).
-    Eager callers pay ~0.3 µs for the wrapper."""
-    return backend(attn.layer_idx, q, k, v)
+    q, k, v come token-major, [B, T, heads, D], and are transposed here, outside the compiled
+    graph (see ``rope_qk_tokens``). Eager callers pay ~0.3 µs for the wrapper."""
+    return backend(attn.layer_idx, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 
 
 class Attention(nn.Module):
@@ -225,8 +226,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, KV, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope_qk(q, k, cos, sin)
-        out = _attend(self, backend, q, k, v.transpose(1, 2))
+        q, k = rope_qk_tokens(q, k, cos.transpose(1, 2), sin.transpose(1, 2))
+        out = _attend(self, backend, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
 
 

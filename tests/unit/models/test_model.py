@@ -100,6 +100,24 @@ def test_bad_inputs_are_named(dense: CausalLM, moe: CausalLM) -> None:
         moe(torch.tensor([[1, 2]]), routing=bad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_major_rope_is_the_same_arithmetic(dtype: torch.dtype) -> None:
+    """The layers' token-major RoPE (``rope_qk_tokens``) and the engine's transposing form
+    (``rope_qk``) give the same q and k, bitwise: only the memory layout differs."""
+    from miles.models.fused import rope_qk, rope_qk_tokens
+    from miles.models.layers import Rotary
+
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    B, T, H, KV, D = 2, 7, 4, 2, cfg.head_dim
+    q, k = torch.randn(B, T, H, D, dtype=dtype), torch.randn(B, T, KV, D, dtype=dtype)
+    cos, sin = Rotary(cfg)(torch.arange(T).repeat(B, 1) + 3, dtype)  # [B, 1, T, D]
+    q1, k1 = rope_qk(q, k, cos, sin)
+    q2, k2 = rope_qk_tokens(q, k, cos.transpose(1, 2), sin.transpose(1, 2))
+    assert q2.is_contiguous() and k2.is_contiguous() and q2.dtype == dtype
+    assert torch.equal(q2.transpose(1, 2), q1) and torch.equal(k2.transpose(1, 2), k1)
+
+
 def test_token_logprobs_matches_log_softmax() -> None:
     logits = torch.randn(3, 5, 11)
     toks = torch.randint(0, 11, (3, 5))

@@ -163,6 +163,36 @@ def test_compiled_linear_logprobs_match_the_eager_chunks() -> None:
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor on the CPU needs a C++ compiler")
+def test_compiled_logprob_kernels_keep_the_vocabulary_static() -> None:
+    """Only the row count is dynamic in the compiled log-softmax kernels: new row counts
+    reuse the graphs, and the vocabulary is a constant in them (a dynamic one made the GPU
+    kernels divide by it for every element)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+
+    def run(rows: int, vocab: int = 29) -> None:
+        h = torch.randn(rows, 6, requires_grad=True)
+        w = torch.randn(vocab, 6, requires_grad=True)
+        logp, _ = linear_logprobs(h, w, torch.randint(0, vocab, (rows,)), temperature=0.9, with_entropy=True,
+                                  compiled=True)
+        logp.sum().backward()
+
+    run(7)
+    before = counters["stats"]["unique_graphs"]
+    for rows in (3, 11, 40):
+        run(rows)
+    assert counters["stats"]["unique_graphs"] == before  # rows are dynamic
+    run(11, vocab=31)
+    after = counters["stats"]["unique_graphs"]
+    assert after > before  # the vocabulary is a constant of the graphs: a new one compiles
+    run(5, vocab=31)
+    run(9)
+    assert counters["stats"]["unique_graphs"] == after  # ... and both stay served
+
+
 def test_metric_accumulator() -> None:
     acc = MetricAccumulator()
     acc.add({"train/x": torch.tensor(1.0), "train/r_max": torch.tensor(2.0), "train/loss": 0.5},
@@ -173,3 +203,20 @@ def test_metric_accumulator() -> None:
     acc.add({"train/loss": 1.25}, weight=1.0, sums=("train/loss",))
     out = acc.result()
     assert out == {"train/x": pytest.approx(13 / 4), "train/r_max": 3.0, "train/loss": pytest.approx(1.0)}
+
+
+def test_split_log_sum_exp_matches_the_plain_one() -> None:
+    """The compiled path's piecewise log-sum-exp and entropy (pieces merged by their
+    maxima) equal the one-piece form, including rows whose pieces differ by far in scale."""
+    from miles.trainers.logprobs import _lse_rows, _lse_split_rows, _split_of
+
+    assert _split_of(151936) == 32 and _split_of(4096) == 4 and _split_of(1031) == 1 and _split_of(3000) == 2
+    torch.manual_seed(0)
+    x = torch.randn(5, 8192, dtype=torch.float64) * 3
+    x[1, :2048] += 80.0  # one piece dominates the row
+    x[2, 6000:] -= 200.0  # one piece vanishes
+    for with_entropy in (False, True):
+        lse, ent = _lse_split_rows(x, 0.7, with_entropy)
+        ref_lse, ref_ent = _lse_rows(x, 0.7, with_entropy)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(ent, ref_ent, rtol=1e-10, atol=1e-10)
