@@ -188,14 +188,15 @@ class Trajectory(msgspec.Struct, kw_only=True):
         if self.index_in_group < 0:
             raise TrajectoryError("index_in_group", f"must be >= 0, got {self.index_in_group}")
         if n:
-            lo, hi = min(self.versions), max(self.versions)
+            lo, hi, _ = version_stats(self.versions)
             if lo < 0:
                 raise TrajectoryError("versions", f"negative policy version {lo}")
             if current_version is not None and hi > current_version:
                 raise TrajectoryError(
                     "versions", f"version {hi} is newer than the current policy {current_version}"
                 )
-            if not set(self.loss_mask) <= {0, 1}:
+            mask = self.loss_mask
+            if mask.count(1) + mask.count(0) != n:  # == as set(mask) <= {0, 1}, in two C loops
                 raise TrajectoryError("loss_mask", "entries must be 0 or 1")
         if self.segments:
             pos = 0
@@ -205,6 +206,31 @@ class Trajectory(msgspec.Struct, kw_only=True):
                 pos = seg.end
             if pos != n:
                 raise TrajectoryError("segments", f"cover {pos} of {n} response tokens")
+
+
+def version_stats(versions: list[int]) -> tuple[int, int, int]:
+    """(min, max, sum) of a non-empty list of policy versions.
+
+    Runs on every put into the replay buffer, twice (validation, then the staleness
+    stats), over every token of the trajectory: a partial trajectory that spans a few
+    weight updates is put back again and again as it grows. A trajectory's versions are
+    few distinct values, and its first and last are the extremes in practice (versions
+    only grow as it is generated), so this counts each value between them with
+    ``list.count`` (a C loop that compares by identity first) and takes the sum from the
+    counts: ~10× faster than ``min``, ``max`` and ``sum`` for one version, ~4× for three.
+    When the counts do not cover the list (a version outside the ends), it falls back
+    to ``min``, ``max`` and ``sum``; the result is the same either way."""
+    a, b = versions[0], versions[-1]
+    lo, hi = (a, b) if a <= b else (b, a)
+    if type(lo) is int and type(hi) is int and hi - lo < 8:
+        n, total, covered = len(versions), 0, 0
+        for v in range(lo, hi + 1):
+            c = versions.count(v)
+            covered += c
+            total += v * c
+        if covered == n:
+            return lo, hi, total
+    return min(versions), max(versions), sum(versions)
 
 
 class PromptSample(msgspec.Struct, kw_only=True):

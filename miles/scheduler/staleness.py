@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from miles.types import version_stats
+
 if TYPE_CHECKING:  # the buffer imports this module; avoid the cycle at runtime
     from miles.buffers.ledger import Ledger
     from miles.types import Trajectory
@@ -41,17 +43,16 @@ MODES: tuple[str, ...] = ("sync", "one-step-off", "async")
 def loss_version_stats(versions: list[int], loss_mask: list[int]) -> tuple[int | None, int, int]:
     """``(oldest, count, sum)`` of the versions of loss-carrying tokens (oldest None if none).
 
-    Runs once per trajectory put, so it stays in C builtins (``count``, ``min``, ``sum``,
-    ``compress``) and skips the selection when every token carries loss (the common case).
+    Runs once per trajectory put, so it stays in C builtins (``count``, ``compress``, and
+    ``version_stats``' counting) and skips the selection when every token carries loss (the
+    common case).
     ``loss_mask`` must hold only 0/1 (``Trajectory.validate`` checks that first).
     """
     n_loss = loss_mask.count(1)
     if n_loss == 0:
         return None, 0, 0
-    if n_loss == len(versions):
-        return min(versions), n_loss, sum(versions)
-    loss_versions = list(compress(versions, loss_mask))
-    return min(loss_versions), n_loss, sum(loss_versions)
+    lo, _, total = version_stats(versions if n_loss == len(versions) else list(compress(versions, loss_mask)))
+    return lo, n_loss, total
 
 
 def within_bound(oldest: int | None, trainer_version: int, max_staleness: int) -> bool:

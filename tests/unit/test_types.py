@@ -1,6 +1,8 @@
 """Trajectory model: append/segments, validation naming the field, codecs."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from miles import types as T
 
@@ -40,6 +42,25 @@ def test_validate_names_the_field(mutate, field) -> None:
     with pytest.raises(T.TrajectoryError) as err:
         t.validate()
     assert err.value.field == field
+
+
+@given(st.lists(st.integers(-3, 300), min_size=1, max_size=60), st.booleans())
+def test_version_stats_is_min_max_sum(versions: list[int], sort: bool) -> None:
+    """The counting fast path (the ends of the list bound every version) and the fallback
+    (a version outside the ends) both give exactly min, max and sum."""
+    if sort:
+        versions = sorted(versions)
+    assert T.version_stats(versions) == (min(versions), max(versions), sum(versions))
+
+
+def test_version_stats_on_typical_and_odd_lists() -> None:
+    assert T.version_stats([4] * 500) == (4, 4, 2000)
+    assert T.version_stats([3] * 10 + [4] * 5 + [6] * 2) == (3, 6, 62)
+    assert T.version_stats([5, 1, 5]) == (1, 5, 11)  # a middle version below both ends
+    assert T.version_stats([0, 100, 7]) == (0, 100, 107)  # ends too far apart: fallback
+    assert T.version_stats([300, 299, 300]) == (299, 300, 899)  # past the small-int cache
+    with pytest.raises(T.TrajectoryError, match="loss_mask"):
+        _traj(response_tokens=[1, 2], logprobs=[0.0, 0.0], versions=[0, 0], loss_mask=[1, 3]).validate()
 
 
 def test_future_version_rejected() -> None:
