@@ -81,6 +81,13 @@ def _grad_rows(logits: Tensor, lse: Tensor, targets: Tensor, g: Tensor, temperat
     return ((hit.to(p.dtype) - p) * (g / temperature)[:, None]).to(logits.dtype)
 
 
+def _grad_rows_into(out: Tensor, logits: Tensor, lse: Tensor, targets: Tensor, g: Tensor,
+                    temperature: float) -> None:
+    """``_grad_rows`` written into ``out`` (a row chunk of the gradient): compiled, the
+    kernel stores there directly instead of returning a tensor to copy."""
+    out.copy_(_grad_rows(logits, lse, targets, g, temperature))
+
+
 def _grad_rows_eager(logits: Tensor, lse: Tensor, targets: Tensor, g: Tensor, temperature: float) -> Tensor:
     """``_grad_rows`` for eager mode, where each op is a full pass over the chunk: in place on
     one float32 copy, the target's term added by a scatter (the compiled form's one-hot
@@ -101,20 +108,25 @@ def _grad_rows_eager(logits: Tensor, lse: Tensor, targets: Tensor, g: Tensor, te
 # Only the row count is dynamic; the vocabulary stays a compile-time constant. Compiled with
 # every size dynamic, the [M, V] kernels found each element's row by an integer division by
 # the runtime V: on the H200 the gradient kernel ran at ~1 TB/s and the log-sum-exp at a
-# third of the copy bandwidth, 176 ms of a 1.65 s 0.5B train step (2026-11-30 22:04).
+# third of the copy bandwidth, 176 ms of a 1.65 s 0.5B train step (2026-11-30 22:04). The
+# rows also come in chunks of at most COMPILED_ROWS, a bound dynamo is told: with it the
+# compiler can prove rows × V < 2³¹ and index in 32 bits (a 14k-row micro-batch of a 152k
+# vocabulary is 2.2·10⁹ elements, which forced 64-bit index arithmetic on every element).
+COMPILED_ROWS = 4096
 _compiled: dict[str, Any] = {}
 
 
 def _rows_dynamic(fn: Any) -> Any:
-    """``fn`` compiled with dim 0 (the rows) of each tensor argument dynamic and dim 1 (the
-    vocabulary) static. Static is marked on every call: dynamo's automatic-dynamic state
-    would otherwise make the vocabulary dynamic once a second size (a draft's) came by."""
+    """``fn`` compiled with dim 0 (the rows, 2..COMPILED_ROWS) of each tensor argument
+    dynamic and dim 1 (the vocabulary) static. Both are marked on every call: dynamo's
+    automatic-dynamic state would otherwise make the vocabulary dynamic once a second size
+    (a draft's) came by."""
     compiled = torch.compile(fn)
 
     def call(*args: Any) -> Any:
         for a in args:
             if isinstance(a, Tensor) and a.ndim:
-                torch._dynamo.maybe_mark_dynamic(a, 0)
+                torch._dynamo.mark_dynamic(a, 0, min=2, max=COMPILED_ROWS)
                 if a.ndim > 1:
                     torch._dynamo.mark_static(a, 1)
         return compiled(*args)
@@ -123,12 +135,25 @@ def _rows_dynamic(fn: Any) -> Any:
 
 
 def _kernels(compiled: bool) -> tuple[Any, Any]:
+    """(log-sum-exp of rows, gradient of rows into a buffer), compiled or eager."""
     if not compiled:
-        return _lse_rows, _grad_rows_eager
+        return _lse_rows, _grad_rows_eager_into
     if not _compiled:
         _compiled["lse"] = _rows_dynamic(_lse_split_rows)
-        _compiled["grad"] = _rows_dynamic(_grad_rows)
+        _compiled["grad"] = _rows_dynamic(_grad_rows_into)
     return _compiled["lse"], _compiled["grad"]
+
+
+def _grad_rows_eager_into(out: Tensor, logits: Tensor, lse: Tensor, targets: Tensor, g: Tensor,
+                          temperature: float) -> None:
+    out.copy_(_grad_rows_eager(logits, lse, targets, g, temperature))
+
+
+def _row_chunks(M: int, V: int, compiled: bool) -> list[tuple[slice, bool]]:
+    """Row slices and whether each runs compiled: COMPILED_ROWS at a time compiled (a chunk
+    of one row runs eagerly: dynamo specialises sizes 0 and 1), else chunks of CHUNK_BYTES."""
+    step = COMPILED_ROWS if compiled else _chunk_rows(V)
+    return [(slice(s, s + step), compiled and min(step, M - s) > 1) for s in range(0, M, step)]
 
 
 class _LinearLogprobs(torch.autograd.Function):
@@ -140,16 +165,13 @@ class _LinearLogprobs(torch.autograd.Function):
                 with_entropy: bool, compiled: bool) -> tuple[Tensor, Tensor]:
         logits = F.linear(hidden, weight)
         M, V = logits.shape
-        compiled = compiled and M > 1  # dynamo would specialise (and recompile) on 0 and 1 rows
-        lse_rows, _ = _kernels(compiled)
         acc = torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 for checks
         lse = torch.empty(M, dtype=acc, device=logits.device)
         entropy = torch.zeros(M if with_entropy else 0, dtype=acc, device=logits.device)
-        step = M if compiled else _chunk_rows(V)
-        for s in range(0, M, step):
-            lse[s : s + step], ent = lse_rows(logits[s : s + step], temperature, with_entropy)
+        for sl, fast in _row_chunks(M, V, compiled):
+            lse[sl], ent = _kernels(fast)[0](logits[sl], temperature, with_entropy)
             if with_entropy:
-                entropy[s : s + step] = ent
+                entropy[sl] = ent
         target = logits.gather(1, targets[:, None]).squeeze(1).to(acc) / temperature
         ctx.save_for_backward(hidden, weight, targets, logits, lse)
         ctx.temperature, ctx.compiled = temperature, compiled
@@ -159,16 +181,13 @@ class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_logp: Tensor, _grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
         hidden, weight, targets, logits, lse = ctx.saved_tensors
-        _, grad_rows = _kernels(ctx.compiled)
         g = grad_logp.to(lse.dtype)
-        M = logits.shape[0]
-        step = M if ctx.compiled else _chunk_rows(logits.shape[1])
+        M, V = logits.shape
         # built chunk by chunk in the compute dtype (the saved logits stay intact, so
         # retain_graph / gradcheck work)
         grad_logits = torch.empty_like(logits)
-        for s in range(0, M, step):
-            sl = slice(s, s + step)
-            grad_logits[sl] = grad_rows(logits[sl], lse[sl], targets[sl], g[sl], ctx.temperature)
+        for sl, fast in _row_chunks(M, V, ctx.compiled):
+            _kernels(fast)[1](grad_logits[sl], logits[sl], lse[sl], targets[sl], g[sl], ctx.temperature)
         grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_weight, None, None, None, None
