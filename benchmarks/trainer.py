@@ -288,8 +288,10 @@ def main() -> None:
         measured = max(measured, matmul_peak(args.device, dtype))
         peak = measured
 
-    base = rows.get("plain", next(iter(rows.values())))
-    head = f"{'variant':<26}{'step s':>9}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'vs plain':>10}{'peak GB':>9}"
+    base_name = "plain" if "plain" in rows else next(iter(rows))  # --only may leave plain out
+    base = rows[base_name]
+    vs = f"vs {base_name}"[:9]
+    head = f"{'variant':<26}{'step s':>9}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{vs:>10}{'peak GB':>9}"
     lines = [head, "-" * len(head)]
     for v, r in rows.items():
         lines.append(f"{v:<26}{r['step_s']:>9.3f}{r['tokens_per_s']:>12.0f}{r['tflops']:>10.3f}"

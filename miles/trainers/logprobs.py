@@ -99,11 +99,17 @@ def _grad_rows_eager(logits: Tensor, lse: Tensor, targets: Tensor, g: Tensor, te
     return x.to(logits.dtype)
 
 
+def _grad_rows_eager_into(out: Tensor, logits: Tensor, lse: Tensor, targets: Tensor, g: Tensor,
+                          temperature: float) -> None:
+    out.copy_(_grad_rows_eager(logits, lse, targets, g, temperature))
+
+
 # The same two functions under torch.compile (the compiled trainer's path): each becomes one
 # kernel that reads the bf16 logits once (twice for the reduction) and writes only what it
 # returns. Eager, every step of the arithmetic is a full pass over an [M, V] float32 tensor:
 # on the H200 profile the casts, divides and exps of these functions were ~25% of a 0.5B
-# train step. Eager runs them in row chunks to bound that float32 memory; compiled needs none.
+# train step. Both run in row chunks (``_row_chunks``): eager to bound that float32 memory,
+# compiled to bound the row count it is compiled for (below).
 #
 # Only the row count is dynamic; the vocabulary stays a compile-time constant. Compiled with
 # every size dynamic, the [M, V] kernels found each element's row by an integer division by
@@ -143,11 +149,6 @@ def _kernels(compiled: bool) -> tuple[Any, Any]:
         _compiled["lse"] = _rows_dynamic(_lse_split_rows)
         _compiled["grad"] = _rows_dynamic(_grad_rows_into)
     return _compiled["lse"], _compiled["grad"]
-
-
-def _grad_rows_eager_into(out: Tensor, logits: Tensor, lse: Tensor, targets: Tensor, g: Tensor,
-                          temperature: float) -> None:
-    out.copy_(_grad_rows_eager(logits, lse, targets, g, temperature))
 
 
 def _row_chunks(M: int, V: int, compiled: bool) -> list[tuple[slice, bool]]:
