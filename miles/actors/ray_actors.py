@@ -45,6 +45,9 @@ from miles.utils import gcpolicy
 from miles.utils.proc import rss_mb
 
 
+ADMISSION_COALESCE_S = 0.025  # the least time between two admission_state answers
+
+
 class _BufferActor(ReplayBuffer):
     """The buffer as an actor, timing its own work (the runtime's overhead budget is < 1%)."""
 
@@ -59,6 +62,7 @@ class _BufferActor(ReplayBuffer):
         self.cpu_s = 0.0
         self.changes = 0  # bumped by every state-changing call; admission long-polls on it
         self._changed: asyncio.Event | None = None
+        self._answered = float("-inf")  # the loop time of the last admission_state answer
 
     def _bump(self) -> None:
         self.changes += 1
@@ -67,7 +71,13 @@ class _BufferActor(ReplayBuffer):
 
     async def admission_state(self, seen: int, timeout: float) -> tuple[int, Any, int]:
         """(change count, ledger, prompt room) once the state changed since ``seen`` (or
-        after ``timeout``): the driver's admission loop waits here instead of polling."""
+        after ``timeout``): the driver's admission loop waits here instead of polling.
+
+        Answers are at least ``ADMISSION_COALESCE_S`` apart (``seen = -1``, a new policy
+        version, is answered at once): every put and lease is a change, and answering each
+        one built a ledger per call — on the 2×H200 runs as many answers as puts and leases
+        together, a fifth of the buffer's time. A burst of puts now costs one answer."""
+        loop = asyncio.get_running_loop()
         if self.changes == seen:
             self._changed = self._changed or asyncio.Event()
             self._changed.clear()
@@ -75,6 +85,9 @@ class _BufferActor(ReplayBuffer):
                 await asyncio.wait_for(self._changed.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
+        if seen != -1:
+            await asyncio.sleep(max(0.0, self._answered + ADMISSION_COALESCE_S - loop.time()))
+        self._answered = loop.time()
         return self.changes, self.ledger(), self.prompt_room()
 
     def busy_parts(self) -> dict[str, tuple[float, float]]:
