@@ -19,8 +19,8 @@ Backends (see ``miles.models.layers.AttentionBackend``):
   axis, so K and V are each read once and never repeated; ``mode="sdpa"`` hands the same
   views and mask to ``scaled_dot_product_attention``. Both read every row up to ``L``;
   ``mode="triton"`` (CUDA) reads each row only up to its own position
-  (``miles.kernels.decode_attention``, also for ``VerifyAttention``), so its cost follows the
-  useful KV positions and the runner passes the whole cache length as ``L``: one CUDA graph
+  (``miles.kernels.decode_attention``, also for ``VerifyAttention``; in decode it writes the
+  new K/V too), so its cost follows the useful KV positions and the runner passes the whole cache length as ``L``: one CUDA graph
   per batch bucket (and k, for speculative rounds) serves every context length.
 
   With ``split = (S, long_rows)`` every row reads ``[0, S)`` and only the long rows read
@@ -120,12 +120,13 @@ class DecodeAttention:
         n, H, _, D = q.shape
         KV = k.shape[1]
         kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        qg = q.reshape(n, KV, H // KV, D)  # the GQA group becomes the query axis
+        if self.mode == "triton":  # the kernel writes the new K/V itself (no launch of their own)
+            out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length,
+                                                 new_kv=(k[:, :, 0], v[:, :, 0]))
+            return out.reshape(n, H, 1, D)
         kc[self.rows, :, self.positions] = k[:, :, 0]
         vc[self.rows, :, self.positions] = v[:, :, 0]
-        qg = q.reshape(n, KV, H // KV, D)  # the GQA group becomes the query axis
-        if self.mode == "triton":
-            out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length)
-            return out.reshape(n, H, 1, D)
         keys = kc[:n, :, : self.short]  # views: [n, KV, S, D]
         values = vc[:n, :, : self.short]
         if self.mode == "sdpa":

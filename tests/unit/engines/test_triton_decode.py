@@ -82,6 +82,32 @@ def test_kernel_never_reads_past_a_rows_length() -> None:
     torch.testing.assert_close(out, _reference(q, kc, vc, lengths), atol=2e-5, rtol=2e-5)  # 0.25 = 1/√16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_writes_the_new_kv_and_attends_to_it(dtype: torch.dtype) -> None:
+    """``new_kv``: the kernel writes each row's new K/V at ``length - 1`` (every chunk edge
+    case), exactly what the index_put it replaces wrote, leaves every other position alone
+    (the slots past the rows too), and attends over the cache as written."""
+    g = torch.Generator().manual_seed(3)
+    KV, G, D, T = 2, 3, 16, 3 * kernel.CHUNK
+    lengths = [1, 2, kernel.BLOCK_N + 1, kernel.CHUNK, kernel.CHUNK + 1, T]
+    n = len(lengths)
+    kc = torch.randn(n + 1, KV, T, D, generator=g).to(DEVICE, dtype)  # one slot past the rows
+    vc = torch.randn(n + 1, KV, T, D, generator=g).to(DEVICE, dtype)
+    q = torch.randn(n, KV, G, D, generator=g).to(DEVICE, dtype)
+    k_new = torch.randn(n, KV, 1, D, generator=g).to(DEVICE, dtype)[:, :, 0]  # a strided view, as in the engine
+    v_new = torch.randn(n, KV, 1, D, generator=g).to(DEVICE, dtype)[:, :, 0]
+    want_k, want_v = kc.clone(), vc.clone()
+    rows, pos = torch.arange(n, device=DEVICE), torch.tensor(lengths, device=DEVICE) - 1
+    want_k[rows, :, pos], want_v[rows, :, pos] = k_new, v_new
+    out = kernel.decode_attention(q, kc, vc, pos + 1, 1 / math.sqrt(D), T, new_kv=(k_new, v_new))
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    if dtype == torch.float32 or DEVICE == "cuda":  # the interpreter's bf16 dots are not the GPU's
+        torch.testing.assert_close(out.float(), _reference(q, want_k, want_v, lengths), atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="new_kv"):
+        kernel.decode_attention(q, kc, vc, pos + 1, 0.25, T, tokens=2, new_kv=(k_new, v_new))
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 numerics on the GPU")
 def test_kernel_bf16_close_to_float32_reference() -> None:
     g = torch.Generator().manual_seed(1)
