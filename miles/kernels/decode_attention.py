@@ -14,12 +14,14 @@ Two launches per layer:
    chunk starts past its row's length does nothing; the others run an online softmax over
    their chunk for the whole GQA group of one KV head (the group is the query axis of one
    ``tl.dot``) and store the chunk's running max, denominator and weighted sum (float32).
-   Given the decode step's new K/V (``new_kv``), the program whose chunk holds the row's
-   last position also writes them into the cache there, and uses them in place of what it
-   loads from that position (so the write and the read need no ordering). That is the
-   cache write of a decode step without a launch of its own: the two index_put kernels it
-   replaces were ~8 µs a layer, ~9% of a 0.5B batch-64 step on the H200 (pure launch
-   latency: 131 KB each).
+   Given the decode step's new K/V (``new_kv``), the programs read the cache only before
+   the row's last position, and the one whose chunk holds that position writes the new K/V
+   there and adds the new token to its softmax from registers after its loop (so the write
+   and the reads need no ordering, and the loop is the same as without a write: a first
+   version that swapped the new K/V into the loop's tiles with ``tl.where`` made the kernel
+   ~40% slower). That is the cache write of a decode step without a launch of its own: the
+   two index_put kernels it replaces were ~8 µs a layer, ~9% of a 0.5B batch-64 step on the
+   H200 (pure launch latency: 131 KB each).
 2. ``_merge``: grid (rows, KV heads): merges the row's valid chunks exactly.
 
 The same kernel serves a speculative verify step (several new tokens per row, causal among
@@ -199,17 +201,12 @@ if triton is not None:
         v_base = v_ptr + b * sv_b + h * sv_h
         pos = length - 1  # the new token's position (WRITE: one token a row)
         if WRITE:
-            k_new = tl.load(kn_ptr + b * skn_b + h * skn_h + d * skn_d).to(k_ptr.dtype.element_ty)
-            v_new = tl.load(vn_ptr + b * svn_b + h * svn_h + d * svn_d).to(v_ptr.dtype.element_ty)
-            if (pos >= start) & (pos < start + CHUNK):  # this program's chunk holds it
-                tl.store(k_base + pos * sk_t + d, k_new)
-                tl.store(v_base + pos * sv_t + d, v_new)
+            end = tl.minimum(end, pos)  # the loop reads the cache before it; the tail adds it
+            limit = tl.minimum(limit, end)  # and its last tile's lanes from there on are masked
         for lo in range(start, end, BLOCK_N):  # nothing when the chunk starts past the row
             t = lo + tl.arange(0, BLOCK_N)
             live = t < end
             k = tl.load(k_base + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0)
-            if WRITE:  # the new position from the registers, not from the store above
-                k = tl.where((t == pos)[:, None], k_new[None, :], k)
             if EXACT:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -221,13 +218,25 @@ if triton is not None:
             p = tl.exp(s - m_use[:, None])
             den = den * alpha + tl.sum(p, 1)
             v = tl.load(v_base + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)
-            if WRITE:
-                v = tl.where((t == pos)[:, None], v_new[None, :], v)
             if EXACT:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
+        if WRITE:
+            if (pos >= start) & (pos < start + CHUNK):  # this program's chunk holds the new token
+                # rounded to the cache's dtype first: the score is what a later step will read
+                k_new = tl.load(kn_ptr + b * skn_b + h * skn_h + d * skn_d).to(k_ptr.dtype.element_ty)
+                v_new = tl.load(vn_ptr + b * svn_b + h * svn_h + d * svn_d).to(v_ptr.dtype.element_ty)
+                tl.store(k_base + pos * sk_t + d, k_new)
+                tl.store(v_base + pos * sv_t + d, v_new)
+                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale  # every row sees it
+                m_new = tl.maximum(m, s_new)
+                alpha = tl.exp(m - m_new)
+                p_new = tl.exp(s_new - m_new)
+                den = den * alpha + p_new
+                acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+                m = m_new
         keep = (g < G) & (start < length)
         tl.store(acc_ptr + b * sa_b + h * sa_h + c * sa_c + g[:, None] * sa_g + d[None, :], acc,
                  mask=keep[:, None])
