@@ -21,6 +21,7 @@ Invariants the rest of the system relies on (see ../shared/DESIGN.md):
 from __future__ import annotations
 
 import enum
+from itertools import compress
 from typing import Any, Literal
 
 import msgspec
@@ -170,11 +171,16 @@ class Trajectory(msgspec.Struct, kw_only=True):
         else:
             self.segments.append(Segment(start, start + n, kind))
 
-    def validate(self, *, current_version: int | None = None) -> None:
+    def validate(self, *, current_version: int | None = None) -> tuple[int | None, int, int]:
         """Raise TrajectoryError naming the first inconsistent field.
 
         ``current_version`` (the newest published policy version) lets callers reject tokens
         that claim to come from a future policy.
+
+        Returns the loss-carrying tokens' ``(oldest version, count, version sum)`` (oldest
+        None if none; ``miles.scheduler.staleness.loss_version_stats``), from the same
+        passes over the versions and the mask that the checks make: the replay buffer keeps
+        them for every trajectory put, and used to make those passes a second time.
         """
         n = len(self.response_tokens)
         for name in ("logprobs", "versions", "loss_mask"):
@@ -187,8 +193,9 @@ class Trajectory(msgspec.Struct, kw_only=True):
             )
         if self.index_in_group < 0:
             raise TrajectoryError("index_in_group", f"must be >= 0, got {self.index_in_group}")
+        lo, total, n_loss = 0, 0, 0
         if n:
-            lo, hi, _ = version_stats(self.versions)
+            lo, hi, total = version_stats(self.versions)
             if lo < 0:
                 raise TrajectoryError("versions", f"negative policy version {lo}")
             if current_version is not None and hi > current_version:
@@ -196,7 +203,8 @@ class Trajectory(msgspec.Struct, kw_only=True):
                     "versions", f"version {hi} is newer than the current policy {current_version}"
                 )
             mask = self.loss_mask
-            if mask.count(1) + mask.count(0) != n:  # == as set(mask) <= {0, 1}, in two C loops
+            n_loss = mask.count(1)
+            if n_loss + mask.count(0) != n:  # == as set(mask) <= {0, 1}, in two C loops
                 raise TrajectoryError("loss_mask", "entries must be 0 or 1")
         if self.segments:
             pos = 0
@@ -206,13 +214,19 @@ class Trajectory(msgspec.Struct, kw_only=True):
                 pos = seg.end
             if pos != n:
                 raise TrajectoryError("segments", f"cover {pos} of {n} response tokens")
+        if n_loss == n and n:  # every token carries loss (the common case): the stats above
+            return lo, n, total
+        if n_loss == 0:
+            return None, 0, 0
+        lo, _, total = version_stats(list(compress(self.versions, self.loss_mask)))
+        return lo, n_loss, total
 
 
 def version_stats(versions: list[int]) -> tuple[int, int, int]:
     """(min, max, sum) of a non-empty list of policy versions.
 
-    Runs on every put into the replay buffer, twice (validation, then the staleness
-    stats), over every token of the trajectory: a partial trajectory that spans a few
+    Runs on every put into the replay buffer (``Trajectory.validate``), over every token of
+    the trajectory: a partial trajectory that spans a few
     weight updates is put back again and again as it grows. A trajectory's versions are
     few distinct values, and its first and last are the extremes in practice (versions
     only grow as it is generated), so this counts each value between them with

@@ -27,7 +27,7 @@ from miles.buffers.policies import EvictionPolicy, GroupFilter, SamplingPolicy, 
 from miles.buffers.records import (
     IN_FLIGHT, PARTIAL, QUEUED, READY, STATE_NAMES, WAITING, Group, Record, reset, restore,
 )
-from miles.scheduler.staleness import is_doomed, loss_version_stats
+from miles.scheduler.staleness import LossStats, is_doomed
 from miles.types import Status, Trajectory
 
 STALE_POLICIES = ("drop", "recompute", "mask")
@@ -209,13 +209,13 @@ class BufferCore:
         return len(recs)
 
     # ---- returning trajectories: plan, then commit -------------------------------------
-    def _return_batch(self, batch: list[tuple[Record, Trajectory]]) -> None:
+    def _return_batch(self, batch: list[tuple[Record, Trajectory, LossStats]]) -> None:
         """Plan every returned trajectory's fate (running user filters) before changing
-        anything, then commit; so a filter that raises leaves the buffer unchanged."""
-        by_group: dict[str, list[tuple[Record, Trajectory, tuple[int | None, int, int]]]] = {}
-        for rec, traj in batch:
-            stats = loss_version_stats(traj.versions, traj.loss_mask)
-            by_group.setdefault(rec.group.group_id, []).append((rec, traj, stats))
+        anything, then commit; so a filter that raises leaves the buffer unchanged. Each
+        item carries its loss-token stats (``Trajectory.validate`` returns them)."""
+        by_group: dict[str, list[tuple[Record, Trajectory, LossStats]]] = {}
+        for item in batch:
+            by_group.setdefault(item[0].group.group_id, []).append(item)
         plans = [(items, *self._plan_group(items)) for items in by_group.values()]
         for items, actions, verdict in plans:
             self._commit_group(items, actions, verdict)

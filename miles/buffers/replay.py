@@ -51,7 +51,7 @@ from typing import Any
 from miles.buffers import batching, checkpoint
 from miles.buffers.core import STALE_POLICIES, BufferConfig, BufferCore, BufferFull, _Worker
 from miles.buffers.records import IN_FLIGHT, PARTIAL, QUEUED, STATE_NAMES, Group, Record
-from miles.scheduler.staleness import is_doomed, loss_version_stats
+from miles.scheduler.staleness import LossStats, is_doomed, loss_version_stats
 from miles.types import PromptSample, Status, Trajectory, TrajectoryError
 
 __all__ = ["STALE_POLICIES", "BufferConfig", "BufferFull", "ReplayBuffer"]
@@ -237,7 +237,7 @@ class ReplayBuffer(BufferCore):
         self._return_batch(batch)
         self._notify()
 
-    def _check_put(self, traj: Trajectory, worker_id: str | None) -> tuple[Record, Trajectory]:
+    def _check_put(self, traj: Trajectory, worker_id: str | None) -> tuple[Record, Trajectory, LossStats]:
         rec = self._recs.get(traj.id)
         if rec is None:
             if traj.group_id not in self._groups:
@@ -262,8 +262,7 @@ class ReplayBuffer(BufferCore):
         if traj.status not in _RETURNABLE:
             raise TrajectoryError(
                 "status", f"a returned trajectory must be PARTIAL or finished, got {traj.status}")
-        traj.validate(current_version=self._version)
-        return rec, traj
+        return rec, traj, traj.validate(current_version=self._version)
 
     def release_worker(self, worker_id: str) -> int:
         """The worker is gone: its leased trajectories go back to the queues (PARTIAL if

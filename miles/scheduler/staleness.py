@@ -40,7 +40,10 @@ MODES: tuple[str, ...] = ("sync", "one-step-off", "async")
 # ---- token-level bound (used by the buffer) -----------------------------------------------
 
 
-def loss_version_stats(versions: list[int], loss_mask: list[int]) -> tuple[int | None, int, int]:
+LossStats = tuple[int | None, int, int]  # the loss tokens' (oldest version or None, count, version sum)
+
+
+def loss_version_stats(versions: list[int], loss_mask: list[int]) -> LossStats:
     """``(oldest, count, sum)`` of the versions of loss-carrying tokens (oldest None if none).
 
     Runs once per trajectory put, so it stays in C builtins (``count``, ``compress``, and

@@ -5,6 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from miles import types as T
+from miles.scheduler.staleness import loss_version_stats
 
 
 def _traj(**kw) -> T.Trajectory:
@@ -51,6 +52,16 @@ def test_version_stats_is_min_max_sum(versions: list[int], sort: bool) -> None:
     if sort:
         versions = sorted(versions)
     assert T.version_stats(versions) == (min(versions), max(versions), sum(versions))
+
+
+@given(st.lists(st.tuples(st.integers(0, 12), st.sampled_from(["model", "env"]), st.integers(1, 5)), max_size=6))
+def test_validate_returns_the_loss_token_stats(spans: list[tuple[int, str, int]]) -> None:
+    """What ``validate`` returns is ``loss_version_stats`` of the trajectory: the buffer keeps
+    it instead of computing it again."""
+    t = T.Trajectory(id="a", prompt_id="p", group_id="g")
+    for version, kind, n in spans:
+        t.append([1] * n, [0.0] * n, version, kind=kind)
+    assert t.validate() == loss_version_stats(t.versions, t.loss_mask)
 
 
 def test_version_stats_on_typical_and_odd_lists() -> None:
