@@ -132,7 +132,8 @@ def _timed(name: str, changes: bool) -> Any:
     return method
 
 
-# get_batch_async waits for data; its work happens inside get_batch, which is timed.
+# get_batch_async waits for data; its work happens inside get_batch, which is timed. So does
+# put_and_lease's, inside put_many and lease (timed there, once).
 for _name in ("add_prompts", "lease", "put", "put_many", "release_worker", "release_all_workers",
               "expire_leases", "set_version", "get_batch", "load_state_dict"):
     setattr(_BufferActor, _name, _timed(_name, changes=True))

@@ -41,6 +41,13 @@ from miles.utils.proc import rss_mb
 
 
 LAG_PROBE_S = 0.05  # the event-loop lag probe's sleep (20 wake-ups a second)
+# The least time between two of the run loop's calls into the buffer. Each call into the
+# buffer actor cost ~50 µs of its time however little it carried (2×H200 runs, 2026-12-01:
+# put_many's time grew with the number of calls, not of trajectories), and a worker finishing
+# ~400 trajectories a second made 90-180 such calls a second, plus a lease every poll while
+# starved: the calls, not the trajectories, kept the buffer over 1% of the run. At most one
+# call per interval, returning what finished and leasing in the same call.
+BUFFER_CALL_INTERVAL_S = 0.02
 
 
 class RolloutWorker:
@@ -60,6 +67,7 @@ class RolloutWorker:
         lease_timeout_s: float = 60.0,
         poll_interval_s: float = 0.01,
         reward_key: str | None = None,
+        buffer_call_interval_s: float = BUFFER_CALL_INTERVAL_S,
     ) -> None:
         self.worker_id = worker_id
         self.init_s = 0.0  # construction seconds (set by the Ray actor that builds the engine)
@@ -74,6 +82,7 @@ class RolloutWorker:
         self.keep_kv_cache = keep_kv_cache
         self.renew_every_s = max(lease_timeout_s / 3, 0.05)
         self.poll_interval_s = poll_interval_s
+        self.buffer_call_interval_s = buffer_call_interval_s
         self.reward_key = reward_key
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._outbox: list[Trajectory] = []
@@ -109,28 +118,30 @@ class RolloutWorker:
         the staleness bound throws away (and make a resumed run depend on that timing)."""
         self._hold_until_version = max(self._hold_until_version, hold_until_version)
         last_renew = time.monotonic()
+        last_call = float("-inf")
         starved_since: float | None = None  # an empty lease with room for work: since when
         lag = asyncio.create_task(self._probe_loop_lag())
         try:
             while not self._stopping:
                 leased: list[Trajectory] = []
                 free = self.max_inflight - len(self._inflight)
-                if free > 0 and not self._draining and self.engine.version >= self._hold_until_version:
-                    leased = await self.buffer.call("lease", self.worker_id, free)
-                    self.counters["lease_calls"] += 1
+                can_lease = free > 0 and not self._draining and self.engine.version >= self._hold_until_version
+                wait = last_call + self.buffer_call_interval_s - time.monotonic()
+                if (can_lease or self._outbox) and wait <= 0:
+                    last_call = time.monotonic()
+                    leased = await self._exchange(free if can_lease else 0)
                     for traj in leased:
                         self._inflight[traj.id] = asyncio.create_task(self._process(traj))
-                    if not leased and starved_since is None:
+                    if can_lease and not leased and starved_since is None:
                         starved_since = time.monotonic()
                 if (leased or free <= 0 or self._draining) and starved_since is not None:
                     self.counters["starved_s"] += time.monotonic() - starved_since
                     starved_since = None
-                await self._flush()
                 if time.monotonic() - last_renew > self.renew_every_s and self._inflight:
                     await self.buffer.call("renew", self.worker_id)
                     last_renew = time.monotonic()
                 if not leased:
-                    await self._wait_for_change()
+                    await self._wait_for_change(max(wait, 0.0))
         finally:
             lag.cancel()
             if starved_since is not None:
@@ -146,12 +157,18 @@ class RolloutWorker:
             self.counters["loop_lag_s"] += late
             self.counters["loop_lag_max_s"] = max(self.counters["loop_lag_max_s"], late)
 
-    async def _wait_for_change(self) -> None:
+    async def _wait_for_change(self, at_least: float = 0.0) -> None:
+        """Until a generation finishes (or a poll interval passes); never less than
+        ``at_least`` seconds (what is left of the interval between buffer calls)."""
         tasks = list(self._inflight.values())
         if tasks and not self._outbox:
+            start = time.monotonic()
             await asyncio.wait(tasks, timeout=self.poll_interval_s * 5, return_when=asyncio.FIRST_COMPLETED)
+            at_least -= time.monotonic() - start
+            if at_least > 0:
+                await asyncio.sleep(at_least)
         else:
-            await asyncio.sleep(self.poll_interval_s)
+            await asyncio.sleep(max(self.poll_interval_s, at_least))
 
     async def _process(self, traj: Trajectory) -> None:
         start = time.monotonic()
@@ -208,6 +225,21 @@ class RolloutWorker:
         traj.status = Status.FAILED
         traj.finish_reason = f"reward_worker_unavailable: {last}"[:500]
         return traj
+
+    async def _exchange(self, lease: int) -> list[Trajectory]:
+        """One call into the buffer: return the outbox and lease up to ``lease`` new ones
+        (``put_and_lease``); a put the buffer refuses is retried one by one, then leased."""
+        if lease <= 0:
+            await self._flush()
+            return []
+        batch, self._outbox = self._outbox, []
+        self.counters["lease_calls"] += 1
+        try:
+            return await self.buffer.call("put_and_lease", batch, self.worker_id, lease)
+        except TrajectoryError:
+            self._outbox = batch + self._outbox
+            await self._flush()
+            return await self.buffer.call("lease", self.worker_id, lease)
 
     async def _flush(self) -> None:
         if not self._outbox:

@@ -207,6 +207,15 @@ class ReplayBuffer(BufferCore):
             del self._workers[worker_id]
         return out
 
+    def put_and_lease(self, trajs: Sequence[Trajectory], worker_id: str, max_items: int) -> list[Trajectory]:
+        """``put_many(trajs, worker_id)`` then ``lease(worker_id, max_items)``: a rollout
+        worker returns what it finished and takes new work in one round trip (each call into
+        the buffer actor costs it more than the few trajectories a call carries). The put is
+        all-or-nothing as ``put_many``'s; when it raises, nothing is leased."""
+        if trajs:
+            self.put_many(trajs, worker_id)
+        return self.lease(worker_id, max_items)
+
     def renew(self, worker_id: str) -> list[str]:
         """Heartbeat: extend all of the worker's leases. Returns the ids it holds whose
         group was dropped meanwhile (their results will be discarded: abort them)."""

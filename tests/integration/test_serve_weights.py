@@ -225,7 +225,7 @@ def test_an_engine_failure_is_reported_and_the_server_keeps_serving(server) -> N
 
 
 class _Buffer:
-    """The two calls a RolloutWorker makes on its buffer, in memory; PARTIAL goes back."""
+    """The calls a RolloutWorker makes on its buffer, in memory; PARTIAL goes back."""
 
     def __init__(self, trajs):
         self.pending, self.done = list(trajs), []
@@ -237,6 +237,10 @@ class _Buffer:
     def put_many(self, trajs, worker_id):
         for t in trajs:
             (self.pending if t.status is Status.PARTIAL else self.done).append(t)
+
+    def put_and_lease(self, trajs, worker_id, n):
+        self.put_many(trajs, worker_id)
+        return self.lease(worker_id, n)
 
     def renew(self, worker_id):
         return None

@@ -235,3 +235,43 @@ def test_the_uniform_reward_filter_judges_the_reward_key_entry(tmp_path) -> None
     assert keyed(group) is False and filter_name(keyed) == "drop_uniform_rewards"
     (summed,) = buffer_args(default_config(dynamic_sampling_filter_path="miles.buffers:drop_uniform_rewards"))["group_filters"]
     assert summed(group) is True
+
+
+def test_buffer_calls_are_an_interval_apart_and_every_trajectory_arrives() -> None:
+    """The run loop returns finished work and leases in one call (``put_and_lease``), at most
+    one call per ``buffer_call_interval_s``; nothing is held back for good."""
+    import time
+
+    from miles.actors.handles import Peer
+
+    async def scenario() -> tuple[list[tuple[float, str]], int]:
+        worker, buf, _ = _worker(partial=False, max_len=6)
+        calls: list[tuple[float, str]] = []
+
+        class Counting:
+            def __getattr__(self, name: str):
+                fn = getattr(buf, name)
+                if name not in ("put_and_lease", "put_many", "lease"):
+                    return fn
+
+                def counted(*args, **kwargs):
+                    calls.append((time.monotonic(), name))
+                    return fn(*args, **kwargs)
+                return counted
+
+        worker.buffer = Peer(Counting())
+        worker.buffer_call_interval_s = 0.1
+        buf.add_prompts(_prompts(4))  # 8 trajectories, 4 in flight at most
+        run = asyncio.create_task(worker.run())
+        while buf.ledger().ready < 8:
+            await asyncio.sleep(0.01)
+        await worker.stop()
+        await run
+        await worker.engine.close()
+        return calls, buf.ledger().ready
+
+    calls, ready = asyncio.run(scenario())
+    assert ready == 8
+    gaps = [b[0] - a[0] for a, b in zip(calls, calls[1:])]
+    assert min(gaps) >= 0.1 - 0.005, gaps
+    assert {name for _, name in calls} <= {"put_and_lease", "put_many"}  # never a lease call of its own

@@ -117,3 +117,20 @@ def test_release_all_workers_after_checkpoint_load() -> None:
     led = fresh.ledger()
     assert (led.in_flight, led.queued) == (0, 3)
     led.check()
+
+
+def test_put_and_lease_returns_then_leases_and_leases_nothing_when_the_put_is_refused() -> None:
+    buf = make_buffer(n_samples_per_prompt=2)
+    buf.add_prompts(prompts(2))
+    a, b = buf.lease("w", 2)
+    # a PARTIAL put comes first, so the lease after it in the same call gets it back first
+    again = buf.put_and_lease([generate(a, 0, status=Status.PARTIAL)], "w", 2)
+    assert [t.id for t in again][:1] == [a.id] and len(again) == 2
+    assert buf.ledger().in_flight == 3
+    bad = generate(b, 0)
+    bad.logprobs = bad.logprobs[:-1]
+    with pytest.raises(TrajectoryError, match="logprobs"):
+        buf.put_and_lease([bad], "w", 4)
+    led = buf.ledger()
+    assert (led.in_flight, led.queued, led.waiting) == (3, 1, 0)  # nothing put, nothing leased
+    assert buf.put_and_lease([], "w", 4)[0].id not in {a.id, b.id}  # an empty put only leases
