@@ -3,7 +3,10 @@
 The worker's ``run`` coroutine leases trajectories (the buffer hands out PARTIAL ones first,
 then new prompts), rolls each out with the generate function in its own task, scores it,
 and puts it back — many in flight at once, so the engine's continuous batch stays full and
-reward or environment calls overlap with decoding.
+reward or environment calls overlap with decoding. The loop calls the buffer at most once
+every ``BUFFER_CALL_INTERVAL_S``, returning what finished and leasing new work in that one
+call (``put_and_lease``): the buffer actor's time follows its calls more than the
+trajectories they carry.
 
 Weights arrive through ``receive_weights`` while ``run`` goes on: the worker's
 ``WeightInbox`` (``miles.transports``) stages every bucket into the engine while it keeps
