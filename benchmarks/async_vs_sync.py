@@ -472,7 +472,7 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
         "'buffer busy' is the replay buffer's own measured work as a share of wall time (the wall time of its calls), "
         "'buffer CPU' the CPU time of the same calls (without the time its process was descheduled or waited for the "
         "GIL), 'buffer calls/traj' "
-        "the workers' put_many and lease calls per trajectory the buffer took back, "
+        "the workers' calls into the buffer (put-only, and put-and-lease) per trajectory the buffer took back, "
         "'admission' the driver's admission loop (Ray round trips included); 'rollout tok/s' counts every "
         "token the engines generated (recycled and not yet trained ones too; the workers report every "
         "--health-check-interval-s, nan when the run was shorter); 'graph capture' the share of the span the "

@@ -97,6 +97,7 @@ class RolloutWorker:
         self.counters: dict[str, float] = {
             "finished": 0, "partial": 0, "failed": 0, "tokens": 0, "weight_updates": 0,
             "drain_s": 0.0, "swap_s": 0.0, "stage_s": 0.0, "busy_s": 0.0, "refused_puts": 0,
+            # calls into the buffer: put-only ones, and ones that lease (returning work too)
             "weight_resyncs": 0, "put_calls": 0, "lease_calls": 0,
             # With room for more work, the time the buffer had none to lease (admission, the
             # staleness bound, no prompts): with the engine's idle time it tells a worker the
