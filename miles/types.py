@@ -171,15 +171,15 @@ class Trajectory(msgspec.Struct, kw_only=True):
         else:
             self.segments.append(Segment(start, start + n, kind))
 
-    def validate(self, *, current_version: int | None = None) -> tuple[int | None, int, int]:
+    def validate(self, *, current_version: int | None = None) -> LossStats:
         """Raise TrajectoryError naming the first inconsistent field.
 
         ``current_version`` (the newest published policy version) lets callers reject tokens
         that claim to come from a future policy.
 
         Returns the loss-carrying tokens' ``(oldest version, count, version sum)`` (oldest
-        None if none; ``miles.scheduler.staleness.loss_version_stats``), from the same
-        passes over the versions and the mask that the checks make: the replay buffer keeps
+        None if none; ``loss_version_stats``), from the same passes over the versions and
+        the mask that the checks make when every token carries loss: the replay buffer keeps
         them for every trajectory put, and used to make those passes a second time.
         """
         n = len(self.response_tokens)
@@ -214,20 +214,17 @@ class Trajectory(msgspec.Struct, kw_only=True):
                 pos = seg.end
             if pos != n:
                 raise TrajectoryError("segments", f"cover {pos} of {n} response tokens")
-        if n_loss == n and n:  # every token carries loss (the common case): the stats above
-            return lo, n, total
-        if n_loss == 0:
-            return None, 0, 0
-        lo, _, total = version_stats(list(compress(self.versions, self.loss_mask)))
-        return lo, n_loss, total
+        if n_loss == n:  # every token carries loss (the common case): the checks' own stats
+            return (lo, n, total) if n else (None, 0, 0)
+        return loss_version_stats(self.versions, self.loss_mask)
 
 
 def version_stats(versions: list[int]) -> tuple[int, int, int]:
     """(min, max, sum) of a non-empty list of policy versions.
 
     Runs on every put into the replay buffer (``Trajectory.validate``), over every token of
-    the trajectory: a partial trajectory that spans a few
-    weight updates is put back again and again as it grows. A trajectory's versions are
+    the trajectory: a partial trajectory that spans a few weight updates is put back again
+    and again as it grows. A trajectory's versions are
     few distinct values, and its first and last are the extremes in practice (versions
     only grow as it is generated), so this counts each value between them with
     ``list.count`` (a C loop that compares by identity first) and takes the sum from the
@@ -245,6 +242,24 @@ def version_stats(versions: list[int]) -> tuple[int, int, int]:
         if covered == n:
             return lo, hi, total
     return min(versions), max(versions), sum(versions)
+
+
+LossStats = tuple[int | None, int, int]  # the loss tokens' (oldest version or None, count, version sum)
+
+
+def loss_version_stats(versions: list[int], loss_mask: list[int]) -> LossStats:
+    """``(oldest, count, sum)`` of the versions of loss-carrying tokens (oldest None if none).
+
+    Runs on the buffer's put path (``Trajectory.validate``, for trajectories with
+    environment-written tokens), so it stays in C builtins (``count``, ``compress``, and
+    ``version_stats``' counting) and skips the selection when every token carries loss.
+    ``loss_mask`` must hold only 0/1 (``Trajectory.validate`` checks that first).
+    """
+    n_loss = loss_mask.count(1)
+    if n_loss == 0:
+        return None, 0, 0
+    lo, _, total = version_stats(versions if n_loss == len(versions) else list(compress(versions, loss_mask)))
+    return lo, n_loss, total
 
 
 class PromptSample(msgspec.Struct, kw_only=True):

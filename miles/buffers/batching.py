@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from miles.buffers.records import READY, Group
-from miles.scheduler.staleness import loss_version_stats, mask_stale_tokens, within_bound
-from miles.types import Trajectory
+from miles.scheduler.staleness import mask_stale_tokens, within_bound
+from miles.types import Trajectory, loss_version_stats
 
 if TYPE_CHECKING:  # core imports this module
     from miles.buffers.core import BufferCore

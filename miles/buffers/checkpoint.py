@@ -20,8 +20,7 @@ import msgspec
 from miles.buffers.core import BufferCore, _Worker
 from miles.buffers.ledger import LedgerError
 from miles.buffers.records import PARTIAL, READY, WAITING, Group, Record
-from miles.scheduler.staleness import loss_version_stats
-from miles.types import Status, Trajectory, TrajectoryError, decode, encode
+from miles.types import Status, Trajectory, TrajectoryError, decode, encode, loss_version_stats
 
 FORMAT = 1
 

@@ -27,8 +27,8 @@ from miles.buffers.policies import EvictionPolicy, GroupFilter, SamplingPolicy, 
 from miles.buffers.records import (
     IN_FLIGHT, PARTIAL, QUEUED, READY, STATE_NAMES, WAITING, Group, Record, reset, restore,
 )
-from miles.scheduler.staleness import LossStats, is_doomed
-from miles.types import Status, Trajectory
+from miles.scheduler.staleness import is_doomed
+from miles.types import LossStats, Status, Trajectory
 
 STALE_POLICIES = ("drop", "recompute", "mask")
 # Plan actions for a returned trajectory (decided before anything changes).

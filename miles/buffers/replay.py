@@ -51,8 +51,8 @@ from typing import Any
 from miles.buffers import batching, checkpoint
 from miles.buffers.core import STALE_POLICIES, BufferConfig, BufferCore, BufferFull, _Worker
 from miles.buffers.records import IN_FLIGHT, PARTIAL, QUEUED, STATE_NAMES, Group, Record
-from miles.scheduler.staleness import LossStats, is_doomed, loss_version_stats
-from miles.types import PromptSample, Status, Trajectory, TrajectoryError
+from miles.scheduler.staleness import is_doomed
+from miles.types import LossStats, PromptSample, Status, Trajectory, TrajectoryError, loss_version_stats
 
 __all__ = ["STALE_POLICIES", "BufferConfig", "BufferFull", "ReplayBuffer"]
 

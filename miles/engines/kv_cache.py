@@ -20,8 +20,9 @@ Backends (see ``miles.models.layers.AttentionBackend``):
   views and mask to ``scaled_dot_product_attention``. Both read every row up to ``L``;
   ``mode="triton"`` (CUDA) reads each row only up to its own position
   (``miles.kernels.decode_attention``, also for ``VerifyAttention``; in decode it writes the
-  new K/V too), so its cost follows the useful KV positions and the runner passes the whole cache length as ``L``: one CUDA graph
-  per batch bucket (and k, for speculative rounds) serves every context length.
+  new K/V too), so its cost follows the useful KV positions and the runner passes the whole
+  cache length as ``L``: one CUDA graph per batch bucket (and k, for speculative rounds)
+  serves every context length.
 
   With ``split = (S, long_rows)`` every row reads ``[0, S)`` and only the long rows read
   ``[S, L)`` (gathered), their partial softmaxes merged exactly: in a long-tailed batch a

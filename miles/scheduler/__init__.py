@@ -9,11 +9,11 @@ from miles.scheduler.staleness import (
     SchedulerConfig,
     admission,
     is_doomed,
-    loss_version_stats,
     mask_stale_tokens,
     mode_staleness,
     within_bound,
 )
+from miles.types import loss_version_stats  # the token-level stats, beside Trajectory.validate
 
 __all__ = [
     "MODES",

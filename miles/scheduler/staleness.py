@@ -6,8 +6,9 @@ Staleness of a token trained at trainer version ``v_t`` is ``v_t - v_token``; th
 * at **admission**, by :func:`admission` / :class:`Scheduler` (AReaL's rule): the driver does
   not start more prompts than the versions the trainer can still reach would consume;
 * at **consumption**, by :class:`miles.buffers.ReplayBuffer`, which calls the token-level
-  helpers below (:func:`loss_version_stats`, :func:`is_doomed`, :func:`mask_stale_tokens`)
-  and never hands out a loss token older than the bound.
+  helpers below (:func:`is_doomed`, :func:`mask_stale_tokens`, and
+  :func:`loss_version_stats`, which lives in ``miles.types`` beside the trajectory's
+  validation that computes it) and never hands out a loss token older than the bound.
 
 Wiring: the driver builds one :class:`Scheduler` from a :class:`SchedulerConfig`, builds the
 buffer with ``BufferConfig(max_staleness=scheduler.staleness, ...)``, and on every loop
@@ -22,12 +23,9 @@ groups per step.
 
 from __future__ import annotations
 
-from itertools import compress
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
-
-from miles.types import version_stats
 
 if TYPE_CHECKING:  # the buffer imports this module; avoid the cycle at runtime
     from miles.buffers.ledger import Ledger
@@ -38,24 +36,6 @@ MODES: tuple[str, ...] = ("sync", "one-step-off", "async")
 
 
 # ---- token-level bound (used by the buffer) -----------------------------------------------
-
-
-LossStats = tuple[int | None, int, int]  # the loss tokens' (oldest version or None, count, version sum)
-
-
-def loss_version_stats(versions: list[int], loss_mask: list[int]) -> LossStats:
-    """``(oldest, count, sum)`` of the versions of loss-carrying tokens (oldest None if none).
-
-    Runs once per trajectory put, so it stays in C builtins (``count``, ``compress``, and
-    ``version_stats``' counting) and skips the selection when every token carries loss (the
-    common case).
-    ``loss_mask`` must hold only 0/1 (``Trajectory.validate`` checks that first).
-    """
-    n_loss = loss_mask.count(1)
-    if n_loss == 0:
-        return None, 0, 0
-    lo, _, total = version_stats(versions if n_loss == len(versions) else list(compress(versions, loss_mask)))
-    return lo, n_loss, total
 
 
 def within_bound(oldest: int | None, trainer_version: int, max_staleness: int) -> bool:

@@ -5,7 +5,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from miles import types as T
-from miles.scheduler.staleness import loss_version_stats
 
 
 def _traj(**kw) -> T.Trajectory:
@@ -61,7 +60,7 @@ def test_validate_returns_the_loss_token_stats(spans: list[tuple[int, str, int]]
     t = T.Trajectory(id="a", prompt_id="p", group_id="g")
     for version, kind, n in spans:
         t.append([1] * n, [0.0] * n, version, kind=kind)
-    assert t.validate() == loss_version_stats(t.versions, t.loss_mask)
+    assert t.validate() == T.loss_version_stats(t.versions, t.loss_mask)
 
 
 def test_version_stats_on_typical_and_odd_lists() -> None:
