@@ -200,7 +200,8 @@ def main() -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
     ap.add_argument("--no-torch-ops", action="store_true",
-                    help="CPU: skip the engine run with its decode step through torch ops (no C kernel)")
+                    help="skip the engine run through torch ops: the CPU's decode step without the C "
+                         "kernel, CUDA's sampling without the fused Triton draw")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--repeats", type=int, default=None, help="best of N interleaved runs")
     ap.add_argument("--workload", choices=["decode", "rollout", "both"], default="decode",
@@ -250,15 +251,21 @@ def bench(args) -> tuple[list[dict], dict]:
             # the same engine with its decode step through torch ops: what the C kernel buys
             torch_ops = EngineSide(engine_model, prompts, args.new_tokens, args, cpu_decode_kernel=False)
             systems["embedded, torch ops"] = torch_ops
+        torch_sampling = None
+        if side.engine.stepper.fused_sampling and not args.no_torch_ops:
+            # the same engine drawing its tokens with torch ops: what the fused sampler buys
+            torch_sampling = EngineSide(engine_model, prompts, args.new_tokens, args, fused_sampling=False)
+            systems["embedded, torch sampling"] = torch_sampling
         if hf is not None:
             systems["hf generate"] = lambda n: run_hf(hf, prompts, n, device)
         found = measure(systems, batch, args.new_tokens, args.repeats) if args.workload != "rollout" else []
         if args.workload in ("rollout", "both"):
             found += rollout_rows(side, hf, batch, args, device, V, g)
         side.close()
-        if torch_ops is not None:
-            torch_ops.close()
-        del side, systems, torch_ops
+        for other in (torch_ops, torch_sampling):
+            if other is not None:
+                other.close()
+        del side, systems, torch_ops, torch_sampling
         mean_ctx = args.prompt_len + args.new_tokens / 2
         step_bytes = weight_bytes_per_step(engine_model, batch) + batch * mean_ctx * kv_per_token
         for row in found:
@@ -335,6 +342,10 @@ def report(args, rows: list[dict], info: dict) -> None:
             ok = r["roofline"] >= goal_roof
             verdicts.append(f"batch {r['batch']}: {100 * r['roofline']:.1f}% of copy-bandwidth roofline "
                             f"(goal ≥ {100 * goal_roof:.0f}%: {'met' if ok else 'NOT met'})")
+    steps = {(r["system"], r["batch"]): r["step_s"] for r in rows if "step_s" in r}
+    verdicts += [f"batch {b}: a decode step with the fused sampler {1e3 * steps[('embedded', b)]:.2f} ms against "
+                 f"{1e3 * t:.2f} ms with torch sampling ({t / steps[('embedded', b)]:.2f}×; no goal)"
+                 for (name, b), t in steps.items() if name == "embedded, torch sampling" and ("embedded", b) in steps]
     verdicts += [f"rollout, {r['batch']} slots: {r['vs_hf_rollout']:.2f}× HF useful tokens/s (no goal)"
                  for r in rollout if "vs_hf_rollout" in r]
     cmd = "python benchmarks/engine.py " + " ".join(sys.argv[1:])

@@ -68,7 +68,7 @@ PREFILL_GRAPH_AFTER = 2  # a prefill shape is captured when met this many times
 
 @dataclass
 class StepOut:
-    logits: Tensor | None  # [n, V] float32 (last position of each row)
+    logits: Tensor | None  # [n, V] float32, or the model dtype from decode(native_logits=True); last position of each row
     hidden: Tensor | None  # prefill: [n, T, H]; decode: [n, H]
     routing: Tensor | None  # prefill: [n, T, L_moe, k]; decode: [n, L_moe, k]
 
@@ -154,9 +154,10 @@ class ModelRunner:
         return StepOut(None if out.logits is None else out.logits[:, 0], out.hidden, out.routing)
 
     # ---- decode ------------------------------------------------------------------------
-    def decode(self, tokens: Tensor | list[int], positions: list[int]) -> StepOut:
+    def decode(self, tokens: Tensor | list[int], positions: list[int], *, native_logits: bool = False) -> StepOut:
         """One token per running request (host list, or device tensor from the previous
-        step's samples); request i occupies slot i (i < n)."""
+        step's samples); request i occupies slot i (i < n). ``native_logits``: the caller
+        takes logits in the model's dtype (a CUDA graph's, then, without a float32 copy)."""
         useful = sum(positions) + len(positions)
         self.kv_useful += useful
         if self.cpu_kernel is not None:  # reads each row up to its own position
@@ -169,7 +170,7 @@ class ModelRunner:
         if self.config.deterministic:
             return self._decode_padded(tokens, positions, L)
         if self.graphs is not None and split is None:
-            out = self.graphs.run(tokens, positions, L)
+            out = self.graphs.run(tokens, positions, L, native_logits=native_logits)
             if out is not None:
                 return out
         if not isinstance(tokens, Tensor):
@@ -218,12 +219,13 @@ class ModelRunner:
         return self.decode_eager(tokens, positions, L)
 
     def decode_eager(self, tokens: Tensor, positions: Tensor, L: int, *,
-                     split: tuple[int, Tensor] | None = None) -> StepOut:
+                     split: tuple[int, Tensor] | None = None, logits: bool = True) -> StepOut:
+        """One decode step run op by op (``logits=False``: the final hidden states only)."""
         backend = DecodeAttention(self.cache, positions, L, self.attention, split=split)
         out = self.model(tokens[:, None], positions[:, None], kv_cache=backend, return_hidden=True,
-                         return_routing=self.is_moe, check_inputs=False)
+                         return_routing=self.is_moe, return_logits=logits, check_inputs=False)
         routing = None if out.routing is None else out.routing[:, 0]
-        return StepOut(out.logits[:, 0], out.hidden[:, 0], routing)
+        return StepOut(None if out.logits is None else out.logits[:, 0], out.hidden[:, 0], routing)
 
     # ---- verify (several tokens per row) -------------------------------------------
     def verify(self, tokens: Tensor, starts: list[int] | Tensor, *, L: int | None = None,
@@ -335,15 +337,18 @@ class DecodeGraphs(GraphCache):
         self.tokens = torch.zeros(cap, dtype=torch.long, device=dev)
         self.positions = torch.zeros(cap, dtype=torch.long, device=dev)
         cfg = runner.model.config
-        self.logits = torch.zeros(cap, cfg.vocab_size, dtype=torch.float32, device=dev)
+        # The LM head writes its logits here in the model's dtype: no float32 copy a step
+        # (a sampler that reads them directly asks for them so: ``run(native_logits=True)``).
+        self.logits = torch.zeros(cap, cfg.vocab_size, dtype=runner.dtype, device=dev)
         self.hidden = torch.zeros(cap, cfg.hidden_size, dtype=runner.dtype, device=dev)
 
     def _step(self, nb: int, L: int) -> None:
-        out = self.runner.decode_eager(self.tokens[:nb], self.positions[:nb], L)
-        self.logits[:nb].copy_(out.logits)
+        out = self.runner.decode_eager(self.tokens[:nb], self.positions[:nb], L, logits=False)
+        torch.mm(out.hidden, self.runner.model.lm_head.weight.t(), out=self.logits[:nb])
         self.hidden[:nb].copy_(out.hidden)
 
-    def run(self, tokens: Tensor | list[int], positions: list[int] | Tensor, L: int) -> StepOut | None:
+    def run(self, tokens: Tensor | list[int], positions: list[int] | Tensor, L: int, *,
+            native_logits: bool = False) -> StepOut | None:
         if self.failed:
             return None
         n = len(positions)
@@ -363,7 +368,8 @@ class DecodeGraphs(GraphCache):
         if graph is None:
             return None
         graph.replay()
-        return StepOut(self.logits[:n], self.hidden[:n], None)
+        logits = self.logits[:n]
+        return StepOut(logits if native_logits else logits.float(), self.hidden[:n], None)
 
     def capture_all(self) -> int:
         """Capture every batch bucket's graph now (engine start), when one context serves

@@ -15,11 +15,16 @@ Draws use the Gumbel-max trick: ``argmax(logp + g)`` with ``g = -log(-log(u))``.
 a seed, ``u`` comes from a counter-based hash of (seed, response position, vocab index) —
 no generator state — so the draw for response token i depends only on (seed, i): an
 aborted and re-prefilled request reproduces an uninterrupted one, whatever else is in the
-batch. Rows without a seed draw ``u`` from the engine's torch.Generator.
+batch. Rows without a seed draw ``u`` from the engine's torch.Generator (through
+``fused_sample``: a key drawn from it, hashed as a seeded row's).
+
+On CUDA, batches without truncation take ``fused_sample`` (``miles.kernels.sampling``): the
+same draw in one pass over the logits instead of ~15 kernels.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -280,3 +285,47 @@ def uniforms(keys: list[int | None], V: int, dev: torch.device, gen: torch.Gener
     u = torch.rand(len(keys), V, device=dev, generator=gen)
     u[to_device(seeded, torch.long, dev)] = hashed
     return u
+
+
+def fused_sample(logits: Tensor, batch: SamplingBatch, generator: torch.Generator | None
+                 ) -> tuple[Tensor, Tensor] | None:
+    """``sample`` and the stepper's finiteness check in one Triton pass over ``logits`` [n, V]
+    (float32 or the model's dtype; ``miles.kernels.sampling``). Returns tokens [n] and
+    [3, n] float64 rows (token, log-prob, finite), or None for a batch that truncates (a
+    sort: the torch path). Seeded rows draw exactly as ``sample`` does; an unseeded row
+    hashes a key drawn from ``generator`` instead of drawing its uniforms from it."""
+    if batch.truncates():
+        return None
+    from miles.kernels import sampling as kernel
+
+    n, dev = logits.shape[0], logits.device
+    temps = to_device(batch.temperature, torch.float32, dev)
+    seeded = [k is not None for k in batch.keys]
+    keys = to_device([0 if k is None else k for k in batch.keys], torch.int64, dev)
+    if not all(seeded):
+        drawn = torch.randint(-(1 << 63), (1 << 63) - 1, (n,), device=dev, dtype=torch.int64, generator=generator)
+        keys = torch.where(to_device(seeded, torch.bool, dev), keys, drawn)
+    return kernel.sample(logits, temps, keys)
+
+
+@functools.lru_cache(maxsize=None)
+def fused_failure(device: str) -> str | None:
+    """Why ``fused_sample`` cannot serve an engine on ``device``, or None. Beyond triton's
+    presence, one small draw (which also compiles the kernels) must match ``sample``'s tokens
+    and log-probs, once per device: a GPU whose triton miscompiles it gets the torch path."""
+    from miles.kernels import sampling as kernel
+
+    if kernel.triton is None or not kernel.available(device):
+        return f"needs triton and a CUDA device (device {device!r})"
+    try:
+        g = torch.Generator().manual_seed(0)
+        logits = (torch.randn(4, 3000, generator=g) * 4).to(device)
+        batch = SamplingBatch([1.0, 0.6, 0.0, 1.7], [1.0] * 4, [-1] * 4, [row_key(s, 9) for s in range(4)])
+        want_tok, want_lp = sample(logits, batch, None)
+        tok, out = fused_sample(logits, batch, None)
+        ok = torch.equal(tok, want_tok) and bool(torch.allclose(out[1].float(), want_lp, atol=1e-4))
+    except Exception as exc:  # noqa: BLE001 - any failure means: not here
+        return f"failed to run: {_summary(exc)}"
+    if not ok:
+        return f"disagreed with the torch draw (tokens {tok.tolist()} against {want_tok.tolist()})"
+    return None

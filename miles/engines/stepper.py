@@ -32,7 +32,7 @@ from torch import Tensor
 from miles.engines.config import EngineConfig
 from miles.engines.requests import Request
 from miles.engines.runner import GRAPH_CAPTURES, ModelRunner, StepOut
-from miles.engines.sampling import SamplingBatch, sample
+from miles.engines.sampling import SamplingBatch, fused_sample, sample
 from miles.utils.cuts import cut_by_length
 from miles.utils.device import to_device
 
@@ -107,6 +107,7 @@ class Stepper:
         self.stats, self.on_done = stats, on_done
         self.device = runner.device
         self.overlap = config.use_overlap()
+        self.fused_sampling = config.use_fused_sampling()
         self.running: list[Request] = []
         self.inflight: _InFlight | None = None
         self.version = 0
@@ -209,7 +210,7 @@ class Stepper:
             row = {id(r): i for i, r in enumerate(prev.reqs)}
             tokens = prev.tokens[to_device([row[id(r)] for r in reqs], torch.long, self.device)]
         top = self.config.max_seq_len - 1  # a finished-but-unprocessed row must stay in bounds
-        out = self.runner.decode(tokens, [min(r.kv_len, top) for r in reqs])
+        out = self.runner.decode(tokens, [min(r.kv_len, top) for r in reqs], native_logits=self.fused_sampling)
         if self.spec is not None:
             self.spec.drafter.record(reqs, out.hidden)
         for i, r in enumerate(reqs):
@@ -305,10 +306,12 @@ class Stepper:
         batch = SamplingBatch.build([r.sampling for r in reqs], positions)
         kernel = self.runner.cpu_kernel
         fused = kernel.sample(out.logits, batch, self.generator) if kernel is not None else None
+        if fused is None and self.fused_sampling:  # the same in one Triton pass (CUDA)
+            fused = fused_sample(out.logits, batch, self.generator)
         if fused is not None:  # the same draw and checks in one C call (CPU)
             tokens, stacked = fused
         else:
-            tokens, logprobs = sample(out.logits, batch, self.generator)
+            tokens, logprobs = sample(out.logits.float(), batch, self.generator)
             finite = torch.isfinite(out.logits).all(dim=-1)
             stacked = torch.stack([tokens.double(), logprobs.double(), finite.double()])
         routing = out.routing if any(r.routed is not None for r in reqs) else None

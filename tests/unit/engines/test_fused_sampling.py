@@ -1,0 +1,122 @@
+"""The one-pass Triton sampler (``miles.kernels.sampling`` through
+``miles.engines.sampling.fused_sample``) against the torch draw it replaces, and an engine
+with ``fused_sampling=True`` against one with torch sampling. Runs on CUDA, or on the CPU in
+triton's interpreter (tests/conftest.py sets TRITON_INTERPRET); skipped without triton."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from miles.engines import EmbeddedEngine, EngineConfig
+from miles.engines.sampling import SamplingBatch, fused_failure, fused_sample, row_key, sample
+from miles.kernels import sampling as kernel
+from miles.models import CausalLM, tiny_config
+from miles.types import GenerateRequest, SamplingParams
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(kernel.triton is None or not kernel.available(DEVICE),
+                                reason="needs triton (CUDA, or its CPU interpreter with numpy < 2.4)")
+
+
+def _batch(temps: list[float], seeds: list[int | None], position: int = 5) -> SamplingBatch:
+    keys = [None if s is None else row_key(s, position + i) for i, s in enumerate(seeds)]
+    return SamplingBatch(list(temps), [1.0] * len(temps), [-1] * len(temps), keys)
+
+
+@pytest.mark.parametrize("V", [7, kernel.BLOCK + 3, kernel.CHUNK, 2 * kernel.CHUNK + 5])
+def test_matches_the_torch_draw(V: int) -> None:
+    """Tokens equal and log-probs within float32 sums of the torch path, for greedy, tempered
+    and plain rows, vocabularies inside one block, at a chunk's edge and across chunks."""
+    g = torch.Generator().manual_seed(V)
+    temps = [1.0, 0.5, 0.0, 2.0, 1e-7, 0.9]
+    logits = (torch.randn(len(temps), V, generator=g) * 3).to(DEVICE)
+    batch = _batch(temps, list(range(len(temps))))
+    want_tok, want_lp = sample(logits, batch, None)
+    tok, out = fused_sample(logits, batch, None)
+    assert tok.dtype == torch.int64 and out.shape == (3, len(temps)) and out.dtype == torch.float64
+    assert tok.tolist() == want_tok.tolist()
+    assert out[0].tolist() == [float(t) for t in want_tok.tolist()]
+    torch.testing.assert_close(out[1].float(), want_lp, atol=2e-5, rtol=1e-5)
+    assert out[2].tolist() == [1.0] * len(temps)
+
+
+def test_reads_bf16_logits_as_their_float32_upcast() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(4, 3000, generator=g) * 3).to(DEVICE, torch.bfloat16)
+    batch = _batch([1.0, 0.7, 0.0, 1.3], [3, 4, 5, 6])
+    want_tok, want_lp = sample(logits.float(), batch, None)
+    tok, out = fused_sample(logits, batch, None)
+    assert tok.tolist() == want_tok.tolist()
+    torch.testing.assert_close(out[1].float(), want_lp, atol=2e-5, rtol=1e-5)
+
+
+def test_flags_non_finite_rows_and_keeps_tokens_in_range() -> None:
+    logits = torch.zeros(3, 500).to(DEVICE)
+    logits[0, 17] = float("nan")
+    logits[1, 499] = float("inf")
+    tok, out = fused_sample(logits, _batch([1.0, 1.0, 1.0], [1, 2, 3]), None)
+    assert out[2].tolist() == [0.0, 0.0, 1.0]
+    assert all(0 <= t < 500 for t in tok.tolist())
+
+
+def test_ties_go_to_the_lowest_index_across_chunks() -> None:
+    """Greedy over a vocabulary whose maximum repeats in two chunks: argmax's first index."""
+    V = 2 * kernel.CHUNK + 10
+    logits = torch.zeros(1, V)
+    logits[0, kernel.CHUNK + 3] = 5.0
+    logits[0, 2 * kernel.CHUNK + 1] = 5.0
+    tok, _ = fused_sample(logits.to(DEVICE), _batch([0.0], [None]), None)
+    assert tok.tolist() == [kernel.CHUNK + 3]
+
+
+def test_unseeded_rows_follow_the_generator_and_the_distribution() -> None:
+    """Rows without a seed hash a key from the generator: the same generator state gives the
+    same tokens, and the draws follow softmax(logits / T) (a chi-square-sized check)."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    T = 0.8
+    logits = (probs.log() * T).to(DEVICE).expand(400, 4).contiguous()
+    batch = _batch([T] * 400, [None] * 400)
+    draw = [fused_sample(logits, batch, torch.Generator(DEVICE).manual_seed(7))[0].tolist() for _ in range(2)]
+    assert draw[0] == draw[1]
+    counts = torch.bincount(torch.tensor(draw[0]), minlength=4).float()
+    expected = probs * 400
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.3, (counts.tolist(), chi2)  # p ≈ 0.001 at 3 degrees of freedom
+
+
+def test_truncating_batches_take_the_torch_path() -> None:
+    batch = SamplingBatch([1.0], [0.9], [-1], [row_key(1, 1)])
+    assert fused_sample(torch.zeros(1, 10).to(DEVICE), batch, None) is None
+
+
+def test_the_probe_passes_here() -> None:
+    assert fused_failure(DEVICE) is None
+
+
+def test_engine_with_the_fused_sampler_draws_what_the_torch_sampler_draws() -> None:
+    """Seeded requests through a whole engine: the same tokens with and without the fused
+    sampler (float32, tiny model), and log-probs to float32 sums."""
+    torch.manual_seed(0)
+    model = CausalLM(tiny_config(vocab_size=300)).eval()
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+
+    async def run(fused: bool) -> list:
+        engine = EmbeddedEngine(model, config=EngineConfig(
+            max_batch_size=4, max_seq_len=64, device=DEVICE, dtype="float32", fused_sampling=fused,
+            cpu_decode_kernel=False, compile=False))
+        engine.start()
+        try:
+            return await asyncio.gather(*(engine.generate(GenerateRequest(
+                rid=f"r{i}", input_ids=p, sampling=SamplingParams(max_new_tokens=12, temperature=t, seed=i,
+                                                                  ignore_eos=True)))
+                for i, (p, t) in enumerate(zip(prompts, [1.0, 0.7, 0.0]))))
+        finally:
+            await engine.close()
+
+    fused, plain = asyncio.run(run(True)), asyncio.run(run(False))
+    for a, b in zip(fused, plain):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=5e-5, rtol=1e-5)
