@@ -15,9 +15,10 @@ finiteness check, the stack — each a kernel of its own. With a 152k vocabulary
    finite) the stepper copies back.
 
 The draw is the torch path's: the same u, the same logs (libdevice's, as torch's CUDA
-kernels), the same tempered logits (IEEE division), so a row samples the same token either
-way except where two scores tie to the last bit; the log-prob differs by the order of the
-sum only. Top-k / top-p truncation needs a sort: such batches keep the torch path.
+kernels), the same tempered logits (IEEE division, skipped at T = 1 as ``logits / 1`` is the
+logits), so a row samples the same token either way except where two scores tie to the last
+bit. The log-sum-exp uses the fast exp: the log-prob differs from torch's by float32 sums
+(~1e-6). Top-k / top-p truncation needs a sort: such batches keep the torch path.
 """
 
 from __future__ import annotations
@@ -34,24 +35,28 @@ except ImportError:  # the CPU install has no triton
 
 from miles.kernels.decode_attention import available  # the same rule: CUDA, or the interpreter
 
-__all__ = ["BLOCK", "CHUNK", "available", "sample"]
+__all__ = ["BLOCK", "CHUNK", "WARPS", "available", "sample"]
 
 GREEDY_EPS = 1e-6  # miles.engines.sampling's: a temperature at or below it is greedy
 BLOCK = 2048  # vocabulary entries per inner iteration
 CHUNK = 8192  # vocabulary entries per program (19 programs a row for a 152k vocabulary)
+WARPS = 4
 _GOLDEN, _C1, _C2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's
 
 
-def sample(logits: Tensor, temperature: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+def sample(logits: Tensor, temperature: Tensor, keys: Tensor, *, block: int | None = None, chunk: int | None = None,
+           warps: int | None = None) -> tuple[Tensor, Tensor]:
     """Draw one token per row of ``logits`` [n, V] (any float dtype, unit stride along V).
 
     ``temperature`` [n] float32 (≤ ``GREEDY_EPS``: greedy, log-prob at temperature 1);
     ``keys`` [n] int64, each row's draw key (``row_key``). Returns tokens [n] int64 and
-    [3, n] float64 rows (token, log-prob, 1.0 if every logit of the row is finite)."""
+    [3, n] float64 rows (token, log-prob, 1.0 if every logit of the row is finite).
+    ``block`` / ``chunk`` / ``warps``: launch shape (default the module's; benchmarks/sampling.py)."""
+    block, chunk, warps = block or BLOCK, chunk or CHUNK, warps or WARPS
     n, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    chunks = triton.cdiv(V, CHUNK)
+    chunks = triton.cdiv(V, chunk)
     precise = logits.device.type == "cuda"  # libdevice; the interpreter (CPU tests) lacks it
     part = torch.empty((4, n, chunks), device=logits.device, dtype=torch.float32)  # best, max, sum, bad
     part_idx = torch.empty((n, chunks), device=logits.device, dtype=torch.int32)
@@ -60,7 +65,7 @@ def sample(logits: Tensor, temperature: Tensor, keys: Tensor) -> tuple[Tensor, T
     if n == 0:
         return tokens, out
     _chunk[(n, chunks)](logits, temperature, keys, part, part_idx, V, logits.stride(0), n * chunks, chunks,
-                        _GOLDEN, _C1, _C2, GREEDY_EPS, CHUNK=CHUNK, BLOCK=BLOCK, PRECISE=precise)
+                        _GOLDEN, _C1, _C2, GREEDY_EPS, CHUNK=chunk, BLOCK=block, PRECISE=precise, num_warps=warps)
     _finish[(n,)](logits, temperature, part, part_idx, tokens, out, logits.stride(0), n * chunks, chunks, n,
                   GREEDY_EPS, C_PAD=max(16, triton.next_power_of_2(chunks)), PRECISE=precise)
     return tokens, out
@@ -77,14 +82,6 @@ if triton is not None:
             y = tl.log(x)
         return y
 
-    @triton.jit
-    def _exp(x, PRECISE: tl.constexpr):
-        if PRECISE:
-            y = libdevice.exp(x)
-        else:
-            y = tl.exp(x)
-        return y
-
     @triton.jit(do_not_specialize=["V", "sx", "plane", "chunks"])
     def _chunk(x_ptr, t_ptr, key_ptr, part_ptr, idx_ptr, V, sx, plane, chunks, golden, c1, c2, eps,
                CHUNK: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
@@ -92,7 +89,7 @@ if triton is not None:
         c = tl.program_id(1)
         temp = tl.load(t_ptr + b)
         greedy = temp <= eps
-        div = tl.where(greedy, 1.0, temp)  # a greedy row's scaled logits are unused
+        unit = greedy | (temp == 1.0)  # logits / 1 is the logits: no division
         key = tl.load(key_ptr + b).to(tl.uint64, bitcast=True)
         best = float("-inf")
         best_i = 0
@@ -104,23 +101,30 @@ if triton is not None:
             live = v < V
             x = tl.load(x_ptr + b * sx + v, mask=live, other=0.0).to(tl.float32)
             bad += tl.sum(tl.where(live & ((x != x) | (tl.abs(x) == float("inf"))), 1.0, 0.0), 0)
-            scaled = tl.where(greedy, x, tl.div_rn(x, div))
-            z = key + v.to(tl.uint64) * golden  # counter_uniform: splitmix64's finaliser
-            z = (z ^ (z >> 30)) * c1
-            z = (z ^ (z >> 27)) * c2
-            z = z ^ (z >> 31)
-            u = ((z >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216)
-            score = tl.where(greedy, scaled, scaled - _log(-_log(u, PRECISE), PRECISE))
+            if unit:
+                scaled = x
+            else:
+                scaled = tl.div_rn(x, temp)  # IEEE, as torch's division
+            if greedy:
+                score = scaled
+            else:
+                z = key + v.to(tl.uint64) * golden  # counter_uniform: splitmix64's finaliser
+                z = (z ^ (z >> 30)) * c1
+                z = (z ^ (z >> 27)) * c2
+                z = z ^ (z >> 31)
+                u = ((z >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216)
+                score = scaled - _log(-_log(u, PRECISE), PRECISE)
             score = tl.where(live, score, float("-inf"))
-            blk_best = tl.max(score, 0)
-            blk_i = tl.argmax(score, 0) + lo
+            blk_best, blk_i = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
             take = blk_best > best  # strict: an earlier index keeps a tie
-            best_i = tl.where(take, blk_i, best_i)
+            best_i = tl.where(take, blk_i + lo, best_i)
             best = tl.where(take, blk_best, best)
+            # the log-sum-exp with the fast exp: its error (~2 ulp a term) is below the
+            # float32 sum's own, and the draw does not depend on it
             sm = tl.where(live, scaled, float("-inf"))
             m_new = tl.maximum(m, tl.max(sm, 0))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * _exp(m - m_use, PRECISE) + tl.sum(_exp(sm - m_use, PRECISE), 0)
+            s = s * tl.exp(m - m_use) + tl.sum(tl.exp(sm - m_use), 0)
             m = m_new
         at = b * chunks + c
         tl.store(part_ptr + at, best)
@@ -146,7 +150,7 @@ if triton is not None:
         token = tl.sum(tl.where(c == first, idx, 0), 0)
         m_all = tl.max(m, 0)
         m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
-        lse = m_use + _log(tl.sum(s * _exp(m - m_use, PRECISE), 0), PRECISE)
+        lse = m_use + _log(tl.sum(s * tl.exp(m - m_use), 0), PRECISE)
         temp = tl.load(t_ptr + b)
         x = tl.load(x_ptr + b * sx + token).to(tl.float32)
         scaled = tl.where(temp <= eps, x, tl.div_rn(x, tl.where(temp <= eps, 1.0, temp)))
