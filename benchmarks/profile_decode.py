@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -43,6 +44,13 @@ async def main() -> None:
     tasks = [asyncio.create_task(engine.generate(r)) for r in reqs]
     while (engine.progress("r0") or 0) < args.new_tokens // 2:
         await asyncio.sleep(0.01)
+    stats = engine.stepper.stats
+    # unprofiled first: the wall time of a step, and how much of it the host waited for the device
+    start, t0, w0 = engine.progress("r0") or 0, time.perf_counter(), stats.device_wait_s
+    while (engine.progress("r0") or 0) < start + 20:
+        await asyncio.sleep(0.001)
+    steps = (engine.progress("r0") or 0) - start
+    wall, wait = (time.perf_counter() - t0) / steps, (stats.device_wait_s - w0) / steps
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
         start = engine.progress("r0") or 0
         while (engine.progress("r0") or 0) < start + 20:
@@ -50,6 +58,8 @@ async def main() -> None:
         steps = (engine.progress("r0") or 0) - start
     await asyncio.gather(*tasks)
     await engine.close()
+    print(f"unprofiled: {1e3 * wall:.3f} ms a step, of which the host waited for the device {1e3 * wait:.3f} ms "
+          f"({100 * wait / wall:.0f}%: near 0 means the host's work bounds the step)")
     print(f"{steps} decode steps profiled at batch {args.batch}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
 

@@ -309,6 +309,7 @@ class EmbeddedEngine:
         with self._cv:  # the stepping thread moves an idle stretch into idle_s under this lock
             out.update({f"engine/{k}": v for k, v in st.seconds().items()})
             out.update({f"engine/{k}_s": v for k, v in st.phase_s.items()})
+            out["engine/device_wait_s"] = st.device_wait_s
         occ = list(st.occupancy)
         out.update({
             "rollout/tokens_generated": float(st.counters["tokens_generated"]),

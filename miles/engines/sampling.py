@@ -29,6 +29,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -299,9 +300,12 @@ def fused_sample(logits: Tensor, batch: SamplingBatch, generator: torch.Generato
     from miles.kernels import sampling as kernel
 
     n, dev = logits.shape[0], logits.device
-    temps = to_device(batch.temperature, torch.float32, dev)
+    packed = np.empty(2 * n, dtype=np.int64)  # keys, then the temperatures' float64 bits: one upload
+    packed[:n] = [0 if k is None else k for k in batch.keys]
+    packed[n:] = np.asarray(batch.temperature, dtype=np.float64).view(np.int64)
+    packed = to_device(packed, torch.int64, dev)
+    keys, temps = packed[:n], packed[n:].view(torch.float64)
     seeded = [k is not None for k in batch.keys]
-    keys = to_device([0 if k is None else k for k in batch.keys], torch.int64, dev)
     if not all(seeded):
         drawn = torch.randint(-(1 << 63), (1 << 63) - 1, (n,), device=dev, dtype=torch.int64, generator=generator)
         keys = torch.where(to_device(seeded, torch.bool, dev), keys, drawn)

@@ -77,6 +77,10 @@ class EngineStats:
         # steps and rounds measured near plain) is in ``flush`` (draft backlog feeds, which
         # the rule's rates leave out), ``prefill`` or ``capture``.
         self.phase_s = dict.fromkeys(("prefill", "plain", "round", "flush", "capture"), 0.0)
+        # Of the busy time, the seconds spent blocked on a step's results (the device still
+        # running it). With overlap, a decode loop bound by its device waits here most of a
+        # step; one that hardly waits is bound by its host work (``benchmarks/profile_decode.py``).
+        self.device_wait_s = 0.0
 
     def seconds(self) -> dict[str, float]:
         """Cumulative idle and busy seconds of the stepping thread (0 before it starts)."""
@@ -329,7 +333,9 @@ class Stepper:
 
     def _process(self, step: _InFlight) -> None:
         if step.event is not None:
+            t = time.perf_counter()
             step.event.synchronize()
+            self.stats.device_wait_s += time.perf_counter() - t
         token, logprob, finite = step.host.tolist()
         routing = step.routing.tolist() if step.routing is not None else None
         eos, max_len, tok = self.eos_ids, self.config.max_seq_len, self.tokenizer

@@ -48,7 +48,8 @@ def sample(logits: Tensor, temperature: Tensor, keys: Tensor, *, block: int | No
            warps: int | None = None) -> tuple[Tensor, Tensor]:
     """Draw one token per row of ``logits`` [n, V] (any float dtype, unit stride along V).
 
-    ``temperature`` [n] float32 (≤ ``GREEDY_EPS``: greedy, log-prob at temperature 1);
+    ``temperature`` [n] float32 or float64, rounded to float32 (≤ ``GREEDY_EPS``: greedy,
+    log-prob at temperature 1);
     ``keys`` [n] int64, each row's draw key (``row_key``). Returns tokens [n] int64 and
     [3, n] float64 rows (token, log-prob, 1.0 if every logit of the row is finite).
     ``block`` / ``chunk`` / ``warps``: launch shape (default the module's; benchmarks/sampling.py)."""
@@ -87,7 +88,7 @@ if triton is not None:
                CHUNK: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
         b = tl.program_id(0)
         c = tl.program_id(1)
-        temp = tl.load(t_ptr + b)
+        temp = tl.load(t_ptr + b).to(tl.float32)
         greedy = temp <= eps
         unit = greedy | (temp == 1.0)  # logits / 1 is the logits: no division
         key = tl.load(key_ptr + b).to(tl.uint64, bitcast=True)
@@ -112,7 +113,7 @@ if triton is not None:
                 z = (z ^ (z >> 30)) * c1
                 z = (z ^ (z >> 27)) * c2
                 z = z ^ (z >> 31)
-                u = ((z >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216)
+                u = ((z >> 40).to(tl.int32).to(tl.float32) + 0.5) * (1.0 / 16777216)  # 24 bits: exact
                 score = scaled - _log(-_log(u, PRECISE), PRECISE)
             score = tl.where(live, score, float("-inf"))
             blk_best, blk_i = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
@@ -151,7 +152,7 @@ if triton is not None:
         m_all = tl.max(m, 0)
         m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
         lse = m_use + _log(tl.sum(s * tl.exp(m - m_use), 0), PRECISE)
-        temp = tl.load(t_ptr + b)
+        temp = tl.load(t_ptr + b).to(tl.float32)
         x = tl.load(x_ptr + b * sx + token).to(tl.float32)
         scaled = tl.where(temp <= eps, x, tl.div_rn(x, tl.where(temp <= eps, 1.0, temp)))
         tl.store(tok_ptr + b, token.to(tl.int64))
