@@ -52,7 +52,7 @@ class TimedBuffer(ReplayBuffer):
             if gc_mode == "off":
                 gc.disable()
             else:
-                gcpolicy.install()
+                gcpolicy.install(young=gc_mode != "policy")  # N: policy-young with a gen-0 threshold N
                 if gc_mode.isdigit():
                     _, middle, old = gc.get_threshold()
                     gc.set_threshold(int(gc_mode), middle, old)
@@ -74,7 +74,7 @@ for _name in TIMED:
     setattr(TimedBuffer, _name, _timed(_name, changes=True))
 
 
-def cycle(buf: Any, it: int, remote: bool) -> None:
+def cycle(buf: Any, it: int, remote: bool, tokens: int = 70) -> None:
     import ray
 
     def call(method: str, *args: Any) -> Any:
@@ -84,7 +84,7 @@ def cycle(buf: Any, it: int, remote: bool) -> None:
     call("add_prompts", _prompts(8, it))
     leased = call("lease", "w", 64)
     for t in leased:
-        fill(t, 70, 0)
+        fill(t, tokens, 0)
     for i in range(0, 64, 8):
         call("put_many", leased[i : i + 8], "w")
     call("get_batch", 8, 0)
@@ -92,7 +92,9 @@ def cycle(buf: Any, it: int, remote: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gc", default="policy", help="policy | none | off | N (gen-0 threshold)")
+    ap.add_argument("--gc", default="policy", help="policy (the buffer actor's: timed full passes, no young ones) | "
+                    "policy-young (timed full passes, automatic young ones) | none | off | N (gen-0 threshold)")
+    ap.add_argument("--tokens", type=int, default=70, help="response tokens a trajectory")
     ap.add_argument("--cycles", type=int, default=200)
     args = ap.parse_args()
     import ray
@@ -102,12 +104,12 @@ def main() -> None:
     actor = ray.remote(TimedBuffer).remote(cfg, args.gc)
     local = TimedBuffer(cfg, "none")
     for it in range(30):  # warm-up
-        cycle(actor, it, True)
-        cycle(local, it, False)
+        cycle(actor, it, True, args.tokens)
+        cycle(local, it, False, args.tokens)
     before = ray.get(actor.busy.remote()), local.busy()
     for it in range(30, 30 + args.cycles):
-        cycle(actor, it, True)
-        cycle(local, it, False)
+        cycle(actor, it, True, args.tokens)
+        cycle(local, it, False, args.tokens)
     after = ray.get(actor.busy.remote()), local.busy()
     n = args.cycles * 64
     print(f"µs per trajectory (actor GC: {args.gc}; in-process: Python's default)")

@@ -53,7 +53,9 @@ class _BufferActor(ReplayBuffer):
 
     def __init__(self, flat: dict[str, Any]) -> None:
         super().__init__(**buffer_args(resolve(flat)))
-        gcpolicy.install()  # full GC passes over the held token lists on a clock, not mid-call
+        # full GC passes over the held token lists on a clock, not mid-call, and no young
+        # passes re-visiting each call's freshly received lists (the buffer builds no cycles)
+        gcpolicy.install(young=False)
         # per method: (seconds in all, the longest call), so a burst in busy_s names its call
         self.busy_by: dict[str, list[float]] = {}
         # the same calls' CPU time on this thread: wall time minus the time the process was

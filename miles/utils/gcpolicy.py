@@ -48,17 +48,24 @@ _lock = threading.Lock()
 _state = {"installed": False, "count": 0, "seconds": 0.0, "longest": 0.0}
 
 
-def install(every_s: float = FULL_EVERY_S) -> None:
+def install(every_s: float = FULL_EVERY_S, *, young: bool = True) -> None:
     """Automatic full collections off, one every ``every_s`` seconds from a daemon thread.
-    Idempotent per process."""
+    ``young=False`` turns the automatic young collections off too (``gc.disable``): for a
+    process whose new objects are acyclic token lists that it keeps (the replay buffer), a
+    young pass only re-visits every element of each list it just received, twice (generation
+    0, then 1) — a third of the buffer actor's time a trajectory on the CPU dev machine
+    (``benchmarks/buffer_actor.py``) — and the timed full passes still collect any cycle.
+    Idempotent per process (the first call's settings hold)."""
     if every_s <= 0:
         raise ValueError(f"every_s must be > 0, got {every_s}")
     with _lock:
         if _state["installed"]:
             return
         _state["installed"] = True
-    young, middle, _ = gc.get_threshold()
-    gc.set_threshold(young, middle, _NEVER)
+    if not young:
+        gc.disable()
+    young_n, middle, _ = gc.get_threshold()
+    gc.set_threshold(young_n, middle, _NEVER)
     full_collect()
     gc.freeze()  # the imports' objects: out of every later pass
     threading.Thread(target=_loop, args=(every_s,), name="miles-full-gc", daemon=True).start()

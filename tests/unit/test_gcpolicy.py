@@ -37,6 +37,32 @@ def test_install_turns_automatic_full_collections_off_and_collects_on_a_clock() 
     assert 3 <= timed <= 5 and seen == timed  # one at install, then the clock's, every 0.3 s
 
 
+def test_young_false_runs_no_automatic_pass_yet_the_clock_collects_cycles() -> None:
+    """The buffer actor's setting: no automatic collection of any generation while it
+    allocates, and a cycle dropped meanwhile is still freed by the next timed pass."""
+    code = textwrap.dedent("""
+        import gc, time, weakref
+        from miles.utils import gcpolicy
+        passes = []
+        gc.callbacks.append(lambda phase, info: phase == "start" and passes.append(info["generation"]))
+        gcpolicy.MAX_SHARE = 0.5
+        gcpolicy.install(every_s=0.3, young=False)
+        at_install = len(passes)
+        class Node:
+            pass
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # a cycle: reference counting alone never frees it
+        gone = weakref.ref(a)
+        del a, b
+        keep = [[i] for i in range(300_000)]  # would run hundreds of young passes by default
+        automatic = len(passes) - at_install
+        time.sleep(0.8)
+        print(automatic, gc.isenabled(), gone() is None)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0", "False", "True"]
+
+
 def test_the_first_pass_freezes_what_start_up_left() -> None:
     """Start-up's objects (imports: ~330,000 with torch and Ray) leave the later passes:
     install's pass freezes its survivors, the first timed pass what the actor built after,
