@@ -203,8 +203,8 @@ class Trajectory(msgspec.Struct, kw_only=True):
                     "versions", f"version {hi} is newer than the current policy {current_version}"
                 )
             mask = self.loss_mask
-            n_loss = mask.count(1)
-            if n_loss + mask.count(0) != n:  # == as set(mask) <= {0, 1}, in two C loops
+            n_loss = mask.count(1)  # all ones (the common case) needs no second loop; else
+            if n_loss != n and n_loss + mask.count(0) != n:  # == as set(mask) <= {0, 1}
                 raise TrajectoryError("loss_mask", "entries must be 0 or 1")
         if self.segments:
             pos = 0
