@@ -134,5 +134,8 @@ def test_the_engine_reports_where_its_stepping_thread_spent_the_time() -> None:
     assert stats["engine/idle_s"] >= 0.28
     assert stats["engine/busy_s"] >= 0.02  # 17 paced steps of ≥ 2 ms
     assert stats["engine/idle_s"] + stats["engine/busy_s"] <= lifetime
-    # 11 decode steps of 3 rows (the first token comes from the prefill), then 5 of one row
-    assert stats["engine/decode_steps"] == 16 and stats["engine/decode_rows"] == 3 * 11 + 5
+    # 11 decode rows for each of the three (the first token comes from the prefill), then 5 of
+    # one row: 16 steps when the three arrive together, a few more when a loaded machine's
+    # event loop hands them over a step apart (CI, 2026-12-01: 17)
+    assert stats["engine/decode_rows"] == 3 * 11 + 5
+    assert 16 <= stats["engine/decode_steps"] <= 16 + 2 * 2
