@@ -326,6 +326,8 @@ class EmbeddedEngine:
             "engine/fused_draw_classes": float(fused_draw_classes()) if self.device.type == "cuda" else 0.0,
             # 1 where decode steps run through the CPU kernel (0: torch ops; the log says why)
             "engine/cpu_decode_kernel": float(self.runner.cpu_kernel is not None),
+            # 1 where untruncated steps draw their tokens through the fused Triton sampler
+            "engine/fused_sampling": float(self.stepper.fused_sampling),
         })
         pauses = list(self.swap_pauses)
         if pauses:

@@ -109,6 +109,7 @@ def test_engine_with_the_fused_sampler_draws_what_the_torch_sampler_draws() -> N
             cpu_decode_kernel=False, compile=False))
         engine.start()
         try:
+            assert engine.stats()["engine/fused_sampling"] == float(fused)
             return await asyncio.gather(*(engine.generate(GenerateRequest(
                 rid=f"r{i}", input_ids=p, sampling=SamplingParams(max_new_tokens=12, temperature=t, seed=i,
                                                                   ignore_eos=True)))

@@ -160,3 +160,17 @@ def test_engines_report_how_many_draw_classes_run_fused() -> None:
     engine = EmbeddedEngine(CausalLM(tiny_config()), config=EngineConfig(max_batch_size=2, max_seq_len=32))
     assert engine.stats()["engine/fused_draw_classes"] == 0.0
     assert fused_draw_classes() == 0  # nothing compiled in a CPU process
+
+
+def test_fused_sampling_is_off_by_default_on_the_cpu_and_asked_for_where_it_cannot_run_it_says_why(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused Triton sampler is a CUDA path: auto leaves the CPU on the torch draw, and
+    ``fused_sampling=True`` where the kernel cannot run is a clear error, not a silent fallback."""
+    from miles.engines import EngineConfig
+    from miles.engines import sampling as S
+
+    assert EngineConfig().use_fused_sampling() is False
+    assert EngineConfig(fused_sampling=False).use_fused_sampling() is False
+    monkeypatch.setattr(S, "fused_failure", lambda device: "needs triton and a CUDA device (device 'cpu')")
+    with pytest.raises(ValueError, match="fused_sampling cannot run here: the kernel needs triton"):
+        EngineConfig(fused_sampling=True).use_fused_sampling()
