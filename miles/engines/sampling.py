@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 GREEDY_EPS = 1e-6
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's multipliers (unsigned)
 
 
 def _signed(x: int) -> int:
@@ -52,8 +53,8 @@ def _signed(x: int) -> int:
 def _splitmix64(x: int) -> int:
     """splitmix64 on Python ints (per-row key derivation; exact, platform independent)."""
     x = (x + _GOLDEN) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    x = ((x ^ (x >> 30)) * _MIX1) & _M64
+    x = ((x ^ (x >> 27)) * _MIX2) & _M64
     return x ^ (x >> 31)
 
 
@@ -62,7 +63,7 @@ def row_key(seed: int, position: int) -> int:
     return _signed(_splitmix64(_splitmix64(seed & _M64) ^ (position & _M64)))
 
 
-_C1, _C2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+_C1, _C2 = _signed(_MIX1), _signed(_MIX2)
 
 
 def _lsr(x: Tensor, s: int) -> Tensor:

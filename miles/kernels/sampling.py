@@ -33,15 +33,14 @@ try:
 except ImportError:  # the CPU install has no triton
     triton = None
 
+from miles.engines.sampling import _GOLDEN, _MIX1, _MIX2, GREEDY_EPS  # the torch draw's: bitwise the same u
 from miles.kernels.decode_attention import available  # the same rule: CUDA, or the interpreter
 
 __all__ = ["BLOCK", "CHUNK", "WARPS", "available", "sample"]
 
-GREEDY_EPS = 1e-6  # miles.engines.sampling's: a temperature at or below it is greedy
 BLOCK = 2048  # vocabulary entries per inner iteration
 CHUNK = 8192  # vocabulary entries per program (19 programs a row for a 152k vocabulary)
 WARPS = 4
-_GOLDEN, _C1, _C2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's
 
 
 def sample(logits: Tensor, temperature: Tensor, keys: Tensor, *, block: int | None = None, chunk: int | None = None,
@@ -66,7 +65,7 @@ def sample(logits: Tensor, temperature: Tensor, keys: Tensor, *, block: int | No
     if n == 0:
         return tokens, out
     _chunk[(n, chunks)](logits, temperature, keys, part, part_idx, V, logits.stride(0), n * chunks, chunks,
-                        _GOLDEN, _C1, _C2, GREEDY_EPS, CHUNK=chunk, BLOCK=block, PRECISE=precise, num_warps=warps)
+                        _GOLDEN, _MIX1, _MIX2, GREEDY_EPS, CHUNK=chunk, BLOCK=block, PRECISE=precise, num_warps=warps)
     _finish[(n,)](logits, temperature, part, part_idx, tokens, out, logits.stride(0), n * chunks, chunks, n,
                   GREEDY_EPS, C_PAD=max(16, triton.next_power_of_2(chunks)), PRECISE=precise)
     return tokens, out
