@@ -3,8 +3,8 @@
 Why: the torch draw (``miles.engines.sampling``) makes ~15 passes over the step's
 [rows, vocab] logits — upcast, uniforms, two logs, the add, argmax, logsumexp, gather, the
 finiteness check, the stack — each a kernel of its own. With a 152k vocabulary that was
-~1.1 ms of a 5.3 ms batch-256 decode step on the H200 (20% of it; profile of 2026-12-01
-01:25), against ~0.02 ms to read the logits once. Here one read does all of it:
+~1.1 ms of a 5.3 ms batch-256 decode step on the H200 (20% of it; profile of
+2026-12-01), against ~0.02 ms to read the logits once. Here one read does all of it:
 
 1. ``_chunk``: grid (rows, vocab chunks). Each program draws its chunk's uniforms from the
    row's key with the same splitmix64 hash as ``counter_uniform`` (bitwise the same u), adds
