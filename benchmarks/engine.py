@@ -12,6 +12,10 @@ truncation and no early stop. For each system and batch size:
   ((read + write bytes) / time of a large ``copy_``). Weights count the LM head and all
   layers; an untied embedding table counts only its looked-up rows.
 
+On CUDA two more engines run beside the default one: one drawing its tokens with torch ops
+instead of the fused sampler, and one with an ``fp8_e4m3`` KV cache (its roofline counts its
+1-byte K/V; HF's cache stays in the model's dtype, and the goals are the default engine's).
+
 Usage:
   python benchmarks/engine.py --quick                       # seconds, CPU smoke
   python benchmarks/engine.py                               # CPU, tiny model (goal ≥ 3× HF)
@@ -96,7 +100,7 @@ class EngineSide:
         cfg = EngineConfig(
             max_batch_size=len(prompts), max_seq_len=len(prompts[0]) + new_tokens + 1,
             device=args.device, dtype=args.dtype, decode_attention=args.decode_attention,
-            cuda_graphs=not args.no_cuda_graphs,
+            cuda_graphs=not args.no_cuda_graphs, kv_cache_dtype=args.kv_cache_dtype,
             max_prefill_tokens=max(8192, len(prompts[0]) * len(prompts)), **config,
         )
         self.engine = EmbeddedEngine(model, config=cfg)
@@ -199,6 +203,9 @@ def main() -> None:
     ap.add_argument("--decode-attention", default="auto", choices=DECODE_ATTENTION)
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV cache (auto, fp8_e4m3, fp8_e5m2)")
+    ap.add_argument("--no-fp8-kv", action="store_true",
+                    help="on CUDA, skip the side run of the same engine with an fp8_e4m3 KV cache")
     ap.add_argument("--no-torch-ops", action="store_true",
                     help="skip the engine run through torch ops: the CPU's decode step without the C "
                          "kernel, CUDA's sampling without the fused Triton draw")
@@ -256,21 +263,27 @@ def bench(args) -> tuple[list[dict], dict]:
             # the same engine drawing its tokens with torch ops: what the fused sampler buys
             torch_sampling = EngineSide(engine_model, prompts, args.new_tokens, args, fused_sampling=False)
             systems["embedded, torch sampling"] = torch_sampling
+        fp8_kv = None
+        if device.type == "cuda" and args.kv_cache_dtype == "auto" and not args.no_fp8_kv:
+            # the same engine with an 8-bit KV cache: half the bytes of the step's largest read
+            fp8_kv = EngineSide(engine_model, prompts, args.new_tokens, args, kv_cache_dtype="fp8_e4m3")
+            systems["embedded, fp8 KV cache"] = fp8_kv
+        kv_bytes = {name: sys_.engine.runner.cache.bytes_per_token() for name, sys_ in systems.items()}
         if hf is not None:
             systems["hf generate"] = lambda n: run_hf(hf, prompts, n, device)
         found = measure(systems, batch, args.new_tokens, args.repeats) if args.workload != "rollout" else []
         if args.workload in ("rollout", "both"):
             found += rollout_rows(side, hf, batch, args, device, V, g)
         side.close()
-        for other in (torch_ops, torch_sampling):
+        for other in (torch_ops, torch_sampling, fp8_kv):
             if other is not None:
                 other.close()
-        del side, systems, torch_ops, torch_sampling
+        del side, systems, torch_ops, torch_sampling, fp8_kv
         mean_ctx = args.prompt_len + args.new_tokens / 2
-        step_bytes = weight_bytes_per_step(engine_model, batch) + batch * mean_ctx * kv_per_token
         for row in found:
-            if "step_s" in row:
-                row["roofline"] = step_bytes / row["step_s"] / bw
+            if "step_s" in row:  # each system's own KV bytes (HF's cache is in the model's dtype)
+                kv = kv_bytes.get(row["system"], kv_per_token)
+                row["roofline"] = (weight_bytes_per_step(engine_model, batch) + batch * mean_ctx * kv) / row["step_s"] / bw
         decode = {r["system"]: r for r in found if "step_s" in r}
         if "hf generate" in decode:
             for name, row in decode.items():
@@ -346,6 +359,11 @@ def report(args, rows: list[dict], info: dict) -> None:
     verdicts += [f"batch {b}: a decode step with the fused sampler {1e3 * steps[('embedded', b)]:.2f} ms against "
                  f"{1e3 * t:.2f} ms with torch sampling ({t / steps[('embedded', b)]:.2f}×; no goal)"
                  for (name, b), t in steps.items() if name == "embedded, torch sampling" and ("embedded", b) in steps]
+    verdicts += [f"batch {r['batch']}: with an fp8_e4m3 KV cache {r['vs_hf']:.2f}× HF decode, a step "
+                 f"{steps[('embedded', r['batch'])] / r['step_s']:.2f}× faster than the default engine's "
+                 f"(the goal is the default engine's; HF's cache is {info['dtype']})"
+                 for r in rows if r["system"] == "embedded, fp8 KV cache" and "vs_hf" in r
+                 and ("embedded", r["batch"]) in steps]
     verdicts += [f"rollout, {r['batch']} slots: {r['vs_hf_rollout']:.2f}× HF useful tokens/s (no goal)"
                  for r in rollout if "vs_hf_rollout" in r]
     cmd = "python benchmarks/engine.py " + " ".join(sys.argv[1:])

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from miles.engines.config import DECODE_ATTENTION
+from miles.engines.config import DECODE_ATTENTION, KV_CACHE_DTYPES
 from miles.scheduler.staleness import SchedulerConfig
 from miles.transports.config import transport_problems
 
@@ -140,6 +140,11 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
           and not str(engine.device).startswith("cuda")):
         yield (f"--decode-attention triton is a CUDA kernel; the engines run on {engine.device!r} "
                "(use auto, or --device cuda)")
+    if engine.kv_cache_dtype not in KV_CACHE_DTYPES:
+        yield f"--kv-cache-dtype {engine.kv_cache_dtype!r}: choose {', '.join(KV_CACHE_DTYPES)}"
+    elif engine.kv_cache_dtype != "auto" and engine.cpu_decode_kernel and not run.deterministic:
+        yield (f"--kv-cache-dtype {engine.kv_cache_dtype} and --cpu-decode-kernel: the CPU decode kernel reads "
+               "a cache in the engine's own dtype (drop one of them)")
     cpu_compile = [section for section in (engine, cfg.trainer)
                    if section.compile and not str(section.device).startswith("cuda")]
     if cpu_compile and not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):

@@ -6,6 +6,8 @@ import msgspec
 import torch
 
 DECODE_ATTENTION = ("auto", "matmul", "sdpa", "triton")  # --decode-attention's choices
+# --kv-cache-dtype's choices (SGLang's names): the model's dtype, or 8-bit floats.
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -71,6 +73,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # batch-256 decode step on the H200. None = auto: on CUDA where its probe draw matches the
     # torch path's; False = torch ops; True = fail where it cannot run.
     fused_sampling: bool | None = None
+    # Storage of the KV cache: "auto" (the engine's dtype) or "fp8_e4m3" / "fp8_e5m2", which
+    # halve its memory and the bytes a decode step reads from it (at batch 256 on a 0.5B model
+    # the KV read is ~90% of a step's bytes). Values are stored unscaled (scale 1, as
+    # SGLang's default without calibrated scales), clamped to the format's range, and read
+    # back into the engine's dtype for the attention math; prefill attends over its own
+    # unrounded K/V. The rollout log-probs then differ slightly more from the trainer's
+    # (engines/CONSISTENCY.md): the off-policy corrections (--use-tis) see it as mismatch.
+    kv_cache_dtype: str = "auto"
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0
     # Batch-invariant numerics (the run's --deterministic): every decode step runs the full
@@ -86,6 +96,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         except KeyError:
             raise ValueError(f"dtype {self.dtype!r} not in auto/float32/bfloat16/float16") from None
 
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The dtype the KV cache stores."""
+        try:
+            return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype()
+        except KeyError:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} not in {'/'.join(KV_CACHE_DTYPES)}") from None
+
     def use_compile(self) -> bool:
         if self.compile is None:
             return torch.device(self.device).type == "cuda"
@@ -100,6 +117,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.deterministic:  # batch-invariant padded steps: the torch path
             return False
         if self.cpu_decode_kernel is None:
+            if self.kv_cache_dtype != "auto":  # the C kernel reads a float32 cache
+                return False
             return self.decode_attention == "auto" and self.decode_split is None
         return self.cpu_decode_kernel
 
@@ -120,7 +139,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return self.decode_attention
         if torch.device(self.device).type == "cpu":
             return "matmul"
-        if kernel.failure(self.device, self.torch_dtype(), head_dim) is None:
+        if kernel.failure(self.device, self.torch_dtype(), head_dim, self.kv_torch_dtype()) is None:
             return "triton"
         return "sdpa"
 
@@ -145,7 +164,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.decode_attention == "triton":
             from miles.kernels import decode_attention as kernel
 
-            reason = kernel.failure(self.device, self.torch_dtype(), head_dim)
+            reason = kernel.failure(self.device, self.torch_dtype(), head_dim, self.kv_torch_dtype())
             if reason is not None:
                 raise ValueError(f"decode_attention 'triton' cannot run here: the kernel {reason}")
         if self.max_prefill_tokens < 1:
@@ -155,3 +174,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.admit_max_wait_steps < 0:
             raise ValueError(f"admit_max_wait_steps must be >= 0, got {self.admit_max_wait_steps}")
         self.torch_dtype()
+        self.kv_torch_dtype()
+        if self.kv_cache_dtype != "auto" and self.cpu_decode_kernel and not self.deterministic:
+            raise ValueError(f"cpu_decode_kernel=True cannot run with kv_cache_dtype {self.kv_cache_dtype!r}: "
+                             "the CPU decode kernel reads a cache in the engine's own dtype")

@@ -36,6 +36,11 @@ Backends (see ``miles.models.layers.AttentionBackend``):
 
 Caches built for speculation have ``max_seq_len + headroom`` positions so that the draft
 tokens of a row near the end of its context still have somewhere to go.
+
+An 8-bit cache (``kv_dtype`` float8, the engine's ``kv_cache_dtype``) stores K/V clamped to
+the format's range with no scale (``encode``) and every backend reads them back into the
+compute dtype (``decode``; the Triton kernel converts its tiles as it loads them), so a
+decode step reads half the bytes. Prefill attends over its own K/V before they are rounded.
 """
 
 from __future__ import annotations
@@ -51,14 +56,32 @@ from miles.models.config import ModelConfig
 
 
 class KVCache:
+    """``dtype`` is the model's (what attention computes in); ``kv_dtype`` what the cache
+    stores (default: the same)."""
+
     def __init__(self, config: ModelConfig, num_slots: int, max_seq_len: int,
-                 device: torch.device, dtype: torch.dtype, *, headroom: int = 0) -> None:
+                 device: torch.device, dtype: torch.dtype, *, headroom: int = 0,
+                 kv_dtype: torch.dtype | None = None) -> None:
         shape = (config.num_hidden_layers, num_slots, config.num_key_value_heads, max_seq_len + headroom,
                  config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        kv_dtype = kv_dtype or dtype
+        self.k = torch.zeros(shape, device=device, dtype=kv_dtype)
+        self.v = torch.zeros(shape, device=device, dtype=kv_dtype)
+        self.dtype = dtype
+        self.quantized = kv_dtype != dtype
+        self.limit = torch.finfo(kv_dtype).max  # float8 overflows to NaN (e4m3fn) or inf (e5m2): clamp
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.length = max_seq_len + headroom  # positions per slot
+
+    def encode(self, x: Tensor) -> Tensor:
+        """K or V as the cache stores them."""
+        if not self.quantized:
+            return x
+        return x.clamp(-self.limit, self.limit).to(self.k.dtype)
+
+    def decode(self, x: Tensor) -> Tensor:
+        """Cache contents in the compute dtype (a copy when the cache is 8-bit)."""
+        return x.to(self.dtype) if self.quantized else x
 
     @property
     def nbytes(self) -> int:
@@ -85,8 +108,8 @@ class PrefillAttention:
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         T = q.shape[2]
-        self.cache.k[layer_idx, self.slots, :, :T] = k
-        self.cache.v[layer_idx, self.slots, :, :T] = v
+        self.cache.k[layer_idx, self.slots, :, :T] = self.cache.encode(k)
+        self.cache.v[layer_idx, self.slots, :, :T] = self.cache.encode(v)
         gqa = q.shape[1] != k.shape[1]
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
@@ -126,10 +149,11 @@ class DecodeAttention:
             out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length,
                                                  new_kv=(k[:, :, 0], v[:, :, 0]))
             return out.reshape(n, H, 1, D)
-        kc[self.rows, :, self.positions] = k[:, :, 0]
-        vc[self.rows, :, self.positions] = v[:, :, 0]
-        keys = kc[:n, :, : self.short]  # views: [n, KV, S, D]
-        values = vc[:n, :, : self.short]
+        cache = self.cache
+        kc[self.rows, :, self.positions] = cache.encode(k[:, :, 0])
+        vc[self.rows, :, self.positions] = cache.encode(v[:, :, 0])
+        keys = cache.decode(kc[:n, :, : self.short])  # views: [n, KV, S, D] (copies when 8-bit)
+        values = cache.decode(vc[:n, :, : self.short])
         if self.mode == "sdpa":
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask)
             return out.reshape(n, H, 1, D)
@@ -145,7 +169,8 @@ class DecodeAttention:
         """The long rows' attention over ``[0, length)``: their ``[0, S)`` scores from the
         common pass, ``[S, length)`` from gathered K/V, one softmax over both."""
         idx = self.split[1]
-        k2, v2 = kc[idx, :, self.short : self.length], vc[idx, :, self.short : self.length]  # gathers
+        k2 = self.cache.decode(kc[idx, :, self.short : self.length])  # gathers
+        v2 = self.cache.decode(vc[idx, :, self.short : self.length])
         s1 = scores[idx]
         s2 = (torch.matmul(qg[idx], k2.transpose(-1, -2)) * scale).float().masked_fill(~self.long_mask, float("-inf"))
         top = torch.maximum(s1.amax(-1, keepdim=True), s2.amax(-1, keepdim=True))
@@ -173,15 +198,16 @@ class VerifyAttention:
         n, H, T, D = q.shape
         KV = k.shape[1]
         kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        kc[self.rows, :, self.positions] = k.transpose(1, 2)  # [n, T, KV, D]
-        vc[self.rows, :, self.positions] = v.transpose(1, 2)
-        keys = kc[:n, :, : self.length]  # views: [n, KV, L, D]
-        values = vc[:n, :, : self.length]
+        cache = self.cache
+        kc[self.rows, :, self.positions] = cache.encode(k.transpose(1, 2))  # [n, T, KV, D]
+        vc[self.rows, :, self.positions] = cache.encode(v.transpose(1, 2))
         G = H // KV
         qg = q.reshape(n, KV, G * T, D)  # (group, token) rows per KV head
         if self.mode == "triton":
             out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length, tokens=T)
             return out.reshape(n, H, T, D)
+        keys = cache.decode(kc[:n, :, : self.length])  # views: [n, KV, L, D] (copies when 8-bit)
+        values = cache.decode(vc[:n, :, : self.length])
         mask = self.mask.expand(n, G, T, self.length).reshape(n, 1, G * T, self.length)
         if self.mode == "sdpa":
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)

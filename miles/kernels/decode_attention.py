@@ -80,10 +80,10 @@ def supports(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def failure(device: str, dtype: torch.dtype, head_dim: int) -> str | None:
+def failure(device: str, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None) -> str | None:
     """Why the kernel cannot serve an engine here (completing "the kernel ..."), or None.
     Beyond the static checks, one tiny launch (which also compiles it) is checked against
-    a plain softmax, once per (device, dtype, head_dim): a GPU whose triton cannot compile
+    a plain softmax, once per (device, dtype, head_dim, cache dtype): a GPU whose triton cannot compile
     the kernel (an old architecture without bf16 tensor-core dots, a broken install) must
     not take down an engine that asked for "auto" — it gets torch's attention instead."""
     if triton is None:
@@ -92,23 +92,23 @@ def failure(device: str, dtype: torch.dtype, head_dim: int) -> str | None:
         return f"needs triton and a CUDA device (device {device!r})"
     if not supports(head_dim):
         return f"needs a power-of-two head_dim >= 16, got {head_dim}"
-    return _launch_failure(str(device), dtype, head_dim)
+    return _launch_failure(str(device), dtype, head_dim, kv_dtype or dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_failure(device: str, dtype: torch.dtype, head_dim: int) -> str | None:
-    reason = _probe(device, dtype, head_dim)
+def _launch_failure(device: str, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype) -> str | None:
+    reason = _probe(device, dtype, head_dim, kv_dtype)
     if reason is not None:
-        log.warning("the Triton decode attention %s on %s (%s, head_dim %d): engines use torch's attention",
-                    reason, device, dtype, head_dim)
+        log.warning("the Triton decode attention %s on %s (%s, cache %s, head_dim %d): engines use torch's "
+                    "attention", reason, device, dtype, kv_dtype, head_dim)
     return reason
 
 
-def _probe(device: str, dtype: torch.dtype, head_dim: int) -> str | None:
+def _probe(device: str, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype) -> str | None:
     try:
         g = torch.Generator().manual_seed(0)
-        q, kc, vc = (torch.randn(shape, generator=g).to(device, dtype) for shape in
-                     ((2, 1, 2, head_dim), (2, 1, 300, head_dim), (2, 1, 300, head_dim)))
+        q = torch.randn((2, 1, 2, head_dim), generator=g).to(device, dtype)
+        kc, vc = (torch.randn((2, 1, 300, head_dim), generator=g).to(device, kv_dtype) for _ in range(2))
         out = decode_attention(q, kc, vc, torch.tensor([1, 300], device=device), head_dim ** -0.5, 300)
         ref = torch.stack([torch.softmax(q[b, 0].float() @ kc[b, 0, :m].float().T * head_dim ** -0.5, -1)
                            @ vc[b, 0, :m].float() for b, m in ((0, 1), (1, 300))])[:, None]
@@ -131,7 +131,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     ``lengths`` [n] int (≥ tokens, ≤ ``max_len`` ≤ positions). ``max_len`` only sizes the
     grid. ``new_kv`` (one token only): the step's new K and V, [n, KV, D] each, written into
     the cache at ``lengths[b] - 1`` by the kernel itself (not written before the call).
-    Returns q's shape and dtype."""
+    The caches may be float8 (``KVCache``'s 8-bit storage): tiles are converted to q's
+    dtype as they load, and the new K/V clamped to the format's range before they are
+    rounded into it. Returns q's shape and dtype."""
     if new_kv is not None:
         n, KV, _, D = q.shape
         if tokens != 1 or any(t.shape != (n, KV, D) for t in new_kv):
@@ -154,11 +156,12 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
     G_PAD = max(16, triton.next_power_of_2(G))
     exact = q.dtype == torch.float32  # fp32 dots stay fp32 (tl.dot would use tf32)
     k_new, v_new = new_kv if new_kv is not None else (k_cache, v_cache)  # unread without WRITE
+    kv_max = torch.finfo(k_cache.dtype).max if k_cache.dtype != q.dtype else 0.0  # 0: no clamp
     _partial[(n, KV, chunks)](
         q, k_cache, v_cache, lengths, acc, stats, k_new, v_new, scale, G, tokens, row0,
         *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3], *acc.stride()[:4], *stats.stride()[:5],
         *k_new.stride()[:3], *v_new.stride()[:3],
-        G_PAD=G_PAD, D=D, CHUNK=CHUNK, BLOCK_N=BLOCK_N, EXACT=exact, WRITE=new_kv is not None,
+        G_PAD=G_PAD, D=D, CHUNK=CHUNK, BLOCK_N=BLOCK_N, EXACT=exact, WRITE=new_kv is not None, KV_MAX=kv_max,
         # float32 tiles are twice the size: unpipelined they fit any GPU's shared memory
         # (3 stages took 143-230 KB on sm80/sm90; an A100 has 164 KB)
         num_stages=1 if exact else 3,
@@ -182,7 +185,7 @@ if triton is not None:
                  sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
                  skn_b, skn_h, skn_d, svn_b, svn_h, svn_d,
                  G_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                 EXACT: tl.constexpr, WRITE: tl.constexpr):
+                 EXACT: tl.constexpr, WRITE: tl.constexpr, KV_MAX: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
@@ -207,6 +210,7 @@ if triton is not None:
             t = lo + tl.arange(0, BLOCK_N)
             live = t < end
             k = tl.load(k_base + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0)
+            k = k.to(q_ptr.dtype.element_ty)  # a no-op unless the cache is 8-bit
             if EXACT:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -218,6 +222,7 @@ if triton is not None:
             p = tl.exp(s - m_use[:, None])
             den = den * alpha + tl.sum(p, 1)
             v = tl.load(v_base + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)
+            v = v.to(q_ptr.dtype.element_ty)
             if EXACT:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
@@ -226,8 +231,13 @@ if triton is not None:
         if WRITE:
             if (pos >= start) & (pos < start + CHUNK):  # this program's chunk holds the new token
                 # rounded to the cache's dtype first: the score is what a later step will read
-                k_new = tl.load(kn_ptr + b * skn_b + h * skn_h + d * skn_d).to(k_ptr.dtype.element_ty)
-                v_new = tl.load(vn_ptr + b * svn_b + h * svn_h + d * svn_d).to(v_ptr.dtype.element_ty)
+                k_new = tl.load(kn_ptr + b * skn_b + h * skn_h + d * skn_d)
+                v_new = tl.load(vn_ptr + b * svn_b + h * svn_h + d * svn_d)
+                if KV_MAX > 0:  # an 8-bit cache: saturate, as KVCache.encode does
+                    k_new = tl.minimum(tl.maximum(k_new.to(tl.float32), -KV_MAX), KV_MAX)
+                    v_new = tl.minimum(tl.maximum(v_new.to(tl.float32), -KV_MAX), KV_MAX)
+                k_new = k_new.to(k_ptr.dtype.element_ty)
+                v_new = v_new.to(v_ptr.dtype.element_ty)
                 tl.store(k_base + pos * sk_t + d, k_new)
                 tl.store(v_base + pos * sv_t + d, v_new)
                 s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale  # every row sees it

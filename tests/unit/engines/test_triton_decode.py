@@ -108,6 +108,51 @@ def test_kernel_writes_the_new_kv_and_attends_to_it(dtype: torch.dtype) -> None:
         kernel.decode_attention(q, kc, vc, pos + 1, 0.25, T, tokens=2, new_kv=(k_new, v_new))
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_and_writes_an_8bit_cache(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    """An 8-bit cache: tiles convert to q's dtype as they load, and the new K/V land as
+    ``KVCache.encode`` stores them (clamped to the format's range, rounded). Off the GPU the
+    new values are ones the format holds exactly, plus out-of-range ones: triton's
+    interpreter rounds some in-between values to a neighbour of the GPU's."""
+    g = torch.Generator().manual_seed(5)
+    KV, G, D, T = 2, 4, 32, 2 * kernel.CHUNK
+    lengths = [1, 3, kernel.CHUNK, kernel.CHUNK + 1, T]
+    n = len(lengths)
+    kc = (2 * torch.randn(n + 1, KV, T, D, generator=g)).to(kv_dtype).to(DEVICE)
+    vc = torch.randn(n + 1, KV, T, D, generator=g).to(kv_dtype).to(DEVICE)
+    q = torch.randn(n, KV, G, D, generator=g).to(DEVICE, dtype)
+    k_new, v_new = (4 * torch.randn(n, KV, D, generator=g) for _ in range(2))
+    if DEVICE != "cuda":
+        k_new, v_new = (x.to(kv_dtype).float() for x in (k_new, v_new))
+    k_new[0, 0, :3] = torch.tensor([1e6, -1e6, 0.0])  # saturate, never overflow to NaN / inf
+    k_new, v_new = k_new.to(DEVICE, dtype), v_new.to(DEVICE, dtype)
+    top = torch.finfo(kv_dtype).max
+    want_k, want_v = kc.clone(), vc.clone()
+    rows, pos = torch.arange(n, device=DEVICE), torch.tensor(lengths, device=DEVICE) - 1
+    want_k[rows, :, pos] = k_new.clamp(-top, top).to(kv_dtype)
+    want_v[rows, :, pos] = v_new.clamp(-top, top).to(kv_dtype)
+    out = kernel.decode_attention(q, kc, vc, pos + 1, 1 / math.sqrt(D), T, new_kv=(k_new, v_new))
+    assert torch.equal(kc.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    if dtype == torch.float32 or DEVICE == "cuda":  # the interpreter's bf16 dots are not the GPU's
+        torch.testing.assert_close(out.float(), _reference(q, want_k, want_v, lengths), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="triton's interpreter rounds some values into float8 unlike the GPU")
+def test_engine_with_triton_decode_on_an_fp8_cache_matches_matmul() -> None:
+    """The kernel's 8-bit cache writes and reads are the torch path's: the same tokens."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(5, 250, (m,), generator=g).tolist() for m in (3, 9, 270, 17)]
+    ref, _ = _generate("matmul", prompts, decode_split=False, kv_cache_dtype="fp8_e4m3")
+    out, _ = _generate("triton", prompts, kv_cache_dtype="fp8_e4m3")
+    for a, b in zip(ref, out):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 numerics on the GPU")
 def test_kernel_bf16_close_to_float32_reference() -> None:
     g = torch.Generator().manual_seed(1)
