@@ -100,8 +100,9 @@ class EngineSide:
         cfg = EngineConfig(
             max_batch_size=len(prompts), max_seq_len=len(prompts[0]) + new_tokens + 1,
             device=args.device, dtype=args.dtype, decode_attention=args.decode_attention,
-            cuda_graphs=not args.no_cuda_graphs, kv_cache_dtype=args.kv_cache_dtype,
-            max_prefill_tokens=max(8192, len(prompts[0]) * len(prompts)), **config,
+            cuda_graphs=not args.no_cuda_graphs,
+            max_prefill_tokens=max(8192, len(prompts[0]) * len(prompts)),
+            **{"kv_cache_dtype": args.kv_cache_dtype, **config},
         )
         self.engine = EmbeddedEngine(model, config=cfg)
         self.prompts = prompts
