@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 
 CHUNK = 256  # positions per partial program
 BLOCK_N = 64  # positions per inner iteration
+# (CHUNK, BLOCK_N, num_warps, num_stages) of the 16-/32-bit and of the 8-bit caches' launches
+# (benchmarks/decode_attention.py sweeps them; float32 q always runs unpipelined, see _launch)
+LAUNCH = {2: (CHUNK, BLOCK_N, 4, 3), 1: (CHUNK, BLOCK_N, 4, 3)}
 MAX_ROWS = 64  # query rows per KV head in one launch (G × tokens; wider steps launch in slices)
 
 
@@ -121,7 +124,8 @@ def _probe(device: str, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float,
-                     max_len: int, tokens: int = 1, new_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                     max_len: int, tokens: int = 1, new_kv: tuple[Tensor, Tensor] | None = None,
+                     launch: tuple[int, int, int, int] | None = None) -> Tensor:
     """Attention of ``tokens`` new queries per row over the row's cache, causal among them:
     query t of row b sees positions ``[0, lengths[b] - tokens + t]`` (one token: a decode
     step; several: a speculative verify step, the new tokens' K/V already written).
@@ -133,7 +137,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     the cache at ``lengths[b] - 1`` by the kernel itself (not written before the call).
     The caches may be float8 (``KVCache``'s 8-bit storage): tiles are converted to q's
     dtype as they load, and the new K/V clamped to the format's range before they are
-    rounded into it. Returns q's shape and dtype."""
+    rounded into it. ``launch``: (CHUNK, BLOCK_N, num_warps, num_stages) instead of ``LAUNCH``'s
+    (for tuning). Returns q's shape and dtype."""
     if new_kv is not None:
         n, KV, _, D = q.shape
         if tokens != 1 or any(t.shape != (n, KV, D) for t in new_kv):
@@ -143,14 +148,16 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     for row0 in range(0, q.shape[2], MAX_ROWS):  # a verify step of a wide GQA group: in slices
         rows = slice(row0, row0 + MAX_ROWS)
         _launch(q[:, :, rows], k_cache, v_cache, lengths, scale, max_len, tokens, row0, out[:, :, rows],
-                new_kv if row0 == 0 else None)
+                new_kv if row0 == 0 else None, launch or LAUNCH[min(k_cache.element_size(), 2)])
     return out
 
 
 def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float, max_len: int,
-            tokens: int, row0: int, out: Tensor, new_kv: tuple[Tensor, Tensor] | None) -> None:
+            tokens: int, row0: int, out: Tensor, new_kv: tuple[Tensor, Tensor] | None,
+            launch: tuple[int, int, int, int]) -> None:
     n, KV, G, D = q.shape  # G: query rows per KV head in this slice, from row ``row0``
-    chunks = triton.cdiv(max_len, CHUNK)
+    chunk, block_n, warps, stages = launch
+    chunks = triton.cdiv(max_len, chunk)
     acc = torch.empty((n, KV, chunks, G, D), device=q.device, dtype=torch.float32)
     stats = torch.empty((2, n, KV, chunks, G), device=q.device, dtype=torch.float32)  # max, denominator
     G_PAD = max(16, triton.next_power_of_2(G))
@@ -161,14 +168,14 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
         q, k_cache, v_cache, lengths, acc, stats, k_new, v_new, scale, G, tokens, row0,
         *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3], *acc.stride()[:4], *stats.stride()[:5],
         *k_new.stride()[:3], *v_new.stride()[:3],
-        G_PAD=G_PAD, D=D, CHUNK=CHUNK, BLOCK_N=BLOCK_N, EXACT=exact, WRITE=new_kv is not None, KV_MAX=kv_max,
+        G_PAD=G_PAD, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None, KV_MAX=kv_max,
         # float32 tiles are twice the size: unpipelined they fit any GPU's shared memory
         # (3 stages took 143-230 KB on sm80/sm90; an A100 has 164 KB)
-        num_stages=1 if exact else 3,
+        num_stages=1 if exact else stages, num_warps=warps,
     )
     _merge[(n, KV)](
         acc, stats, lengths, out, G, *acc.stride()[:4], *stats.stride()[:5], *out.stride(),
-        G_PAD=G_PAD, D=D, CHUNK=CHUNK,
+        G_PAD=G_PAD, D=D, CHUNK=chunk,
     )
 
 

@@ -1,0 +1,117 @@
+"""The Triton decode attention's launch settings, swept, for a 16-bit and an 8-bit KV cache.
+
+Why: an engine with an fp8 KV cache (``--kv-cache-dtype fp8_e4m3``) reads half the bytes per
+decode step, yet on the H200 (engine.py, 2026-12-01 02:58) its batch-256 step took as long as
+the bf16 cache's with the same launch (CHUNK 256, BLOCK_N 64, 4 warps, 3 stages): the launch
+tuned for 16-bit tiles did not turn the smaller read into time. This times one layer's
+``decode_attention`` (the decode step's form: the new K/V written by the kernel) at the
+Qwen3-0.6B shape for each (CHUNK, BLOCK_N, num_warps, num_stages), both cache dtypes, side
+by side in one process, against the copy bandwidth measured in the same run.
+
+    python benchmarks/decode_attention.py [--batch 64 256] [--context 384] [--quick]
+
+Appends a section to benchmarks/RESULTS.md (``--no-record`` to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.engine import copy_bandwidth, machine  # noqa: E402
+from miles.kernels import decode_attention as kernel  # noqa: E402
+
+KV, G, D = 8, 2, 128  # Qwen3-0.6B: 8 KV heads, 16 query heads, head dim 128
+
+
+def time_us(fn, reps: int) -> float:
+    """Median µs of ``reps`` calls by CUDA events."""
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def sweep(rows: int, context: int, cache_len: int, kv_dtype: torch.dtype, launches: list, reps: int) -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kc = torch.randn(rows, KV, cache_len, D, device="cuda", generator=g).to(kv_dtype)
+    vc = torch.randn(rows, KV, cache_len, D, device="cuda", generator=g).to(kv_dtype)
+    q = torch.randn(rows, KV, G, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    new = [torch.randn(rows, KV, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2)]
+    lengths = torch.full((rows,), context, device="cuda")
+    nbytes = 2 * rows * KV * context * D * kc.element_size()
+    found = []
+    for launch in launches:
+        try:
+            us = time_us(lambda: kernel.decode_attention(q, kc, vc, lengths, D ** -0.5, cache_len,
+                                                         new_kv=tuple(new), launch=launch), reps)
+        except Exception as exc:  # noqa: BLE001 - a launch that does not fit (shared memory) is skipped
+            print(f"  {launch}: {type(exc).__name__}")
+            continue
+        found.append(dict(launch=launch, us=us, gbs=nbytes / us / 1e3))
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--context", type=int, default=384, help="every row's length (engine.py's mean context)")
+    ap.add_argument("--cache-len", type=int, default=641, help="positions per slot (engine.py: 128 + 512 + 1)")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--quick", action="store_true", help="a few launches only")
+    ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    args = ap.parse_args()
+    if args.quick:
+        launches = [(256, 64, 4, 3), (256, 128, 8, 3), (512, 128, 8, 2)]
+    else:
+        launches = list(itertools.product((128, 256, 512), (32, 64, 128), (4, 8), (2, 3, 4)))
+    bw = copy_bandwidth(torch.device("cuda"), 1 << 30)
+    lines = ["| batch | cache | default launch µs | its GB/s | best launch (CHUNK, BLOCK_N, warps, stages) | "
+             "its µs | its GB/s | × default |", "|---|---|---|---|---|---|---|---|"]
+    best_of: dict[str, dict] = {}
+    for rows, (name, dtype) in itertools.product(args.batch, (("bf16", torch.bfloat16),
+                                                              ("fp8_e4m3", torch.float8_e4m3fn))):
+        default = kernel.LAUNCH[min(torch.finfo(dtype).bits // 8, 2)]
+        found = sweep(rows, args.context, args.cache_len, dtype, sorted({default, *launches}), args.reps)
+        base = next(r for r in found if r["launch"] == default)
+        best = min(found, key=lambda r: r["us"])
+        best_of[f"{rows}/{name}"] = best
+        lines.append(f"| {rows} | {name} | {base['us']:.1f} | {base['gbs']:.0f} | {best['launch']} | "
+                     f"{best['us']:.1f} | {best['gbs']:.0f} | {base['us'] / best['us']:.2f}× |")
+        top = sorted(found, key=lambda r: r["us"])[:5]
+        print(f"batch {rows} {name}: " + ", ".join(f"{r['launch']} {r['us']:.1f} µs" for r in top))
+    for rows in args.batch:
+        a, b = best_of.get(f"{rows}/bf16"), best_of.get(f"{rows}/fp8_e4m3")
+        if a and b:
+            lines.append(f"\nbatch {rows}: fp8 cache at its best launch {a['us'] / b['us']:.2f}× the bf16 cache's best")
+    desc = (f"one layer's decode attention (new K/V written by the kernel), {KV} KV heads × group {G}, head dim "
+            f"{D}, every row at {args.context} positions of {args.cache_len}; median of {args.reps} calls by "
+            f"CUDA events; GB/s = K+V bytes read / time; copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
+    text = "\n".join(lines)
+    print(desc)
+    print(text)
+    if args.no_record:
+        return
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    with open(args.results, "a") as f:
+        f.write(f"\n## decode_attention — {stamp}\n\nCommand: `python benchmarks/decode_attention.py "
+                f"{' '.join(sys.argv[1:])}`  \nMachine: {machine()}  \n{desc}\n\n{text}\n")
+    print(f"appended to {args.results}")
+
+
+if __name__ == "__main__":
+    main()
