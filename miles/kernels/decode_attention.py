@@ -58,9 +58,11 @@ log = logging.getLogger(__name__)
 
 CHUNK = 256  # positions per partial program
 BLOCK_N = 64  # positions per inner iteration
-# (CHUNK, BLOCK_N, num_warps, num_stages) of the 16-/32-bit and of the 8-bit caches' launches
-# (benchmarks/decode_attention.py sweeps them; float32 q always runs unpipelined, see _launch)
-LAUNCH = {2: (CHUNK, BLOCK_N, 4, 3), 1: (CHUNK, BLOCK_N, 4, 3)}
+# (CHUNK, BLOCK_N, num_warps, num_stages, tensor-core dots) of the 16-/32-bit and of the 8-bit
+# caches' launches (benchmarks/decode_attention.py sweeps them; float32 q always runs
+# unpipelined, see _launch). Without tensor-core dots the scores and the weighted sum are
+# CUDA-core products and sums over a query tile padded only to a power of two, not to 16.
+LAUNCH = {2: (CHUNK, BLOCK_N, 4, 3, True), 1: (CHUNK, BLOCK_N, 4, 3, True)}
 MAX_ROWS = 64  # query rows per KV head in one launch (G × tokens; wider steps launch in slices)
 
 
@@ -125,7 +127,7 @@ def _probe(device: str, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float,
                      max_len: int, tokens: int = 1, new_kv: tuple[Tensor, Tensor] | None = None,
-                     launch: tuple[int, int, int, int] | None = None) -> Tensor:
+                     launch: tuple[int, int, int, int, bool] | None = None) -> Tensor:
     """Attention of ``tokens`` new queries per row over the row's cache, causal among them:
     query t of row b sees positions ``[0, lengths[b] - tokens + t]`` (one token: a decode
     step; several: a speculative verify step, the new tokens' K/V already written).
@@ -137,7 +139,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     the cache at ``lengths[b] - 1`` by the kernel itself (not written before the call).
     The caches may be float8 (``KVCache``'s 8-bit storage): tiles are converted to q's
     dtype as they load, and the new K/V clamped to the format's range before they are
-    rounded into it. ``launch``: (CHUNK, BLOCK_N, num_warps, num_stages) instead of ``LAUNCH``'s
+    rounded into it. ``launch``: (CHUNK, BLOCK_N, num_warps, num_stages, dots) instead of ``LAUNCH``'s
     (for tuning). Returns q's shape and dtype."""
     if new_kv is not None:
         n, KV, _, D = q.shape
@@ -154,13 +156,13 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
 
 def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float, max_len: int,
             tokens: int, row0: int, out: Tensor, new_kv: tuple[Tensor, Tensor] | None,
-            launch: tuple[int, int, int, int]) -> None:
+            launch: tuple[int, int, int, int, bool]) -> None:
     n, KV, G, D = q.shape  # G: query rows per KV head in this slice, from row ``row0``
-    chunk, block_n, warps, stages = launch
+    chunk, block_n, warps, stages, dots = launch
     chunks = triton.cdiv(max_len, chunk)
     acc = torch.empty((n, KV, chunks, G, D), device=q.device, dtype=torch.float32)
     stats = torch.empty((2, n, KV, chunks, G), device=q.device, dtype=torch.float32)  # max, denominator
-    G_PAD = max(16, triton.next_power_of_2(G))
+    G_PAD = max(16 if dots else 1, triton.next_power_of_2(G))  # tl.dot tiles have at least 16 rows
     exact = q.dtype == torch.float32  # fp32 dots stay fp32 (tl.dot would use tf32)
     k_new, v_new = new_kv if new_kv is not None else (k_cache, v_cache)  # unread without WRITE
     kv_max = torch.finfo(k_cache.dtype).max if k_cache.dtype != q.dtype else 0.0  # 0: no clamp
@@ -168,7 +170,7 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
         q, k_cache, v_cache, lengths, acc, stats, k_new, v_new, scale, G, tokens, row0,
         *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3], *acc.stride()[:4], *stats.stride()[:5],
         *k_new.stride()[:3], *v_new.stride()[:3],
-        G_PAD=G_PAD, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None, KV_MAX=kv_max,
+        G_PAD=G_PAD, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None, KV_MAX=kv_max, DOT=dots,
         # float32 tiles are twice the size: unpipelined they fit any GPU's shared memory
         # (3 stages took 143-230 KB on sm80/sm90; an A100 has 164 KB)
         num_stages=1 if exact else stages, num_warps=warps,
@@ -192,7 +194,7 @@ if triton is not None:
                  sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
                  skn_b, skn_h, skn_d, svn_b, svn_h, svn_d,
                  G_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                 EXACT: tl.constexpr, WRITE: tl.constexpr, KV_MAX: tl.constexpr):
+                 EXACT: tl.constexpr, WRITE: tl.constexpr, KV_MAX: tl.constexpr, DOT: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
@@ -218,7 +220,9 @@ if triton is not None:
             live = t < end
             k = tl.load(k_base + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0)
             k = k.to(q_ptr.dtype.element_ty)  # a no-op unless the cache is 8-bit
-            if EXACT:
+            if not DOT:
+                s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+            elif EXACT:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
@@ -230,7 +234,9 @@ if triton is not None:
             den = den * alpha + tl.sum(p, 1)
             v = tl.load(v_base + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)
             v = v.to(q_ptr.dtype.element_ty)
-            if EXACT:
+            if not DOT:
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+            elif EXACT:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
