@@ -58,11 +58,14 @@ log = logging.getLogger(__name__)
 
 CHUNK = 256  # positions per partial program
 BLOCK_N = 64  # positions per inner iteration
-# (CHUNK, BLOCK_N, num_warps, num_stages, tensor-core dots) of the 16-/32-bit and of the 8-bit
-# caches' launches (benchmarks/decode_attention.py sweeps them; float32 q always runs
-# unpipelined, see _launch). Without tensor-core dots the scores and the weighted sum are
-# CUDA-core products and sums over a query tile padded only to a power of two, not to 16.
-LAUNCH = {2: (CHUNK, BLOCK_N, 4, 3, True), 1: (CHUNK, BLOCK_N, 4, 3, True)}
+# (CHUNK, BLOCK_N, num_warps, num_stages, mode) of the 16-/32-bit and of the 8-bit caches'
+# launches (benchmarks/decode_attention.py sweeps them; float32 q always runs unpipelined, see
+# _launch). Modes: "dot", tensor-core dots with the query tile (padded to 16 rows) on the
+# left; "swap", the same dots transposed, the K/V tile on the left (the M side of the
+# instruction) and the query tile on the right; "fma", CUDA-core products and sums over a
+# query tile padded only to a power of two.
+MODES = {"dot": 0, "fma": 1, "swap": 2}
+LAUNCH = {2: (CHUNK, BLOCK_N, 4, 3, "dot"), 1: (CHUNK, BLOCK_N, 4, 3, "dot")}
 MAX_ROWS = 64  # query rows per KV head in one launch (G × tokens; wider steps launch in slices)
 
 
@@ -127,7 +130,7 @@ def _probe(device: str, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float,
                      max_len: int, tokens: int = 1, new_kv: tuple[Tensor, Tensor] | None = None,
-                     launch: tuple[int, int, int, int, bool] | None = None) -> Tensor:
+                     launch: tuple[int, int, int, int, str] | None = None) -> Tensor:
     """Attention of ``tokens`` new queries per row over the row's cache, causal among them:
     query t of row b sees positions ``[0, lengths[b] - tokens + t]`` (one token: a decode
     step; several: a speculative verify step, the new tokens' K/V already written).
@@ -139,7 +142,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     the cache at ``lengths[b] - 1`` by the kernel itself (not written before the call).
     The caches may be float8 (``KVCache``'s 8-bit storage): tiles are converted to q's
     dtype as they load, and the new K/V clamped to the format's range before they are
-    rounded into it. ``launch``: (CHUNK, BLOCK_N, num_warps, num_stages, dots) instead of ``LAUNCH``'s
+    rounded into it. ``launch``: (CHUNK, BLOCK_N, num_warps, num_stages, mode) instead of ``LAUNCH``'s
     (for tuning). Returns q's shape and dtype."""
     if new_kv is not None:
         n, KV, _, D = q.shape
@@ -156,13 +159,13 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
 
 def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float, max_len: int,
             tokens: int, row0: int, out: Tensor, new_kv: tuple[Tensor, Tensor] | None,
-            launch: tuple[int, int, int, int, bool]) -> None:
+            launch: tuple[int, int, int, int, str]) -> None:
     n, KV, G, D = q.shape  # G: query rows per KV head in this slice, from row ``row0``
-    chunk, block_n, warps, stages, dots = launch
+    chunk, block_n, warps, stages, mode = launch
     chunks = triton.cdiv(max_len, chunk)
     acc = torch.empty((n, KV, chunks, G, D), device=q.device, dtype=torch.float32)
     stats = torch.empty((2, n, KV, chunks, G), device=q.device, dtype=torch.float32)  # max, denominator
-    G_PAD = max(16 if dots else 1, triton.next_power_of_2(G))  # tl.dot tiles have at least 16 rows
+    G_PAD = max(1 if mode == "fma" else 16, triton.next_power_of_2(G))  # tl.dot tiles: at least 16
     exact = q.dtype == torch.float32  # fp32 dots stay fp32 (tl.dot would use tf32)
     k_new, v_new = new_kv if new_kv is not None else (k_cache, v_cache)  # unread without WRITE
     kv_max = torch.finfo(k_cache.dtype).max if k_cache.dtype != q.dtype else 0.0  # 0: no clamp
@@ -170,7 +173,7 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
         q, k_cache, v_cache, lengths, acc, stats, k_new, v_new, scale, G, tokens, row0,
         *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3], *acc.stride()[:4], *stats.stride()[:5],
         *k_new.stride()[:3], *v_new.stride()[:3],
-        G_PAD=G_PAD, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None, KV_MAX=kv_max, DOT=dots,
+        G_PAD=G_PAD, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None, KV_MAX=kv_max, MODE=MODES[mode],
         # float32 tiles are twice the size: unpipelined they fit any GPU's shared memory
         # (3 stages took 143-230 KB on sm80/sm90; an A100 has 164 KB)
         num_stages=1 if exact else stages, num_warps=warps,
@@ -194,7 +197,7 @@ if triton is not None:
                  sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
                  skn_b, skn_h, skn_d, svn_b, svn_h, svn_d,
                  G_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                 EXACT: tl.constexpr, WRITE: tl.constexpr, KV_MAX: tl.constexpr, DOT: tl.constexpr):
+                 EXACT: tl.constexpr, WRITE: tl.constexpr, KV_MAX: tl.constexpr, MODE: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
@@ -208,7 +211,10 @@ if triton is not None:
         limit = length - (T - 1) + (row0 + g) % T  # keys each query row sees (causal among new tokens)
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         den = tl.zeros((G_PAD,), tl.float32)
-        acc = tl.zeros((G_PAD, D), tl.float32)
+        if MODE == 2:
+            acc = tl.zeros((D, G_PAD), tl.float32)  # transposed until the loop ends
+        else:
+            acc = tl.zeros((G_PAD, D), tl.float32)
         k_base = k_ptr + b * sk_b + h * sk_h
         v_base = v_ptr + b * sv_b + h * sv_h
         pos = length - 1  # the new token's position (WRITE: one token a row)
@@ -220,27 +226,47 @@ if triton is not None:
             live = t < end
             k = tl.load(k_base + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0)
             k = k.to(q_ptr.dtype.element_ty)  # a no-op unless the cache is 8-bit
-            if not DOT:
-                s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
-            elif EXACT:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            if MODE == 2:  # scores transposed: [BLOCK_N, G_PAD]
+                if EXACT:
+                    sT = tl.dot(k, tl.trans(q), input_precision="ieee")
+                else:
+                    sT = tl.dot(k, tl.trans(q))
+                sT = tl.where(t[:, None] < limit[None, :], sT * scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(sT, 0))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+                alpha = tl.exp(m - m_use)
+                pT = tl.exp(sT - m_use[None, :])
+                den = den * alpha + tl.sum(pT, 0)
+                v = tl.load(v_base + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)
+                v = v.to(q_ptr.dtype.element_ty)
+                if EXACT:
+                    acc = acc * alpha[None, :] + tl.dot(tl.trans(v), pT, input_precision="ieee")
+                else:
+                    acc = acc * alpha[None, :] + tl.dot(tl.trans(v), pT.to(v.dtype))
             else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(t[None, :] < limit[:, None], s * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-            alpha = tl.exp(m - m_use)
-            p = tl.exp(s - m_use[:, None])
-            den = den * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)
-            v = v.to(q_ptr.dtype.element_ty)
-            if not DOT:
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-            elif EXACT:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                if MODE == 1:
+                    s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+                elif EXACT:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                s = tl.where(t[None, :] < limit[:, None], s * scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+                alpha = tl.exp(m - m_use)
+                p = tl.exp(s - m_use[:, None])
+                den = den * alpha + tl.sum(p, 1)
+                v = tl.load(v_base + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)
+                v = v.to(q_ptr.dtype.element_ty)
+                if MODE == 1:
+                    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+                elif EXACT:
+                    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
+        if MODE == 2:
+            acc = tl.trans(acc)
         if WRITE:
             if (pos >= start) & (pos < start + CHUNK):  # this program's chunk holds the new token
                 # rounded to the cache's dtype first: the score is what a later step will read

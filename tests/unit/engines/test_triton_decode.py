@@ -65,6 +65,32 @@ def test_kernel_verify_step_is_causal_among_new_tokens(G: int, tokens: int) -> N
             torch.testing.assert_close(out[b : b + 1, :, r : r + 1], want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("mode", sorted(kernel.MODES))
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_every_launch_mode_attends_alike(mode: str, tokens: int) -> None:
+    """The launch modes (tensor-core dots either way round, CUDA-core sums) and chunk sizes
+    compute the same attention: decode steps writing their new K/V, and verify steps."""
+    g = torch.Generator().manual_seed(tokens)
+    KV, G, D, T = 2, 2, 32, 600
+    lengths = [tokens, 40, 300, T]
+    n = len(lengths)
+    kc = torch.randn(n, KV, T, D, generator=g).to(DEVICE)
+    vc = torch.randn(n, KV, T, D, generator=g).to(DEVICE)
+    q = torch.randn(n, KV, G * tokens, D, generator=g).to(DEVICE)
+    lens = torch.tensor(lengths, device=DEVICE)
+    new_kv = tuple(torch.randn(n, KV, D, generator=g).to(DEVICE) for _ in range(2)) if tokens == 1 else None
+    want_k, want_v = kc.clone(), vc.clone()
+    if new_kv is not None:
+        want_k[torch.arange(n), :, lens - 1], want_v[torch.arange(n), :, lens - 1] = new_kv
+    ref = kernel.decode_attention(q, want_k.clone(), want_v.clone(), lens, D ** -0.5, T, tokens=tokens,
+                                  launch=(256, 64, 4, 1, "dot"))
+    for launch in ((256, 32, 4, 2, mode), (512, 64, 4, 2, mode)):
+        k, v = kc.clone(), vc.clone()
+        out = kernel.decode_attention(q, k, v, lens, D ** -0.5, T, tokens=tokens, new_kv=new_kv, launch=launch)
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
 def test_kernel_never_reads_past_a_rows_length() -> None:
     """Positions past each row's length hold NaN: a read of any of them would show."""
     g = torch.Generator().manual_seed(0)
