@@ -56,16 +56,18 @@ except ImportError:  # the CPU install has no triton; available() says so
 
 log = logging.getLogger(__name__)
 
-CHUNK = 256  # positions per partial program
+CHUNK = 256  # positions per partial program, in grids of fewer than WIDE rows × KV heads
 BLOCK_N = 64  # positions per inner iteration
-# (CHUNK, BLOCK_N, num_warps, num_stages, mode) of the 16-/32-bit and of the 8-bit caches'
-# launches (benchmarks/decode_attention.py sweeps them; float32 q always runs unpipelined, see
-# _launch). Modes: "dot", tensor-core dots with the query tile (padded to 16 rows) on the
-# left; "swap", the same dots transposed, the K/V tile on the left (the M side of the
-# instruction) and the query tile on the right; "fma", CUDA-core products and sums over a
-# query tile padded only to a power of two.
-MODES = {"dot": 0, "fma": 1, "swap": 2}
-LAUNCH = {2: (CHUNK, BLOCK_N, 4, 3, "dot"), 1: (CHUNK, BLOCK_N, 4, 3, "dot")}
+WIDE = 128
+# (CHUNK, BLOCK_N, num_warps, num_stages) by the cache's element size (16/32-bit, 8-bit), for
+# wide grids and narrow ones (float32 q always runs unpipelined, see _launch). Wide: from
+# benchmarks/decode_attention.py on the H200 (2026-12-01 03:06 and 03:11: one layer at batch
+# 64 / 256 and 384 positions, 1.06-1.08x the former (256, 64, 4, 3) for bf16, 1.10-1.13x for
+# fp8). Narrow grids keep 256-position chunks, so a few rows still spread over the SMs. Tried
+# there and slower at every setting: the dots transposed (the K/V tile on the instruction's M
+# side) and CUDA-core products in place of tensor-core dots.
+LAUNCH = {2: (512, 64, 4, 2), 1: (512, 32, 4, 3)}
+NARROW = {2: (CHUNK, BLOCK_N, 4, 3), 1: (CHUNK, 32, 4, 3)}
 MAX_ROWS = 64  # query rows per KV head in one launch (G × tokens; wider steps launch in slices)
 
 
@@ -130,7 +132,7 @@ def _probe(device: str, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float,
                      max_len: int, tokens: int = 1, new_kv: tuple[Tensor, Tensor] | None = None,
-                     launch: tuple[int, int, int, int, str] | None = None) -> Tensor:
+                     launch: tuple[int, int, int, int] | None = None) -> Tensor:
     """Attention of ``tokens`` new queries per row over the row's cache, causal among them:
     query t of row b sees positions ``[0, lengths[b] - tokens + t]`` (one token: a decode
     step; several: a speculative verify step, the new tokens' K/V already written).
@@ -142,7 +144,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     the cache at ``lengths[b] - 1`` by the kernel itself (not written before the call).
     The caches may be float8 (``KVCache``'s 8-bit storage): tiles are converted to q's
     dtype as they load, and the new K/V clamped to the format's range before they are
-    rounded into it. ``launch``: (CHUNK, BLOCK_N, num_warps, num_stages, mode) instead of ``LAUNCH``'s
+    rounded into it. ``launch``: (CHUNK, BLOCK_N, num_warps, num_stages) instead of ``default_launch``'s
     (for tuning). Returns q's shape and dtype."""
     if new_kv is not None:
         n, KV, _, D = q.shape
@@ -153,19 +155,24 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     for row0 in range(0, q.shape[2], MAX_ROWS):  # a verify step of a wide GQA group: in slices
         rows = slice(row0, row0 + MAX_ROWS)
         _launch(q[:, :, rows], k_cache, v_cache, lengths, scale, max_len, tokens, row0, out[:, :, rows],
-                new_kv if row0 == 0 else None, launch or LAUNCH[min(k_cache.element_size(), 2)])
+                new_kv if row0 == 0 else None, launch or default_launch(q.shape[0] * q.shape[1], k_cache.dtype))
     return out
+
+
+def default_launch(programs: int, kv_dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """The launch for a grid of ``programs`` rows × KV heads over a cache of ``kv_dtype``."""
+    return (LAUNCH if programs >= WIDE else NARROW)[min(torch.finfo(kv_dtype).bits // 8, 2)]
 
 
 def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float, max_len: int,
             tokens: int, row0: int, out: Tensor, new_kv: tuple[Tensor, Tensor] | None,
-            launch: tuple[int, int, int, int, str]) -> None:
+            launch: tuple[int, int, int, int]) -> None:
     n, KV, G, D = q.shape  # G: query rows per KV head in this slice, from row ``row0``
-    chunk, block_n, warps, stages, mode = launch
+    chunk, block_n, warps, stages = launch
     chunks = triton.cdiv(max_len, chunk)
     acc = torch.empty((n, KV, chunks, G, D), device=q.device, dtype=torch.float32)
     stats = torch.empty((2, n, KV, chunks, G), device=q.device, dtype=torch.float32)  # max, denominator
-    G_PAD = max(1 if mode == "fma" else 16, triton.next_power_of_2(G))  # tl.dot tiles: at least 16
+    G_PAD = max(16, triton.next_power_of_2(G))
     exact = q.dtype == torch.float32  # fp32 dots stay fp32 (tl.dot would use tf32)
     k_new, v_new = new_kv if new_kv is not None else (k_cache, v_cache)  # unread without WRITE
     kv_max = torch.finfo(k_cache.dtype).max if k_cache.dtype != q.dtype else 0.0  # 0: no clamp
@@ -173,7 +180,7 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
         q, k_cache, v_cache, lengths, acc, stats, k_new, v_new, scale, G, tokens, row0,
         *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3], *acc.stride()[:4], *stats.stride()[:5],
         *k_new.stride()[:3], *v_new.stride()[:3],
-        G_PAD=G_PAD, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None, KV_MAX=kv_max, MODE=MODES[mode],
+        G_PAD=G_PAD, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None, KV_MAX=kv_max,
         # float32 tiles are twice the size: unpipelined they fit any GPU's shared memory
         # (3 stages took 143-230 KB on sm80/sm90; an A100 has 164 KB)
         num_stages=1 if exact else stages, num_warps=warps,
@@ -197,7 +204,7 @@ if triton is not None:
                  sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
                  skn_b, skn_h, skn_d, svn_b, svn_h, svn_d,
                  G_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                 EXACT: tl.constexpr, WRITE: tl.constexpr, KV_MAX: tl.constexpr, MODE: tl.constexpr):
+                 EXACT: tl.constexpr, WRITE: tl.constexpr, KV_MAX: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
@@ -211,10 +218,7 @@ if triton is not None:
         limit = length - (T - 1) + (row0 + g) % T  # keys each query row sees (causal among new tokens)
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         den = tl.zeros((G_PAD,), tl.float32)
-        if MODE == 2:
-            acc = tl.zeros((D, G_PAD), tl.float32)  # transposed until the loop ends
-        else:
-            acc = tl.zeros((G_PAD, D), tl.float32)
+        acc = tl.zeros((G_PAD, D), tl.float32)
         k_base = k_ptr + b * sk_b + h * sk_h
         v_base = v_ptr + b * sv_b + h * sv_h
         pos = length - 1  # the new token's position (WRITE: one token a row)
@@ -226,47 +230,23 @@ if triton is not None:
             live = t < end
             k = tl.load(k_base + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0)
             k = k.to(q_ptr.dtype.element_ty)  # a no-op unless the cache is 8-bit
-            if MODE == 2:  # scores transposed: [BLOCK_N, G_PAD]
-                if EXACT:
-                    sT = tl.dot(k, tl.trans(q), input_precision="ieee")
-                else:
-                    sT = tl.dot(k, tl.trans(q))
-                sT = tl.where(t[:, None] < limit[None, :], sT * scale, float("-inf"))
-                m_new = tl.maximum(m, tl.max(sT, 0))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-                alpha = tl.exp(m - m_use)
-                pT = tl.exp(sT - m_use[None, :])
-                den = den * alpha + tl.sum(pT, 0)
-                v = tl.load(v_base + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)
-                v = v.to(q_ptr.dtype.element_ty)
-                if EXACT:
-                    acc = acc * alpha[None, :] + tl.dot(tl.trans(v), pT, input_precision="ieee")
-                else:
-                    acc = acc * alpha[None, :] + tl.dot(tl.trans(v), pT.to(v.dtype))
+            if EXACT:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
-                if MODE == 1:
-                    s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
-                elif EXACT:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                s = tl.where(t[None, :] < limit[:, None], s * scale, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-                alpha = tl.exp(m - m_use)
-                p = tl.exp(s - m_use[:, None])
-                den = den * alpha + tl.sum(p, 1)
-                v = tl.load(v_base + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)
-                v = v.to(q_ptr.dtype.element_ty)
-                if MODE == 1:
-                    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-                elif EXACT:
-                    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(t[None, :] < limit[:, None], s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            alpha = tl.exp(m - m_use)
+            p = tl.exp(s - m_use[:, None])
+            den = den * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)
+            v = v.to(q_ptr.dtype.element_ty)
+            if EXACT:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-        if MODE == 2:
-            acc = tl.trans(acc)
         if WRITE:
             if (pos >= start) & (pos < start + CHUNK):  # this program's chunk holds the new token
                 # rounded to the cache's dtype first: the score is what a later step will read
