@@ -215,8 +215,6 @@ if triton is not None:
         d = tl.arange(0, D)
         q = tl.load(q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :] * sq_d,
                     mask=g[:, None] < G, other=0.0)
-        if KV_MAX > 0 and not EXACT:  # an 8-bit cache: its tiles convert to float16 in one instruction
-            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         limit = length - (T - 1) + (row0 + g) % T  # keys each query row sees (causal among new tokens)
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         den = tl.zeros((G_PAD,), tl.float32)
@@ -231,7 +229,7 @@ if triton is not None:
             t = lo + tl.arange(0, BLOCK_N)
             live = t < end
             k = tl.load(k_base + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0)
-            k = k.to(q.dtype)  # a no-op unless the cache is 8-bit
+            k = k.to(q_ptr.dtype.element_ty)  # a no-op unless the cache is 8-bit
             if EXACT:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -243,7 +241,7 @@ if triton is not None:
             p = tl.exp(s - m_use[:, None])
             den = den * alpha + tl.sum(p, 1)
             v = tl.load(v_base + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)
-            v = v.to(q.dtype)
+            v = v.to(q_ptr.dtype.element_ty)
             if EXACT:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
