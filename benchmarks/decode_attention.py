@@ -21,7 +21,6 @@ Appends a section to benchmarks/RESULTS.md (``--no-record`` to skip).
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine import copy_bandwidth, machine  # noqa: E402
+from benchmarks.trainer import record_section  # noqa: E402
 from miles.kernels import decode_attention as kernel  # noqa: E402
 
 KV, G, D = 8, 2, 128  # Qwen3-0.6B: 8 KV heads, 16 query heads, head dim 128
@@ -114,16 +114,7 @@ def main() -> None:
     desc = (f"one layer's decode attention (new K/V written by the kernel), {KV} KV heads × group {G}, head dim "
             f"{D}, every row at {args.context} positions of {args.cache_len}; µs a call in a CUDA graph of 20 calls, "
             f"median of {args.reps} replays by CUDA events; GB/s = K+V bytes read / time; copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
-    text = "\n".join(lines)
-    print(desc)
-    print(text)
-    if args.no_record:
-        return
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    with open(args.results, "a") as f:
-        f.write(f"\n## decode_attention — {stamp}\n\nCommand: `python benchmarks/decode_attention.py "
-                f"{' '.join(sys.argv[1:])}`  \nMachine: {machine()}  \n{desc}\n\n{text}\n")
-    print(f"appended to {args.results}")
+    record_section("decode_attention", machine(), desc, lines, args.results, save=not args.no_record)
 
 
 if __name__ == "__main__":
