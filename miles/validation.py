@@ -142,6 +142,10 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
                "(use auto, or --device cuda)")
     if engine.kv_cache_dtype not in KV_CACHE_DTYPES:
         yield f"--kv-cache-dtype {engine.kv_cache_dtype!r}: choose {', '.join(KV_CACHE_DTYPES)}"
+    elif engine.kv_cache_dtype != "auto" and run.rollout_backend != "embedded":
+        # the flag sizes the embedded engine's cache; an SGLang server takes its own
+        yield (f"--kv-cache-dtype is the embedded engine's; an SGLang server takes its own: "
+               f"--sglang-kv-cache-dtype {engine.kv_cache_dtype}")
     elif engine.kv_cache_dtype != "auto" and engine.cpu_decode_kernel and not run.deterministic:
         yield (f"--kv-cache-dtype {engine.kv_cache_dtype} and --cpu-decode-kernel: the CPU decode kernel reads "
                "a cache in the engine's own dtype (drop one of them)")

@@ -115,6 +115,8 @@ def test_incompatible_flags(files, capsys) -> None:
     _fails(_argv(files, "--decode-attention", "flash"), capsys, "choose auto, matmul, sdpa or triton")
     _fails(_argv(files, "--kv-cache-dtype", "int4"), capsys, "--kv-cache-dtype 'int4': choose auto, fp8_e4m3, fp8_e5m2")
     _fails(_argv(files, "--kv-cache-dtype", "fp8_e4m3", "--cpu-decode-kernel"), capsys, "reads a cache in the engine's own dtype")
+    _fails(_argv(files, "--kv-cache-dtype", "fp8_e4m3", "--rollout-backend", "sglang"), capsys,
+           "--sglang-kv-cache-dtype fp8_e4m3")
     # GPU layouts that Ray could not place (a worker past the placement group's last GPU, or
     # two NCCL ranks on one GPU): refused before anything starts
     _fails(_argv(files, "--actor-num-gpus-per-node", "1"), capsys, "--rollout-num-gpus for the engines' own GPUs")
