@@ -12,7 +12,9 @@ truncation and no early stop. For each system and batch size:
   ((read + write bytes) / time of a large ``copy_``). Weights count the LM head and all
   layers; an untied embedding table counts only its looked-up rows.
 
-On CUDA two more engines run beside the default one: one drawing its tokens with torch ops
+On the CPU one more runs beside the default engine and its torch-ops twin: the same engine with
+every GEMM on torch's BLAS thread count, where the default runs small ones on one thread
+(miles.utils.blas says why). On CUDA two more engines run beside the default one: one drawing its tokens with torch ops
 instead of the fused sampler, and one with an ``fp8_e4m3`` KV cache (its roofline counts its
 1-byte K/V; HF's cache stays in the model's dtype, and the goals are the default engine's).
 
@@ -42,7 +44,7 @@ from miles.engines import EmbeddedEngine, EngineConfig  # noqa: E402
 from miles.engines.config import DECODE_ATTENTION  # noqa: E402
 from miles.models import CausalLM, save_pretrained, tiny_config  # noqa: E402
 from miles.types import GenerateRequest, SamplingParams  # noqa: E402
-from miles.utils import gcpolicy  # noqa: E402
+from miles.utils import blas, gcpolicy  # noqa: E402
 
 PRESETS = {
     # A small model for the CPU: big enough that kernels matter, small enough for seconds.
@@ -96,7 +98,8 @@ class EngineSide:
     """One engine per batch size; a full-length warm-up run first captures every CUDA graph
     the timed runs need (graphs are captured lazily, per batch and context bucket)."""
 
-    def __init__(self, model: CausalLM, prompts: list[list[int]], new_tokens: int, args, **config) -> None:
+    def __init__(self, model: CausalLM, prompts: list[list[int]], new_tokens: int, args, *,
+                 small_gemms_one_thread: bool = True, **config) -> None:
         cfg = EngineConfig(
             max_batch_size=len(prompts), max_seq_len=len(prompts[0]) + new_tokens + 1,
             device=args.device, dtype=args.dtype, decode_attention=args.decode_attention,
@@ -105,6 +108,11 @@ class EngineSide:
             **{"kv_cache_dtype": args.kv_cache_dtype, **config},
         )
         self.engine = EmbeddedEngine(model, config=cfg)
+        if not small_gemms_one_thread:  # every GEMM on torch's BLAS threads (miles.utils.blas)
+            runner = self.engine.runner
+            runner.gemm_width = 1 << 62
+            if runner.cpu_kernel is not None:
+                runner.cpu_kernel.set_threads = None
         self.prompts = prompts
         self.loop = asyncio.new_event_loop()
         self(new_tokens)  # warm-up
@@ -259,6 +267,12 @@ def bench(args) -> tuple[list[dict], dict]:
             # the same engine with its decode step through torch ops: what the C kernel buys
             torch_ops = EngineSide(engine_model, prompts, args.new_tokens, args, cpu_decode_kernel=False)
             systems["embedded, torch ops"] = torch_ops
+        blas_threads = None
+        if device.type == "cpu" and blas.set_threads_address() and not args.no_torch_ops:
+            # the same engine with every GEMM on torch's BLAS threads: what one thread for
+            # small GEMMs on the stepping thread buys (miles.utils.blas)
+            blas_threads = EngineSide(engine_model, prompts, args.new_tokens, args, small_gemms_one_thread=False)
+            systems["embedded, all GEMMs on torch's threads"] = blas_threads
         torch_sampling = None
         if side.engine.stepper.fused_sampling and not args.no_torch_ops:
             # the same engine drawing its tokens with torch ops: what the fused sampler buys
@@ -276,10 +290,10 @@ def bench(args) -> tuple[list[dict], dict]:
         if args.workload in ("rollout", "both"):
             found += rollout_rows(side, hf, batch, args, device, V, g)
         side.close()
-        for other in (torch_ops, torch_sampling, fp8_kv):
+        for other in (torch_ops, blas_threads, torch_sampling, fp8_kv):
             if other is not None:
                 other.close()
-        del side, systems, torch_ops, torch_sampling, fp8_kv
+        del side, systems, torch_ops, blas_threads, torch_sampling, fp8_kv
         mean_ctx = args.prompt_len + args.new_tokens / 2
         for row in found:
             if "step_s" in row:  # each system's own KV bytes (HF's cache is in the model's dtype)

@@ -38,6 +38,7 @@ MoE) and longer ones stay eager.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -50,6 +51,7 @@ from torch import Tensor
 from miles.engines.config import EngineConfig
 from miles.engines.kv_cache import DecodeAttention, KVCache, PrefillAttention, VerifyAttention
 from miles.models.model import CausalLM
+from miles.utils.blas import blas_threads_for
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,17 @@ class ModelRunner:
         # step reads every row up to the longest context, so one long row in a batch of
         # short ones makes most of the KV read padding (engine/kv_read_useful_frac).
         self.kv_useful = self.kv_read = 0
+        # The widest GEMM a row goes through (multiply-adds): small CPU steps run their GEMMs
+        # on one BLAS thread (miles.utils.blas says why).
+        cfg = model.config
+        self.gemm_width = cfg.hidden_size * max((cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+                                                * cfg.head_dim, 2 * cfg.intermediate_size, cfg.vocab_size)
+
+    def _blas(self, rows: int) -> contextlib.AbstractContextManager[None]:
+        """One BLAS thread for a CPU step of ``rows`` rows whose GEMMs are all small."""
+        if self.device.type != "cpu":
+            return contextlib.nullcontext()
+        return blas_threads_for(rows * self.gemm_width)
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -146,11 +159,12 @@ class ModelRunner:
         ids = self._tensor([s + [0] * (T - len(s)) for s in seqs])
         pos = torch.arange(T, device=self.device).expand(n, T)
         last = self._tensor([len(s) - 1 for s in seqs])
-        out = self.model(
-            ids, pos, kv_cache=PrefillAttention(self.cache, self._tensor(slots)),
-            return_logits=logits, logits_index=last, return_hidden=hidden,
-            return_routing=routing and self.is_moe, check_inputs=False,
-        )
+        with self._blas(n * T):
+            out = self.model(
+                ids, pos, kv_cache=PrefillAttention(self.cache, self._tensor(slots)),
+                return_logits=logits, logits_index=last, return_hidden=hidden,
+                return_routing=routing and self.is_moe, check_inputs=False,
+            )
         return StepOut(None if out.logits is None else out.logits[:, 0], out.hidden, out.routing)
 
     # ---- decode ------------------------------------------------------------------------
@@ -222,8 +236,9 @@ class ModelRunner:
                      split: tuple[int, Tensor] | None = None, logits: bool = True) -> StepOut:
         """One decode step run op by op (``logits=False``: the final hidden states only)."""
         backend = DecodeAttention(self.cache, positions, L, self.attention, split=split)
-        out = self.model(tokens[:, None], positions[:, None], kv_cache=backend, return_hidden=True,
-                         return_routing=self.is_moe, return_logits=logits, check_inputs=False)
+        with self._blas(tokens.shape[0]):
+            out = self.model(tokens[:, None], positions[:, None], kv_cache=backend, return_hidden=True,
+                             return_routing=self.is_moe, return_logits=logits, check_inputs=False)
         routing = None if out.routing is None else out.routing[:, 0]
         return StepOut(None if out.logits is None else out.logits[:, 0], out.hidden[:, 0], routing)
 
@@ -249,9 +264,10 @@ class ModelRunner:
                      logits: bool = True) -> StepOut:
         T = tokens.shape[1]
         backend = VerifyAttention(self.cache, starts, T, L, self.attention)
-        out = self.model(tokens, backend.positions, kv_cache=backend, return_hidden=True,
-                         return_logits=logits, logits_index=logits_index,
-                         return_routing=self.is_moe, check_inputs=False)
+        with self._blas(tokens.shape[0] * T):
+            out = self.model(tokens, backend.positions, kv_cache=backend, return_hidden=True,
+                             return_logits=logits, logits_index=logits_index,
+                             return_routing=self.is_moe, check_inputs=False)
         lg = out.logits if out.logits is None or logits_index is None else out.logits[:, 0]
         return StepOut(lg, out.hidden, out.routing)
 

@@ -4,7 +4,7 @@
  * through torch ops is bound by per-op dispatch (~35 ops a layer, a few microseconds each),
  * not by arithmetic. Here the whole step runs in one call: the GEMMs go to the BLAS that
  * torch itself links (its `sgemm_`, handed in as a function pointer, so the maths and the
- * threads are torch's), and everything between them (RMSNorm, q/k-norm, RoPE, the KV-cache
+ * threads are torch's, small GEMMs on one thread), and everything between them (RMSNorm, q/k-norm, RoPE, the KV-cache
  * write, attention over each row's own length, SiLU-gating, residuals) is a plain loop.
  *
  * Numerics follow the torch path (miles.models.fused, miles.engines.kv_cache): float32
@@ -19,6 +19,7 @@
  * [layers, slots, KV, cache_len, D], row b in slot b; rope tables [rope_len, D].
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512F__)
@@ -28,6 +29,17 @@
 typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
                          const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
                          const float *beta, float *c, const int *ldc);
+/* MKL's MKL_Set_Num_Threads_Local: the calling thread's BLAS thread count (0: the global one);
+ * returns the previous value. NULL where torch's BLAS has none. */
+typedef int (*set_threads_fn)(int nthreads);
+
+/* The BLAS calls: GEMMs below `one_thread_below` multiply-adds run on one BLAS thread
+ * (miles.utils.blas.ONE_THREAD_GEMM says why). */
+typedef struct {
+    sgemm_fn sgemm;
+    set_threads_fn set_threads;
+    int64_t one_thread_below;
+} blas;
 
 /* dims[] */
 enum { D_LAYERS, D_EMBED, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_VOCAB, D_SLOTS, D_CACHE_LEN, D_ROPE_LEN,
@@ -72,12 +84,15 @@ static void rms_norm(const float *x, const float *w, float *y, int64_t rows, int
 }
 
 /* y[n, out] = beta * y + x[n, in] @ w[out, in]^T (+ bias): column-major y^T = w^T(T) . x^T. */
-static void linear(sgemm_fn sgemm, const float *x, int64_t n, int64_t in, const float *w, int64_t out,
+static void linear(const blas *gemm, const float *x, int64_t n, int64_t in, const float *w, int64_t out,
                    const float *bias, float *y, float beta) {
     if (n == 0) return;
     int m_ = (int)out, n_ = (int)n, k_ = (int)in;
     float one = 1.0f;
-    sgemm("T", "N", &m_, &n_, &k_, &one, w, &k_, x, &k_, &beta, y, &m_);
+    const int alone = gemm->set_threads != NULL && n * in * out < gemm->one_thread_below;
+    const int before = alone ? gemm->set_threads(1) : 0;
+    gemm->sgemm("T", "N", &m_, &n_, &k_, &one, w, &k_, x, &k_, &beta, y, &m_);
+    if (alone) gemm->set_threads(before);
     if (bias != NULL) {
         for (int64_t b = 0; b < n; b++) {
             float *yr = y + b * out;
@@ -219,17 +234,67 @@ static void attend(const float *q, const float *kc, const float *vc, int64_t len
     }
 }
 
-/* Workspace floats for n rows (the caller allocates it once for its largest batch). */
-int64_t miles_decode_workspace(const int64_t *dims, int64_t n) {
+/* A layer's per-row work between the q/k/v and the o projections (q/k-norm, RoPE, the cache
+ * write, attention over the row's own length) for rows [b0, b1), with its own scratch. Rows are
+ * independent, so threads may split them: each row's result is the same whoever computes it. */
+typedef struct {
+    int64_t l, b0, b1, H, KV, D, S, T, QKV;
+    const int64_t *positions;
+    void *const *p;
+    const float *cos_t, *sin_t;
+    float *k_cache, *v_cache, *qkv, *attn, *scores, *tmp;
+    float eps, scale;
+} rows_job;
+
+static void attend_rows(const rows_job *j) {
+    const int64_t H = j->H, KV = j->KV, D = j->D, G = H / KV, S = j->S, T = j->T;
+    for (int64_t b = j->b0; b < j->b1; b++) {
+        float *q = j->qkv + b * j->QKV, *k = q + H * D, *v = k + KV * D;
+        if (j->p[P_Q_NORM] != NULL) {
+            rms_norm(q, j->p[P_Q_NORM], q, H, D, j->eps);
+            rms_norm(k, j->p[P_K_NORM], k, KV, D, j->eps);
+        }
+        const int64_t pos = j->positions[b];
+        rope(q, H, D, j->cos_t + pos * D, j->sin_t + pos * D, j->tmp);
+        rope(k, KV, D, j->cos_t + pos * D, j->sin_t + pos * D, j->tmp);
+        for (int64_t g = 0; g < KV; g++) {
+            int64_t base = ((j->l * S + b) * KV + g) * T * D;
+            memcpy(j->k_cache + base + pos * D, k + g * D, (size_t)D * sizeof(float));
+            memcpy(j->v_cache + base + pos * D, v + g * D, (size_t)D * sizeof(float));
+            attend(q + g * G * D, j->k_cache + base, j->v_cache + base, pos + 1, G, D, j->scale, j->scores,
+                   j->attn + b * H * D + g * G * D);
+        }
+    }
+}
+
+static void *attend_rows_thread(void *job) {
+    attend_rows(job);
+    return NULL;
+}
+
+/* Below this many multiply-adds of attention a layer (Σ positions × heads × head dim, each
+ * for the scores and again for the weighted sum), one thread attends: starting and joining a
+ * thread costs tens of microseconds a layer (on 2 cores the split lost up to 2x at 2^20 and
+ * paid 1.3-1.7x from 2^22). Above it the rows are split between up to `threads` threads
+ * (torch's count: the GEMMs between layers use the same cores), balanced by positions. */
+#define PARALLEL_WORK (1 << 22)
+#define MAX_THREADS 16
+
+/* Workspace floats for n rows and up to `threads` attending threads (the caller allocates it
+ * once for its largest batch). */
+int64_t miles_decode_workspace(const int64_t *dims, int64_t n, int64_t threads) {
     int64_t E = dims[D_EMBED], H = dims[D_HEADS], KV = dims[D_KV_HEADS], D = dims[D_HEAD_DIM];
     int64_t I = dims[D_INTER], G = H / KV;
-    return n * (2 * E + (H + 2 * KV) * D + H * D + 3 * I) + G * dims[D_CACHE_LEN] + D;
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    return n * (2 * E + (H + 2 * KV) * D + H * D + 3 * I) + threads * (G * dims[D_CACHE_LEN] + D);
 }
 
 /* Returns 0; 1 when a token id is outside the vocabulary; 2 when a position is outside the
  * cache or the rope tables (nothing is written to the cache then). */
-int miles_decode(const int64_t *dims, void *const *ptrs, float eps, sgemm_fn sgemm, int64_t n,
-                 const int64_t *tokens, const int64_t *positions, float *hidden_out, float *logits, float *ws) {
+int miles_decode(const int64_t *dims, void *const *ptrs, float eps, sgemm_fn sgemm,
+                 set_threads_fn set_threads, int64_t one_thread_below, int64_t n,
+                 const int64_t *tokens, const int64_t *positions, float *hidden_out, float *logits, float *ws,
+                 int64_t threads) {
     const int64_t L = dims[D_LAYERS], E = dims[D_EMBED], H = dims[D_HEADS], KV = dims[D_KV_HEADS];
     const int64_t D = dims[D_HEAD_DIM], I = dims[D_INTER], V = dims[D_VOCAB], S = dims[D_SLOTS];
     const int64_t T = dims[D_CACHE_LEN], G = H / KV, QKV = (H + 2 * KV) * D;
@@ -242,44 +307,56 @@ int miles_decode(const int64_t *dims, void *const *ptrs, float eps, sgemm_fn sge
     const float *embed = ptrs[G_EMBED], *cos_t = ptrs[G_COS], *sin_t = ptrs[G_SIN];
     float *k_cache = ptrs[G_K_CACHE], *v_cache = ptrs[G_V_CACHE];
     float *h = ws, *x = h + n * E, *qkv = x + n * E, *attn = qkv + n * QKV, *gu = attn + n * H * D;
-    float *act = gu + n * 2 * I, *scores = act + n * I, *tmp = scores + G * T;
+    float *act = gu + n * 2 * I, *scratch = act + n * I; /* per thread: scores [G T], tmp [D] */
     const float scale = 1.0f / sqrtf((float)D);
+    const blas gemm = {sgemm, set_threads, one_thread_below};
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    threads = threads > n ? n : threads;
+    int64_t total = 0; /* Σ (positions + 1): the attention's length over the rows */
+    for (int64_t b = 0; b < n; b++) total += positions[b] + 1;
+    if (threads > 1 && 2 * total * H * D < PARALLEL_WORK) threads = 1;
+    int64_t bounds[MAX_THREADS + 1]; /* thread t attends rows [bounds[t], bounds[t + 1]) */
+    bounds[0] = 0;
+    for (int64_t t = 1, b = 0, seen = 0; t <= threads; t++) {
+        while (b < n && (t == threads || seen * threads < total * t)) seen += positions[b++] + 1;
+        bounds[t] = b;
+    }
 
     for (int64_t b = 0; b < n; b++) memcpy(h + b * E, embed + tokens[b] * E, (size_t)E * sizeof(float));
     for (int64_t l = 0; l < L; l++) {
         void *const *p = ptrs + G_COUNT + l * P_PER_LAYER;
         rms_norm(h, p[P_IN_NORM], x, n, E, eps);
-        linear(sgemm, x, n, E, p[P_QKV_W], QKV, p[P_QKV_B], qkv, 0.0f);
-        for (int64_t b = 0; b < n; b++) {
-            float *q = qkv + b * QKV, *k = q + H * D, *v = k + KV * D;
-            if (p[P_Q_NORM] != NULL) {
-                rms_norm(q, p[P_Q_NORM], q, H, D, eps);
-                rms_norm(k, p[P_K_NORM], k, KV, D, eps);
-            }
-            const int64_t pos = positions[b];
-            rope(q, H, D, cos_t + pos * D, sin_t + pos * D, tmp);
-            rope(k, KV, D, cos_t + pos * D, sin_t + pos * D, tmp);
-            for (int64_t g = 0; g < KV; g++) {
-                int64_t base = ((l * S + b) * KV + g) * T * D;
-                memcpy(k_cache + base + pos * D, k + g * D, (size_t)D * sizeof(float));
-                memcpy(v_cache + base + pos * D, v + g * D, (size_t)D * sizeof(float));
-                attend(q + g * G * D, k_cache + base, v_cache + base, pos + 1, G, D, scale, scores,
-                       attn + b * H * D + g * G * D);
-            }
+        linear(&gemm, x, n, E, p[P_QKV_W], QKV, p[P_QKV_B], qkv, 0.0f);
+        rows_job jobs[MAX_THREADS];
+        pthread_t ids[MAX_THREADS];
+        int started[MAX_THREADS] = {0};
+        for (int64_t t = 0; t < threads; t++) {
+            float *mine = scratch + t * (G * T + D);
+            jobs[t] = (rows_job){l, bounds[t], bounds[t + 1], H, KV, D, S, T, QKV, positions, p, cos_t, sin_t,
+                                 k_cache, v_cache, qkv, attn, mine, mine + G * T, eps, scale};
         }
-        linear(sgemm, attn, n, H * D, p[P_O_W], E, p[P_O_B], h, 1.0f); /* h += o_proj(attn) */
+        for (int64_t t = 1; t < threads; t++) /* a thread that cannot start runs inline below */
+            started[t] = pthread_create(&ids[t], NULL, attend_rows_thread, &jobs[t]) == 0;
+        attend_rows(&jobs[0]);
+        for (int64_t t = 1; t < threads; t++) {
+            if (started[t])
+                pthread_join(ids[t], NULL);
+            else
+                attend_rows(&jobs[t]);
+        }
+        linear(&gemm, attn, n, H * D, p[P_O_W], E, p[P_O_B], h, 1.0f); /* h += o_proj(attn) */
         rms_norm(h, p[P_POST_NORM], x, n, E, eps);
-        linear(sgemm, x, n, E, p[P_GATE_UP_W], 2 * I, NULL, gu, 0.0f);
+        linear(&gemm, x, n, E, p[P_GATE_UP_W], 2 * I, NULL, gu, 0.0f);
         for (int64_t b = 0; b < n; b++) {
             const float *gate = gu + b * 2 * I, *up = gate + I;
             float *a = act + b * I;
 #pragma omp simd
             for (int64_t i = 0; i < I; i++) a[i] = gate[i] / (1.0f + exp_approx(-gate[i])) * up[i];
         }
-        linear(sgemm, act, n, I, p[P_DOWN_W], E, NULL, h, 1.0f); /* h += down_proj(act) */
+        linear(&gemm, act, n, I, p[P_DOWN_W], E, NULL, h, 1.0f); /* h += down_proj(act) */
     }
     rms_norm(h, ptrs[G_FINAL_NORM], hidden_out, n, E, eps);
-    linear(sgemm, hidden_out, n, E, ptrs[G_LM_HEAD], V, NULL, logits, 0.0f);
+    linear(&gemm, hidden_out, n, E, ptrs[G_LM_HEAD], V, NULL, logits, 0.0f);
     return 0;
 }
 

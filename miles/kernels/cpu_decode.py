@@ -42,11 +42,12 @@ import torch
 from torch import Tensor
 
 from miles.engines.sampling import GREEDY_EPS, SamplingBatch, uniforms
+from miles.utils import blas
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
 _ERRORS = {1: "a token id outside the vocabulary", 2: "a position outside the KV cache"}
 
 
@@ -152,26 +153,21 @@ def build(flags: tuple[str, ...]) -> ctypes.CDLL:
         raise KernelUnavailable(f"cannot load {path}: {exc}") from None
     lib.miles_decode.restype = ctypes.c_int
     lib.miles_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
-                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_void_p, ctypes.c_void_p]
+                                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.miles_sample.restype = None
     lib.miles_sample.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5
     lib.miles_decode_workspace.restype = ctypes.c_int64
-    lib.miles_decode_workspace.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.miles_decode_workspace.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     return lib
 
 
-@functools.cache
 def torch_sgemm() -> int:
     """Address of the Fortran ``sgemm_`` in the BLAS that torch's CPU library links."""
-    lib_dir = Path(torch.__file__).parent / "lib"
-    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
-        if (lib_dir / name).is_file():
-            try:
-                return ctypes.cast(ctypes.CDLL(str(lib_dir / name)).sgemm_, ctypes.c_void_p).value or 0
-            except (OSError, AttributeError):
-                break
-    raise KernelUnavailable("this torch build exports no sgemm_ (its CPU BLAS is not MKL)")
+    address = blas.symbol("sgemm_")
+    if not address:
+        raise KernelUnavailable("this torch build exports no sgemm_ (its CPU BLAS is not MKL)")
+    return address
 
 
 def unsupported(model: Any, dtype: torch.dtype) -> str | None:
@@ -199,13 +195,16 @@ class CpuDecoder:
     def __init__(self, model: Any, cache: Any, max_batch: int, lib: ctypes.CDLL | None = None) -> None:
         cfg = model.config
         self.lib, self.sgemm = lib or library(), torch_sgemm()
+        # small GEMMs on one BLAS thread (miles.utils.blas; None where the BLAS is not MKL)
+        self.set_threads, self.one_thread_gemm = blas.set_threads_address() or None, blas.ONE_THREAD_GEMM
         self.model, self.cache = model, cache
         self.eps = float(cfg.rms_norm_eps)
         self.hidden_size, self.vocab = cfg.hidden_size, cfg.vocab_size
         self._tensors: list[Tensor] = []  # what the pointer table points into (kept alive)
         self._cos: Tensor | None = None
         self._table()
-        words = self.lib.miles_decode_workspace(ctypes.addressof(self._dims), max_batch)
+        self.threads = max(1, torch.get_num_threads())  # attending threads the workspace has room for
+        words = self.lib.miles_decode_workspace(ctypes.addressof(self._dims), max_batch, self.threads)
         self.ws = torch.empty(words, dtype=torch.float32)
 
     @classmethod
@@ -254,8 +253,9 @@ class CpuDecoder:
         hidden = torch.empty(n, self.hidden_size)
         logits = torch.empty(n, self.vocab)
         rc = self.lib.miles_decode(ctypes.addressof(self._dims), ctypes.addressof(self._ptrs), self.eps,
-                                   self.sgemm, n, tok.data_ptr(), pos.data_ptr(), hidden.data_ptr(),
-                                   logits.data_ptr(), self.ws.data_ptr())
+                                   self.sgemm, self.set_threads, self.one_thread_gemm, n, tok.data_ptr(), pos.data_ptr(), hidden.data_ptr(),
+                                   logits.data_ptr(), self.ws.data_ptr(),
+                                   min(self.threads, torch.get_num_threads()))
         if rc:
             raise ValueError(f"decode step refused: {_ERRORS.get(rc, f'error {rc}')}")
         return logits, hidden

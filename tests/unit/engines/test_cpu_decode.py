@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import ctypes
 import os
 import time
 
@@ -80,6 +81,37 @@ def test_kernel_matches_the_torch_decode_step(variant: str, build: str) -> None:
     assert fast.kv_read < ref.kv_read  # each row read up to its own position only
     for a, b in ((fast.cache.k, ref.cache.k), (fast.cache.v, ref.cache.v)):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+
+
+def test_rows_split_between_threads_give_the_same_step_bit_for_bit() -> None:
+    """Past PARALLEL_WORK the rows' attention is split between threads, balanced by their
+    lengths; each row is computed by the same code whoever runs it, so logits, hidden states
+    and cache writes are those of one thread exactly."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)  # the workspace is sized for the threads torch has at build time
+    try:
+        model = make_model(seed=5, num_attention_heads=16, num_key_value_heads=4, head_dim=64)
+        fast, _ = _runners(model, slots=8, length=1000)
+        kernel = fast.cpu_kernel
+        assert kernel.threads == 2
+        g = torch.Generator().manual_seed(0)
+        seqs = [torch.randint(5, 250, (m,), generator=g).tolist() for m in (900, 3, 620, 17, 512, 90, 300, 2)]
+        fast.prefill(list(range(8)), seqs, logits=False)
+        cfg = model.config
+        assert 2 * sum(len(s) + 1 for s in seqs) * cfg.num_attention_heads * cfg.head_dim >= 1 << 22  # split
+        positions, tokens = [len(s) for s in seqs], [11, 12, 13, 14, 15, 16, 17, 18]
+        k, v = fast.cache.k.clone(), fast.cache.v.clone()
+        outs = {}
+        for threads in (1, 2):
+            fast.cache.k.copy_(k)
+            fast.cache.v.copy_(v)
+            kernel.threads = threads
+            logits, hidden = kernel.decode(tokens, positions)
+            outs[threads] = logits, hidden, fast.cache.k.clone(), fast.cache.v.clone()
+        for a, b in zip(outs[1], outs[2]):
+            assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_the_kernel_reads_updated_weights_in_place() -> None:
@@ -224,3 +256,34 @@ def test_a_new_build_removes_builds_unused_for_a_month(monkeypatch: pytest.Monke
     os.utime(built[0], (time.time() - month, time.time() - month))
     cpu_decode.build.__wrapped__(tuple(cpu_decode.FLAGS))  # a cached load: marked used again
     assert built[0].stat().st_mtime > time.time() - 60
+
+
+def test_gemms_below_the_bound_run_on_one_blas_thread() -> None:
+    """The kernel sets one BLAS thread around each GEMM under ``one_thread_gemm`` multiply-adds
+    and gives back the count it found; larger GEMMs keep the thread's count (here: a spy in
+    place of MKL's setter, so this holds whatever the BLAS)."""
+    model = make_model(seed=6)
+    fast, _ = _runners(model)
+    kernel, cfg = fast.cpu_kernel, model.config
+    fast.prefill([0, 1], [[5, 6, 7], [8] * 9], logits=False)
+    calls: list[int] = []
+    current = [0]
+
+    def spy(n: int) -> int:
+        calls.append(n)
+        before, current[0] = current[0], n
+        return before
+
+    setter = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(spy)
+    kernel.set_threads = ctypes.cast(setter, ctypes.c_void_p).value
+    E, I, HD = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
+    QKV = HD + 2 * cfg.num_key_value_heads * cfg.head_dim
+    layer = [E * QKV, HD * E, E * 2 * I, I * E]  # multiply-adds per row of each GEMM of a layer
+    sizes = [2 * m for m in layer * cfg.num_hidden_layers + [E * cfg.vocab_size]]  # 2 rows a step
+    for bound in (1 << 40, 0, sorted(set(sizes))[1]):
+        ones = sum(size < bound for size in sizes)
+        calls.clear()
+        kernel.one_thread_gemm = bound
+        kernel.decode([1, 2], [3, 9])
+        assert calls == [1, 0] * ones  # each small GEMM: set 1, then back to what it found
+    assert current[0] == 0
