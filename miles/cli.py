@@ -15,7 +15,7 @@ USAGE = """usage: miles {train,plot,inspect,serve} ...
 
   miles train --config FILE.yaml [--flag value ...]   run RL (see README.md for flags)
   miles plot OUTPUT_DIR                              draw reward/throughput/staleness PNGs
-  miles inspect FILE.jsonl [--limit N]               read a trajectory dump
+  miles inspect FILE.jsonl|OUTPUT_DIR [--limit N]    read a trajectory dump
   miles serve --hf-checkpoint DIR [--port N]         an HTTP rollout engine (SGLang protocol)
 """
 

@@ -1,4 +1,4 @@
-"""``miles inspect FILE.jsonl``: read a trajectory dump as text.
+"""``miles inspect FILE.jsonl`` (or ``miles inspect OUTPUT_DIR``): read a trajectory dump as text.
 
 Shows each trajectory's ids, status, reward, the policy versions of its tokens (as runs,
 ``v3×12 v4×30``), and the decoded prompt and response when a tokenizer is given (or when the
@@ -62,12 +62,16 @@ def main(argv: Sequence[str]) -> int:
     from miles.cli import UserError
 
     parser = argparse.ArgumentParser(prog="miles inspect")
-    parser.add_argument("dump", help="trajectories.jsonl from --dump-trajectories")
+    parser.add_argument("dump", help="trajectories.jsonl from --dump-trajectories, or the run's output dir")
     parser.add_argument("--tokenizer", default=None, help="checkpoint dir with tokenizer.json")
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--id", default=None, help="only this trajectory id")
     args = parser.parse_args(list(argv))
     dump = Path(args.dump)
+    if dump.is_dir():  # a run's --output-dir: its dump, where the run made one
+        if not (dump / "trajectories.jsonl").is_file():
+            raise UserError(f"{dump}: no trajectories.jsonl in this directory (run with --dump-trajectories)")
+        dump = dump / "trajectories.jsonl"
     if not dump.is_file():
         raise UserError(f"{dump}: file not found")
     tokenizer = _tokenizer_for(dump, args.tokenizer)

@@ -66,11 +66,22 @@ class MetricsRecorder:
             self._tb = None
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Read a metrics.jsonl back (for plots, tests and resume checks)."""
+class MetricsFileError(ValueError):
+    """A metrics or eval JSONL line that is not JSON."""
+
+
+def read_metrics(path: str | Path, *, partial_tail: bool = False) -> list[dict[str, Any]]:
+    """Read a metrics.jsonl back (for plots, tests and resume checks). A line that is not JSON
+    raises MetricsFileError naming it; with ``partial_tail`` an unfinished last line (a run still
+    writing it, or killed while it did) is left out instead."""
     rows = []
     with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                rows.append(json.loads(line))
+        lines = [(n, line) for n, line in enumerate(fh, 1) if line.strip()]
+    for i, (n, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if partial_tail and i == len(lines) - 1 and not line.endswith("\n"):
+                break
+            raise MetricsFileError(f"{path}:{n}: not JSON ({exc.msg})") from None
     return rows

@@ -26,8 +26,8 @@ def plot_run(output_dir: str | Path, out: str | Path | None = None) -> Path:
     metrics_file = output_dir / "metrics.jsonl"
     if not metrics_file.is_file():
         raise FileNotFoundError(f"{output_dir}: no metrics.jsonl (is this a miles output dir?)")
-    rows = read_metrics(metrics_file)
-    evals = read_metrics(output_dir / "eval.jsonl") if (output_dir / "eval.jsonl").is_file() else []
+    rows = read_metrics(metrics_file, partial_tail=True)  # the run may still be writing
+    evals = read_metrics(output_dir / "eval.jsonl", partial_tail=True) if (output_dir / "eval.jsonl").is_file() else []
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for ax, (title, keys) in zip(axes.flat, PANELS):
         for key in keys:
@@ -53,9 +53,11 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("output_dir")
     parser.add_argument("--out", default=None, help="PNG path (default OUTPUT_DIR/curves.png)")
     args = parser.parse_args(list(argv))
+    from miles.metrics import MetricsFileError
+
     try:
         path = plot_run(args.output_dir, args.out)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, MetricsFileError) as exc:
         from miles.cli import UserError
 
         raise UserError(str(exc)) from None
