@@ -29,6 +29,7 @@ trajectories go back to the buffer as PARTIAL with their prefix, nothing lost.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ from miles.transports.inbox import WeightInbox
 from miles.types import PromptSample, Status, Trajectory, TrajectoryError, missing_reward_key
 from miles.utils.proc import rss_mb
 
+log = logging.getLogger(__name__)
 
 LAG_PROBE_S = 0.05  # the event-loop lag probe's sleep (20 wake-ups a second)
 # The least time between two of the run loop's calls into the buffer. Each call into the
@@ -87,6 +89,7 @@ class RolloutWorker:
         self.poll_interval_s = poll_interval_s
         self.buffer_call_interval_s = buffer_call_interval_s
         self.reward_key = reward_key
+        self._warned_sum = False
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._outbox: list[Trajectory] = []
         self._stopping = False
@@ -205,6 +208,11 @@ class RolloutWorker:
         """A dict reward without the ``--reward-key`` entry fails here, with the keys it has,
         not later inside the trainer (a KeyError that stopped the run at step 1)."""
         key, reward = self.reward_key, traj.reward
+        if not key and isinstance(reward, dict) and len(reward) > 1 and not self._warned_sum:
+            self._warned_sum = True  # once per worker: the sum is documented, but rarely meant
+            log.warning("the reward function returns a dict (%s) and --reward-key is not set: training on "
+                        "the sum of its entries; set --reward-key to train on one of them",
+                        ", ".join(sorted(reward)))
         if key and isinstance(reward, dict) and key not in reward and traj.status is not Status.FAILED:
             traj.status = Status.FAILED
             traj.finish_reason = f"reward_key_missing: {missing_reward_key(reward, key)}"[:500]

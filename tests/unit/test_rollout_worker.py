@@ -221,6 +221,25 @@ def test_a_dict_reward_without_the_reward_key_fails_with_its_keys() -> None:
     asyncio.run(worker.engine.close())
 
 
+def test_a_summed_dict_reward_is_warned_about_once(caplog) -> None:
+    """Without --reward-key a dict reward trains on its sum (documented), which is rarely what a
+    reward returning {'score', 'len'} meant: the worker says so once, naming the entries."""
+    worker, _, _ = _worker(partial=False)
+    with caplog.at_level("WARNING", logger="miles.actors.rollout_worker"):
+        for i in range(3):
+            t = Trajectory(id=f"t{i}", prompt_id="p", group_id="g", prompt_tokens=[1], status=Status.COMPLETED,
+                           reward={"score": 1.0, "len": 7.0})
+            worker._check_reward_key(t)
+            assert t.status is Status.COMPLETED and t.scalar_reward() == 8.0
+        single = Trajectory(id="s", prompt_id="p", group_id="g", prompt_tokens=[1], status=Status.COMPLETED,
+                            reward={"acc": 1.0})
+        worker._check_reward_key(single)
+    warnings = [r.getMessage() for r in caplog.records if "--reward-key is not set" in r.getMessage()]
+    assert warnings == ["the reward function returns a dict (len, score) and --reward-key is not set: training "
+                        "on the sum of its entries; set --reward-key to train on one of them"]
+    asyncio.run(worker.engine.close())
+
+
 def test_the_uniform_reward_filter_judges_the_reward_key_entry(tmp_path) -> None:
     """With --reward-key the run binds the key to a dynamic-sampling filter that takes it:
     a group whose 'acc' entries are equal is dropped even though the dicts' sums differ."""
