@@ -220,3 +220,38 @@ def test_the_next_update_stages_while_the_previous_one_waits_for_its_drain() -> 
     assert seen == [(0, 2)] and results == [2, 2]
     assert worker.counters["weight_updates"] == 1  # one swap applied both
     assert _same(worker, backend)
+
+
+def test_train_steps_and_weight_export_run_on_the_trainers_one_compute_thread() -> None:
+    """Every train step, export and pack runs on one thread of the trainer's own (one OpenMP
+    team for its model work), not on asyncio's pool threads, and the event loop stays free."""
+    import threading
+
+    threads: list[tuple[str, int]] = []
+
+    class Recording(Backend):
+        def train_step(self, groups: Any) -> dict[str, float]:
+            threads.append(("train", threading.get_ident()))
+            self.step()
+            return {"train/version": float(self.version)}
+
+        def export_weights(self, bucket_bytes: int):
+            threads.append(("export", threading.get_ident()))
+            yield from super().export_weights(bucket_bytes)
+
+    async def go() -> int:
+        backend = Recording()
+        trainer = PolicyTrainer(backend, bucket_bytes=1 << 14)
+        bc = WeightBroadcaster()
+        bc.attach_source(trainer)
+        bc.register("w0", _worker("w0"))
+        loop_thread = threading.get_ident()
+        for _ in range(3):
+            await asyncio.gather(*(asyncio.to_thread(sum, [1]) for _ in range(8)))  # busy pool threads
+            await trainer.train([])
+            assert await bc.wait_applied(await trainer.publish(bc), timeout=30)
+        assert all(ident != loop_thread for _, ident in threads)
+        return len({ident for _, ident in threads})
+
+    assert asyncio.run(go()) == 1
+    assert [kind for kind, _ in threads] == ["train", "export"] * 3
