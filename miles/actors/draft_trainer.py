@@ -27,6 +27,7 @@ from typing import Any
 from miles.actors.handles import Peer
 from miles.trainers.draft import DraftLearner, usable
 from miles.types import Trajectory
+from miles.utils.compute import ComputeThread
 from miles.utils.proc import rss_mb
 from miles.weights import WeightBucket, pack_all, unpack
 
@@ -63,6 +64,7 @@ class DraftTrainer:
         self.pending_batches = 0
         self._stopping = False
         self._wake = asyncio.Event()
+        self._compute = ComputeThread("miles-draft")  # model work on one thread (miles.utils.compute)
         self.last: dict[str, float] = {}
         self.counters = {"received": 0, "dropped": 0, "trained": 0, "passes": 0, "published": 0, "errors": 0,
                          "train_s": 0.0, "publish_s": 0.0}
@@ -109,7 +111,7 @@ class DraftTrainer:
         if not trajs:
             return {}
         t0 = time.monotonic()
-        metrics = await asyncio.to_thread(self.learner.train_on, trajs)
+        metrics = await self._compute.run(self.learner.train_on, trajs)
         self.counters["train_s"] += time.monotonic() - t0
         self.counters["trained"] += len(trajs)
         self.counters["passes"] += 1
@@ -123,7 +125,7 @@ class DraftTrainer:
         """Hand the current draft weights, as version + 1, to the draft channel."""
         t0 = time.monotonic()
         version = self.learner.version + 1
-        named = await asyncio.to_thread(self.learner.export_weights)
+        named = await self._compute.run(self.learner.export_weights)
         buckets: list[Any] = pack_all(named, version=version, bucket_bytes=self.bucket_bytes)
         if self.use_object_store:
             import ray
@@ -147,7 +149,7 @@ class DraftTrainer:
         for ref in refs:
             bucket: WeightBucket = ref if isinstance(ref, WeightBucket) else await ref
             named.extend(unpack(bucket))
-        await asyncio.to_thread(self.learner.load_policy_weights, named, version)
+        await self._compute.run(self.learner.load_policy_weights, named, version)
 
     async def stop(self) -> dict[str, float]:
         self._stopping = True

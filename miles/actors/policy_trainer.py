@@ -23,12 +23,10 @@ hold one lock, so weights are never exported halfway through an optimizer step.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import shutil
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +36,7 @@ from miles.actors.handles import Peer
 from miles.protocols import TrainerBackend
 from miles.transports import ChangeTracker, ObjectStoreSender, UpdatePlan, WeightUpdate
 from miles.types import Trajectory
+from miles.utils.compute import ComputeThread
 from miles.utils.proc import rss_mb
 
 log = logging.getLogger(__name__)
@@ -67,13 +66,7 @@ class PolicyTrainer:
         self._broadcaster: Peer | None = None
         self._lock: asyncio.Lock | None = None
         self._releases: set[asyncio.Task[None]] = set()
-        # The model work (train steps, weight export and packing) runs on one thread of its
-        # own, not on whichever pool thread asyncio.to_thread picks: each thread that runs
-        # torch ops gets its own OpenMP team, and with more OpenMP threads than cores libgomp
-        # wakes its workers through the kernel for every parallel region. On the CPU (2 cores,
-        # the countdown model) a train step's median was 298 ms this way against 320 ms through
-        # to_thread (254 / 298 and 277 / 289 in two more runs; miles.utils.blas has the rest).
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-trainer")
+        self._compute = ComputeThread("miles-trainer")  # model work on one thread (miles.utils.compute)
 
     @property
     def version(self) -> int:
@@ -81,9 +74,6 @@ class PolicyTrainer:
 
     def get_version(self) -> int:
         return self.backend.version
-
-    async def _on_compute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._compute, functools.partial(fn, *args, **kwargs))
 
     def _weights_lock(self) -> asyncio.Lock:
         if self._lock is None:
@@ -98,7 +88,7 @@ class PolicyTrainer:
             groups = sorted((sorted(g, key=lambda t: t.index_in_group) for g in groups),
                             key=lambda g: g[0].group_id)
         async with self._weights_lock():
-            metrics = await self._on_compute(self.backend.train_step, groups)
+            metrics = await self._compute.run(self.backend.train_step, groups)
         metrics = dict(metrics)
         metrics["perf/train_step_s"] = time.monotonic() - start
         return metrics
@@ -150,10 +140,10 @@ class PolicyTrainer:
             await asyncio.to_thread(sender.join, spec)
         tracker = self.tracker
         full = tracker is None or plan.full or tracker.version < 0 or sender is self.fallback
-        plans, prints = await self._on_compute(self._export, full)
+        plans, prints = await self._compute.run(self._export, full)
         base = tracker.version if tracker is not None and not full else -1
         members = plan.members if sender.kind != "object_store" else []
-        update: WeightUpdate = await self._on_compute(sender.prepare, version, plans, full=full,
+        update: WeightUpdate = await self._compute.run(sender.prepare, version, plans, full=full,
                                                       base_version=base, members=members)
         await peer.call("publish", version, update, replace)
         try:
