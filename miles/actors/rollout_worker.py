@@ -206,7 +206,8 @@ class RolloutWorker:
 
     def _check_reward_key(self, traj: Trajectory) -> None:
         """A dict reward without the ``--reward-key`` entry fails here, with the keys it has,
-        not later inside the trainer (a KeyError that stopped the run at step 1)."""
+        not later inside the trainer (a KeyError that stopped the run at step 1). Without
+        ``--reward-key`` a dict of several entries trains on their sum: said once, in the log."""
         key, reward = self.reward_key, traj.reward
         if not key and isinstance(reward, dict) and len(reward) > 1 and not self._warned_sum:
             self._warned_sum = True  # once per worker: the sum is documented, but rarely meant

@@ -253,8 +253,8 @@ class CpuDecoder:
         hidden = torch.empty(n, self.hidden_size)
         logits = torch.empty(n, self.vocab)
         rc = self.lib.miles_decode(ctypes.addressof(self._dims), ctypes.addressof(self._ptrs), self.eps,
-                                   self.sgemm, self.set_threads, self.one_thread_gemm, n, tok.data_ptr(), pos.data_ptr(), hidden.data_ptr(),
-                                   logits.data_ptr(), self.ws.data_ptr(),
+                                   self.sgemm, self.set_threads, self.one_thread_gemm, n, tok.data_ptr(),
+                                   pos.data_ptr(), hidden.data_ptr(), logits.data_ptr(), self.ws.data_ptr(),
                                    min(self.threads, torch.get_num_threads()))
         if rc:
             raise ValueError(f"decode step refused: {_ERRORS.get(rc, f'error {rc}')}")
