@@ -218,6 +218,8 @@ def main() -> None:
     ap.add_argument("--no-torch-ops", action="store_true",
                     help="skip the engine run through torch ops: the CPU's decode step without the C "
                          "kernel, CUDA's sampling without the fused Triton draw")
+    ap.add_argument("--no-rope-outside", action="store_true",
+                    help="skip the engine with q/k-norm + RoPE outside the decode attention kernel (CUDA)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--repeats", type=int, default=None, help="best of N interleaved runs")
     ap.add_argument("--workload", choices=["decode", "rollout", "both"], default="decode",
@@ -283,6 +285,12 @@ def bench(args) -> tuple[list[dict], dict]:
             # the same engine with an 8-bit KV cache: half the bytes of the step's largest read
             fp8_kv = EngineSide(engine_model, prompts, args.new_tokens, args, kv_cache_dtype="fp8_e4m3")
             systems["embedded, fp8 KV cache"] = fp8_kv
+        rope_outside = None
+        if side.engine.runner.attention == "triton" and not args.no_rope_outside:
+            # the same engine with the q/k-norms and RoPE in the compiled layer functions: what
+            # applying them inside the decode attention kernel buys (decode_fuse_rope)
+            rope_outside = EngineSide(engine_model, prompts, args.new_tokens, args, decode_fuse_rope=False)
+            systems["embedded, RoPE outside attention"] = rope_outside
         kv_bytes = {name: sys_.engine.runner.cache.bytes_per_token() for name, sys_ in systems.items()}
         if hf is not None:
             systems["hf generate"] = lambda n: run_hf(hf, prompts, n, device)
@@ -290,10 +298,10 @@ def bench(args) -> tuple[list[dict], dict]:
         if args.workload in ("rollout", "both"):
             found += rollout_rows(side, hf, batch, args, device, V, g)
         side.close()
-        for other in (torch_ops, blas_threads, torch_sampling, fp8_kv):
+        for other in (torch_ops, blas_threads, torch_sampling, fp8_kv, rope_outside):
             if other is not None:
                 other.close()
-        del side, systems, torch_ops, blas_threads, torch_sampling, fp8_kv
+        del side, systems, torch_ops, blas_threads, torch_sampling, fp8_kv, rope_outside
         mean_ctx = args.prompt_len + args.new_tokens / 2
         for row in found:
             if "step_s" in row:  # each system's own KV bytes (HF's cache is in the model's dtype)
@@ -374,6 +382,10 @@ def report(args, rows: list[dict], info: dict) -> None:
     verdicts += [f"batch {b}: a decode step with the fused sampler {1e3 * steps[('embedded', b)]:.2f} ms against "
                  f"{1e3 * t:.2f} ms with torch sampling ({t / steps[('embedded', b)]:.2f}×; no goal)"
                  for (name, b), t in steps.items() if name == "embedded, torch sampling" and ("embedded", b) in steps]
+    verdicts += [f"batch {b}: a decode step with q/k-norm + RoPE in the attention kernel {1e3 * steps[('embedded', b)]:.2f} "
+                 f"ms against {1e3 * t:.2f} ms with them outside ({t / steps[('embedded', b)]:.2f}×; no goal)"
+                 for (name, b), t in steps.items()
+                 if name == "embedded, RoPE outside attention" and ("embedded", b) in steps]
     verdicts += [f"batch {r['batch']}: with an fp8_e4m3 KV cache {r['vs_hf']:.2f}× HF decode, a step "
                  f"{steps[('embedded', r['batch'])] / r['step_s']:.2f}× faster than the default engine's "
                  f"(the goal is the default engine's; HF's cache is {info['dtype']})"

@@ -83,6 +83,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # unrounded K/V. The rollout log-probs then differ slightly more from the trainer's
     # (engines/CONSISTENCY.md): the off-policy corrections (--use-tis) see it as mismatch.
     kv_cache_dtype: str = "auto"
+    # With the triton decode attention, its kernel applies the q/k RMSNorms and RoPE to the raw
+    # projections itself (three launches a layer fewer; miles.kernels.decode_attention.Rope).
+    # False: the compiled layer functions apply them first (the A/B of benchmarks/engine.py).
+    decode_fuse_rope: bool = True
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0
     # Batch-invariant numerics (the run's --deterministic): every decode step runs the full

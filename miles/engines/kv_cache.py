@@ -123,13 +123,16 @@ class DecodeAttention:
     long rows among many short ones (RL's long tail) make most of the KV read padding."""
 
     def __init__(self, cache: KVCache, positions: Tensor, length: int, mode: str = "matmul",
-                 split: tuple[int, Tensor] | None = None) -> None:
+                 split: tuple[int, Tensor] | None = None, rope: bool = True) -> None:
         self.cache, self.positions, self.length, self.mode = cache, positions, length, mode
         n = positions.shape[0]
         dev = positions.device
         self.rows = torch.arange(n, device=dev)
         self.split = split if mode == "matmul" else None
         self.short = self.split[0] if self.split is not None else length  # what every row reads
+        # the Triton kernel can take the raw q/k projections and apply the q/k-norms and RoPE
+        # itself (``fused_layer_forward`` looks for this; None: it applies them before the call)
+        self.attend_rope = self._attend_rope if mode == "triton" and rope else None
         if mode == "triton":
             self.lengths = positions + 1
             return
@@ -163,6 +166,18 @@ class DecodeAttention:
         if self.split is not None:
             out[self.split[1]] = self._long_rows(qg, scores, values, kc, vc, scale)
         return out.reshape(n, H, 1, D)
+
+    def _attend_rope(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+                     q_norm: Tensor | None, k_norm: Tensor | None, eps: float) -> Tensor:
+        """The triton step from raw projections: q [n, H, D], k and v [n, KV, D] (views of the
+        qkv GEMM's output), cos / sin [n, D] at each row's new position; the kernel applies the
+        q/k-norms and RoPE (``triton_decode.Rope``). Returns [n, H, 1, D]."""
+        n, H, D = q.shape
+        KV = k.shape[1]
+        out = triton_decode.decode_attention(
+            q.view(n, KV, H // KV, D), self.cache.k[layer_idx], self.cache.v[layer_idx], self.lengths,
+            1.0 / math.sqrt(D), self.length, new_kv=(k, v), rope=triton_decode.Rope(cos, sin, q_norm, k_norm, eps))
+        return out.view(n, H, 1, D)
 
     def _long_rows(self, qg: Tensor, scores: Tensor, values: Tensor, kc: Tensor, vc: Tensor,
                    scale: float) -> Tensor:

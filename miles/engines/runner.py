@@ -235,7 +235,8 @@ class ModelRunner:
     def decode_eager(self, tokens: Tensor, positions: Tensor, L: int, *,
                      split: tuple[int, Tensor] | None = None, logits: bool = True) -> StepOut:
         """One decode step run op by op (``logits=False``: the final hidden states only)."""
-        backend = DecodeAttention(self.cache, positions, L, self.attention, split=split)
+        backend = DecodeAttention(self.cache, positions, L, self.attention, split=split,
+                                  rope=self.config.decode_fuse_rope)
         with self._blas(tokens.shape[0]):
             out = self.model(tokens[:, None], positions[:, None], kv_cache=backend, return_hidden=True,
                              return_routing=self.is_moe, return_logits=logits, check_inputs=False)

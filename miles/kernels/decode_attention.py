@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -132,7 +133,7 @@ def _probe(device: str, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float,
                      max_len: int, tokens: int = 1, new_kv: tuple[Tensor, Tensor] | None = None,
-                     launch: tuple[int, int, int, int] | None = None) -> Tensor:
+                     launch: tuple[int, int, int, int] | None = None, rope: Rope | None = None) -> Tensor:
     """Attention of ``tokens`` new queries per row over the row's cache, causal among them:
     query t of row b sees positions ``[0, lengths[b] - tokens + t]`` (one token: a decode
     step; several: a speculative verify step, the new tokens' K/V already written).
@@ -145,18 +146,61 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     The caches may be float8 (``KVCache``'s 8-bit storage): tiles are converted to q's
     dtype as they load, and the new K/V clamped to the format's range before they are
     rounded into it. ``launch``: (CHUNK, BLOCK_N, num_warps, num_stages) instead of ``default_launch``'s
-    (for tuning). Returns q's shape and dtype."""
+    (for tuning). ``rope`` (with ``new_kv`` only): q and the new K are the raw projections, and
+    the kernel applies the q/k RMSNorms and RoPE to them itself (``Rope``). Returns q's shape
+    and dtype (contiguous)."""
+    n, KV, _, D = q.shape
     if new_kv is not None:
-        n, KV, _, D = q.shape
         if tokens != 1 or any(t.shape != (n, KV, D) for t in new_kv):
             raise ValueError(f"new_kv: one token's K and V of shape {(n, KV, D)} each, got "
                              f"{[tuple(t.shape) for t in new_kv]} for tokens={tokens}")
-    out = torch.empty_like(q)
+    if rope is not None:
+        rope.check(n, D, new_kv is not None, q.shape[2])
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     for row0 in range(0, q.shape[2], MAX_ROWS):  # a verify step of a wide GQA group: in slices
         rows = slice(row0, row0 + MAX_ROWS)
         _launch(q[:, :, rows], k_cache, v_cache, lengths, scale, max_len, tokens, row0, out[:, :, rows],
-                new_kv if row0 == 0 else None, launch or default_launch(q.shape[0] * q.shape[1], k_cache.dtype))
+                new_kv if row0 == 0 else None, launch or default_launch(q.shape[0] * q.shape[1], k_cache.dtype),
+                rope)
     return out
+
+
+class Rope(NamedTuple):
+    """What the kernel needs to apply the q/k RMSNorms and RoPE of a decode step itself.
+
+    Why: outside the kernel they were three launches a layer (q-norm, k-norm, RoPE), ~7.6 µs
+    of a 0.5B batch-64 step's ~66 µs a layer on the H200 (profile_decode, 2026-12-01 06:19),
+    for a few hundred KB of data. Inside, every program normalises and rotates its own
+    [group, head_dim] query tile as it loads it, and the program that writes the new K does
+    the same to it before it stores it.
+
+    ``cos`` / ``sin`` [n, D]: each row's RoPE table entries at its new position (``Rotary``'s:
+    the sine with its first half negated, ``rotate_half(x)·sin = roll(x, D/2)·signed_sin``), in
+    q's dtype; ``q_norm`` / ``k_norm`` [D] the norms' weights, or None (no q/k-norm: Llama).
+    The arithmetic is ``fused.rms_norm``'s and ``fused.rope_qk``'s (float32 statistics; the
+    normalised value and its weight product rounded to q's dtype; the rotation in float32,
+    rounded once), so the result differs from the unfused path only by the order of the
+    sum of squares."""
+
+    cos: Tensor
+    sin: Tensor
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+    eps: float
+
+    def check(self, n: int, D: int, writes: bool, rows: int) -> None:
+        if not writes:
+            raise ValueError("rope needs new_kv: the kernel rotates the new K before it writes it")
+        if rows > MAX_ROWS:
+            raise ValueError(f"rope: at most {MAX_ROWS} query rows per KV head, got {rows}")
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError("rope: q_norm and k_norm come together (both or neither)")
+        for name, t in (("cos", self.cos), ("sin", self.sin)):
+            if t.shape != (n, D) or t.stride(1) != 1:
+                raise ValueError(f"rope.{name} must be [{n}, {D}] with unit stride along D, got {tuple(t.shape)}")
+        for name, t in (("q_norm", self.q_norm), ("k_norm", self.k_norm)):
+            if t is not None and (t.shape != (D,) or t.stride(0) != 1):
+                raise ValueError(f"rope.{name} must be [{D}] and contiguous, got {tuple(t.shape)}")
 
 
 def default_launch(programs: int, kv_dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -166,7 +210,7 @@ def default_launch(programs: int, kv_dtype: torch.dtype) -> tuple[int, int, int,
 
 def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float, max_len: int,
             tokens: int, row0: int, out: Tensor, new_kv: tuple[Tensor, Tensor] | None,
-            launch: tuple[int, int, int, int]) -> None:
+            launch: tuple[int, int, int, int], rope: Rope | None = None) -> None:
     n, KV, G, D = q.shape  # G: query rows per KV head in this slice, from row ``row0``
     chunk, block_n, warps, stages = launch
     chunks = triton.cdiv(max_len, chunk)
@@ -176,11 +220,16 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
     exact = q.dtype == torch.float32  # fp32 dots stay fp32 (tl.dot would use tf32)
     k_new, v_new = new_kv if new_kv is not None else (k_cache, v_cache)  # unread without WRITE
     kv_max = torch.finfo(k_cache.dtype).max if k_cache.dtype != q.dtype else 0.0  # 0: no clamp
+    cos, sin = (rope.cos, rope.sin) if rope is not None else (q, q)  # unread without ROPE
+    q_norm = rope.q_norm if rope is not None and rope.q_norm is not None else q
+    k_norm = rope.k_norm if rope is not None and rope.k_norm is not None else q
     _partial[(n, KV, chunks)](
         q, k_cache, v_cache, lengths, acc, stats, k_new, v_new, scale, G, tokens, row0,
         *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3], *acc.stride()[:4], *stats.stride()[:5],
         *k_new.stride()[:3], *v_new.stride()[:3],
+        cos, sin, cos.stride(0), q_norm, k_norm, rope.eps if rope is not None else 0.0,
         G_PAD=G_PAD, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None, KV_MAX=kv_max,
+        ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm is not None,
         # float32 tiles are twice the size: unpipelined they fit any GPU's shared memory
         # (3 stages took 143-230 KB on sm80/sm90; an A100 has 164 KB)
         num_stages=1 if exact else stages, num_warps=warps,
@@ -198,13 +247,31 @@ if triton is not None:
     # when the draft catches up), and a fresh compile for each cost ~0.1-0.2 s per new
     # value on the H200 — more than the rounds it served. Only the tile size G_PAD compiles
     # (and the statistics' strides, which follow n × G, are not specialised either).
+    @triton.jit
+    def _norm_rope(x, x_r, w_ptr, d, half, cos, sin, eps, QK_NORM: tl.constexpr, D: tl.constexpr):
+        """RMSNorm (``QK_NORM``) then RoPE of the rows of x [rows, D], given x_r, the same
+        rows rolled by D/2 (``x_r[:, i] = x[:, half[i]]``): ``fused.rms_norm`` and
+        ``fused.rope_qk``'s arithmetic. Returns float32 holding values of x's dtype."""
+        dt = x.dtype
+        x = x.to(tl.float32)
+        x_r = x_r.to(tl.float32)
+        if QK_NORM:
+            r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]  # the rolled row has the same sum
+            w = tl.load(w_ptr + d).to(tl.float32)[None, :]
+            w_r = tl.load(w_ptr + half).to(tl.float32)[None, :]
+            x = ((x * r).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+            x_r = ((x_r * r).to(dt).to(tl.float32) * w_r).to(dt).to(tl.float32)
+        return (x * cos[None, :] + x_r * sin[None, :]).to(dt).to(tl.float32)
+
     @triton.jit(do_not_specialize=["G", "T", "row0", "ss_w", "ss_b", "ss_h", "ss_c"])
     def _partial(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, st_ptr, kn_ptr, vn_ptr, scale, G, T, row0,
                  sq_b, sq_h, sq_g, sq_d, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                  sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
                  skn_b, skn_h, skn_d, svn_b, svn_h, svn_d,
+                 cos_ptr, sin_ptr, sc_b, qw_ptr, kw_ptr, eps,
                  G_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                 EXACT: tl.constexpr, WRITE: tl.constexpr, KV_MAX: tl.constexpr):
+                 EXACT: tl.constexpr, WRITE: tl.constexpr, KV_MAX: tl.constexpr,
+                 ROPE: tl.constexpr, QK_NORM: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
@@ -213,8 +280,14 @@ if triton is not None:
         end = tl.minimum(start + CHUNK, length)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :] * sq_d,
-                    mask=g[:, None] < G, other=0.0)
+        q_rows = q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g
+        q = tl.load(q_rows + d[None, :] * sq_d, mask=g[:, None] < G, other=0.0)
+        if ROPE:  # q is the raw projection: normalise and rotate it here (``Rope``)
+            half = (d + D // 2) % D
+            cos = tl.load(cos_ptr + b * sc_b + d).to(tl.float32)
+            sin = tl.load(sin_ptr + b * sc_b + d).to(tl.float32)
+            q_r = tl.load(q_rows + half[None, :] * sq_d, mask=g[:, None] < G, other=0.0)
+            q = _norm_rope(q, q_r, qw_ptr, d, half, cos, sin, eps, QK_NORM, D).to(q_ptr.dtype.element_ty)
         limit = length - (T - 1) + (row0 + g) % T  # keys each query row sees (causal among new tokens)
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         den = tl.zeros((G_PAD,), tl.float32)
@@ -252,6 +325,10 @@ if triton is not None:
                 # rounded to the cache's dtype first: the score is what a later step will read
                 k_new = tl.load(kn_ptr + b * skn_b + h * skn_h + d * skn_d)
                 v_new = tl.load(vn_ptr + b * svn_b + h * svn_h + d * svn_d)
+                if ROPE:  # the raw K projection, as one [1, D] row through the same arithmetic as q
+                    k_r = tl.load(kn_ptr + b * skn_b + h * skn_h + half * skn_d)
+                    k_new = _norm_rope(k_new[None, :], k_r[None, :], kw_ptr, d, half, cos, sin, eps, QK_NORM, D)
+                    k_new = tl.reshape(k_new, (D,)).to(kn_ptr.dtype.element_ty)
                 if KV_MAX > 0:  # an 8-bit cache: saturate, as KVCache.encode does
                     k_new = tl.minimum(tl.maximum(k_new.to(tl.float32), -KV_MAX), KV_MAX)
                     v_new = tl.minimum(tl.maximum(v_new.to(tl.float32), -KV_MAX), KV_MAX)

@@ -9,6 +9,10 @@ attention backend:
     a = backend(layer, q, k, v)                   # KV-cache write + attention (engine's)
     h = attention_output_mlp(h, a, ...)          # o_proj → residual → norm → SwiGLU → residual
 
+A decode backend that offers ``attend_rope`` (the Triton decode attention) takes the raw q/k/v
+projection instead (``qkv_projection``) and applies the q/k-norms and RoPE in its own kernel:
+three launches a layer fewer.
+
 The functions take every weight as an argument, so one ``torch.compile``d copy serves all
 layers (``compile_fast_path``): Inductor fuses the elementwise work (RMSNorm, RoPE, SiLU·up,
 residuals) into a few kernels, which is what makes small-batch decode memory-bound instead
@@ -87,6 +91,12 @@ def attention_input(h: Tensor, norm_w: Tensor, eps: float, qkv_w: Tensor, qkv_b:
     return q, k, v.transpose(1, 2)
 
 
+def qkv_projection(h: Tensor, norm_w: Tensor, eps: float, qkv_w: Tensor, qkv_b: Tensor | None) -> Tensor:
+    """``attention_input`` up to the raw q/k/v projection, for an attention backend that applies
+    the q/k-norms and RoPE itself (``attend_rope``)."""
+    return F.linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
+
+
 def attention_output(h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None) -> Tensor:
     B, T = h.shape[0], h.shape[1]
     return h + F.linear(attn.transpose(1, 2).reshape(B, T, -1), o_w, o_b)
@@ -105,6 +115,7 @@ class FastPath:
     def __init__(self, wrap: Any = None) -> None:
         wrap = wrap or (lambda fn: fn)
         self.attention_input = wrap(attention_input)
+        self.qkv_projection = wrap(qkv_projection)
         self.attention_output = wrap(attention_output)
         self.attention_output_mlp = wrap(attention_output_mlp)
 
@@ -186,8 +197,18 @@ def fused_layer_forward(layer: Any, fast: FastPath, h: Tensor, cos: Tensor, sin:
                         backend: Any, routing: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """DecoderLayer.forward for a fused layer (same math as the module path)."""
     (first, sizes, o), second = layer.fast_args
-    q, k, v = fast.attention_input(h, *first, cos, sin, *sizes)
-    a = backend(layer.self_attn.layer_idx, q, k, v)
+    attend_rope = getattr(backend, "attend_rope", None)
+    if attend_rope is not None and h.shape[1] == 1:  # a decode step whose attention does q/k-norm + RoPE
+        B, (H, KV, D) = h.shape[0], sizes
+        norm_w, eps, qkv_w, qkv_b, q_norm, k_norm = first
+        qkv = fast.qkv_projection(h, norm_w, eps, qkv_w, qkv_b).view(B, H + 2 * KV, D)
+        q, k, v = qkv.split((H, KV, KV), dim=1)
+        qk_eps = layer.self_attn.q_norm.eps if q_norm is not None else 0.0
+        a = attend_rope(layer.self_attn.layer_idx, q, k, v, cos.reshape(B, D), sin.reshape(B, D), q_norm, k_norm,
+                        qk_eps)
+    else:
+        q, k, v = fast.attention_input(h, *first, cos, sin, *sizes)
+        a = backend(layer.self_attn.layer_idx, q, k, v)
     if second is None:  # MoE: experts stay eager
         h = fast.attention_output(h, a, *o)
         y, idx = layer.mlp(layer.post_attention_layernorm(h), routing)

@@ -90,6 +90,66 @@ def test_every_launch_attends_alike(tokens: int) -> None:
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+def _rope_case(dtype: torch.dtype, qk_norm: bool, seed: int = 4):
+    """Raw q/k/v projections laid out as the engine's qkv GEMM leaves them (views of one
+    [n, H + 2·KV, D] buffer), each row's RoPE entries, and the q/k-norm weights."""
+    from miles.models.layers import Rotary
+
+    g = torch.Generator().manual_seed(seed)
+    KV, G, D, T = 2, 3, 32, 2 * kernel.CHUNK + 9
+    H = KV * G
+    lengths = [1, 2, 40, kernel.CHUNK, kernel.CHUNK + 1, T]
+    n = len(lengths)
+    qkv = (3 * torch.randn(n, H + 2 * KV, D, generator=g)).to(DEVICE, dtype)
+    q, k, v = qkv.split((H, KV, KV), dim=1)
+    kc = torch.randn(n + 1, KV, T, D, generator=g).to(DEVICE, dtype)
+    vc = torch.randn(n + 1, KV, T, D, generator=g).to(DEVICE, dtype)
+    rotary = Rotary(tiny_config(head_dim=D, rope_theta=1000.0))
+    pos = torch.tensor(lengths, device=DEVICE) - 1
+    cos, sin = (t.reshape(n, D) for t in rotary(pos[:, None], dtype))
+    norms = [(torch.rand(D, generator=g) + 0.5).to(DEVICE, dtype) for _ in range(2)] if qk_norm else [None, None]
+    return q, k, v, kc, vc, pos + 1, cos, sin, norms
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_applies_qk_norm_and_rope_to_raw_projections(dtype: torch.dtype, qk_norm: bool) -> None:
+    """``rope``: the kernel's q/k-norm + RoPE of the raw projections is the compiled layer
+    path's (``fused.rms_norm``, ``fused.rope_qk``): the same attention, the same K written."""
+    from miles.models.fused import rms_norm, rope_qk
+
+    q, k, v, kc, vc, lens, cos, sin, (qn, kn) = _rope_case(dtype, qk_norm)
+    n, H, D = q.shape
+    KV = k.shape[1]
+    qr, kr = (q, k) if not qk_norm else (rms_norm(q, qn, 1e-6), rms_norm(k, kn, 1e-6))
+    qr, kr = rope_qk(qr[:, None], kr[:, None], cos[:, None, None], sin[:, None, None])  # [n, heads, 1, D]
+    want_k, want_v = kc.clone(), vc.clone()
+    ref = kernel.decode_attention(qr.reshape(n, KV, H // KV, D), want_k, want_v, lens, D ** -0.5, kc.shape[2],
+                                  new_kv=(kr[:, :, 0], v))
+    out = kernel.decode_attention(q.view(n, KV, H // KV, D), kc, vc, lens, D ** -0.5, kc.shape[2], new_kv=(k, v),
+                                  rope=kernel.Rope(cos, sin, qn, kn, 1e-6))
+    # float32: only the sum of squares' order differs; bf16: that can move a value by one ulp
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(kc.float(), want_k.float(), atol=tol, rtol=tol)
+    assert torch.equal(vc, want_v)
+    if dtype == torch.float32 or DEVICE == "cuda":  # the interpreter's bf16 dots are not the GPU's
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_rope_is_refused_where_the_kernel_cannot_apply_it() -> None:
+    q, k, v, kc, vc, lens, cos, sin, (qn, kn) = _rope_case(torch.float32, True)
+    n, H, D = q.shape
+    qg = q.view(n, 2, H // 2, D)
+    with pytest.raises(ValueError, match="new_kv"):
+        kernel.decode_attention(qg, kc, vc, lens, 0.2, kc.shape[2], rope=kernel.Rope(cos, sin, qn, kn, 1e-6))
+    with pytest.raises(ValueError, match="both or neither"):
+        kernel.decode_attention(qg, kc, vc, lens, 0.2, kc.shape[2], new_kv=(k, v),
+                                rope=kernel.Rope(cos, sin, qn, None, 1e-6))
+    with pytest.raises(ValueError, match="rope.cos"):
+        kernel.decode_attention(qg, kc, vc, lens, 0.2, kc.shape[2], new_kv=(k, v),
+                                rope=kernel.Rope(cos[:2], sin, qn, kn, 1e-6))
+
+
 def test_kernel_never_reads_past_a_rows_length() -> None:
     """Positions past each row's length hold NaN: a read of any of them would show."""
     g = torch.Generator().manual_seed(0)
@@ -191,9 +251,9 @@ def test_kernel_bf16_close_to_float32_reference() -> None:
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-def _generate(decode_attention: str, prompts: list[list[int]], **kw) -> list:
+def _generate(decode_attention: str, prompts: list[list[int]], qk_norm: bool = True, **kw) -> list:
     torch.manual_seed(0)
-    model = CausalLM(tiny_config(initializer_range=0.1)).eval()
+    model = CausalLM(tiny_config(initializer_range=0.1, qk_norm=qk_norm)).eval()
     cfg = EngineConfig(max_batch_size=4, max_seq_len=300, device=DEVICE, dtype="float32",
                        decode_attention=decode_attention, **kw)
     engine = EmbeddedEngine(model, config=cfg)
@@ -219,6 +279,19 @@ def test_engine_with_triton_decode_matches_matmul_engine() -> None:
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs),
                                    atol=1e-5, rtol=0)
     assert useful == 1.0 and ref_useful < 0.5  # one long row pads the matmul engine's reads
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_engine_with_rope_in_the_kernel_matches_rope_outside(qk_norm: bool) -> None:
+    """``decode_fuse_rope`` (the default) against the compiled layer functions applying the
+    q/k-norms and RoPE: the same tokens and log-probs (float32), Qwen3 and Llama shapes."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 250, (m,), generator=g).tolist() for m in (3, 9, 270, 17)]
+    ref, _ = _generate("triton", prompts, decode_fuse_rope=False, qk_norm=qk_norm)
+    out, _ = _generate("triton", prompts, qk_norm=qk_norm)
+    for a, b in zip(ref, out):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
 
 
 def test_length_aware_decode_needs_one_graph_per_batch_bucket() -> None:
