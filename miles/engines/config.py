@@ -76,8 +76,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Storage of the KV cache: "auto" (the engine's dtype) or "fp8_e4m3" / "fp8_e5m2", which
     # halve its memory (twice the slots or the context in the same memory) and the bytes a
     # decode step reads from it; on the H200 a 0.5B step got only 1.03-1.09x faster, as the
-    # Triton attention over an 8-bit cache is not bound by its bytes (benchmarks/RESULTS.md,
-    # decode_attention, 2026-12-01). Values are stored unscaled (scale 1, as
+    # Triton attention over an 8-bit cache is bound by issuing instructions, not by its bytes
+    # (benchmarks/RESULTS.md, decode_attention and Nsight Compute, 2026-12-01). Values are stored unscaled (scale 1, as
     # SGLang's default without calibrated scales), clamped to the format's range, and read
     # back into the engine's dtype for the attention math; prefill attends over its own
     # unrounded K/V. The rollout log-probs then differ slightly more from the trainer's
