@@ -374,6 +374,9 @@ def report(args, rows: list[dict], info: dict) -> None:
             ok = r["vs_hf"] >= goal_x
             verdicts.append(f"batch {r['batch']}: {r['vs_hf']:.2f}× HF decode (goal ≥ {goal_x:g}×: "
                             f"{'met' if ok else 'NOT met'})")
+            if r.get("roofline"):  # the most any engine reading these bytes could reach against this HF
+                verdicts.append(f"batch {r['batch']}: at 100% of the roofline the step would be "
+                                f"{r['vs_hf'] / r['roofline']:.1f}× HF (the bound on × HF for these bytes)")
         if goal_roof is not None:
             ok = r["roofline"] >= goal_roof
             verdicts.append(f"batch {r['batch']}: {100 * r['roofline']:.1f}% of copy-bandwidth roofline "
