@@ -16,6 +16,7 @@ from miles.engines import EmbeddedEngine, EngineConfig
 from miles.envs import EnvConfig, EnvRollout
 from miles.models import CausalLM, tiny_config, token_logprobs
 from miles.types import Status, Trajectory
+from tests.unit.engines.helpers import paced
 from tests.unit.envs.helpers import TOKENIZER, make_ctx, make_traj
 
 
@@ -28,8 +29,11 @@ def run_episode(models: list[CausalLM], *, turns: int = 3, turn_tokens: int = 24
                 tid: str = "t0") -> Trajectory:
     """Turn i (i ≥ 1) starts on version i (updated inside step i); with ``mid_turn_update``
     the last turn switches to version ``turns`` after a few tokens."""
-    engine = EmbeddedEngine(copy.deepcopy(models[0]), config=EngineConfig(max_seq_len=512, keep_kv_cache_on_update=False),
-                            tokenizer=TOKENIZER)
+    # paced (≥ 1 ms a decode step): the mid-turn update must land before the turn's few tokens
+    # are done, however fast the CPU decode kernel makes them
+    engine = paced(EmbeddedEngine(copy.deepcopy(models[0]),
+                                  config=EngineConfig(max_seq_len=512, keep_kv_cache_on_update=False),
+                                  tokenizer=TOKENIZER))
 
     async def publish(version: int) -> None:
         await engine.update_weights(list(models[version].state_dict().items()), version)
