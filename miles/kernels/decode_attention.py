@@ -242,11 +242,6 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
 
 if triton is not None:
 
-    # G (query rows per KV head) and T (new tokens per row) are runtime values, not
-    # specialised: a speculative engine meets many T (k + 1 per round, any backlog width
-    # when the draft catches up), and a fresh compile for each cost ~0.1-0.2 s per new
-    # value on the H200 — more than the rounds it served. Only the tile size G_PAD compiles
-    # (and the statistics' strides, which follow n × G, are not specialised either).
     @triton.jit
     def _norm_rope(x, x_r, w_ptr, d, half, cos, sin, eps, QK_NORM: tl.constexpr, D: tl.constexpr):
         """RMSNorm (``QK_NORM``) then RoPE of the rows of x [rows, D], given x_r, the same
@@ -263,6 +258,11 @@ if triton is not None:
             x_r = ((x_r * r).to(dt).to(tl.float32) * w_r).to(dt).to(tl.float32)
         return (x * cos[None, :] + x_r * sin[None, :]).to(dt).to(tl.float32)
 
+    # G (query rows per KV head) and T (new tokens per row) are runtime values, not
+    # specialised: a speculative engine meets many T (k + 1 per round, any backlog width
+    # when the draft catches up), and a fresh compile for each cost ~0.1-0.2 s per new
+    # value on the H200 — more than the rounds it served. Only the tile size G_PAD compiles
+    # (and the statistics' strides, which follow n × G, are not specialised either).
     @triton.jit(do_not_specialize=["G", "T", "row0", "ss_w", "ss_b", "ss_h", "ss_c"])
     def _partial(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, st_ptr, kn_ptr, vn_ptr, scale, G, T, row0,
                  sq_b, sq_h, sq_g, sq_d, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
