@@ -14,9 +14,11 @@ truncation and no early stop. For each system and batch size:
 
 On the CPU one more runs beside the default engine and its torch-ops twin: the same engine with
 every GEMM on torch's BLAS thread count, where the default runs small ones on one thread
-(miles.utils.blas says why). On CUDA two more engines run beside the default one: one drawing its tokens with torch ops
-instead of the fused sampler, and one with an ``fp8_e4m3`` KV cache (its roofline counts its
-1-byte K/V; HF's cache stays in the model's dtype, and the goals are the default engine's).
+(miles.utils.blas says why). On CUDA three more engines run beside the default one: one
+drawing its tokens with torch ops instead of the fused sampler, one with an ``fp8_e4m3`` KV
+cache (its roofline counts its 1-byte K/V; HF's cache stays in the model's dtype, and the goals
+are the default engine's), and one applying the q/k-norms and RoPE outside the decode
+attention kernel (``decode_fuse_rope=False``).
 
 Usage:
   python benchmarks/engine.py --quick                       # seconds, CPU smoke
@@ -385,8 +387,9 @@ def report(args, rows: list[dict], info: dict) -> None:
     verdicts += [f"batch {b}: a decode step with the fused sampler {1e3 * steps[('embedded', b)]:.2f} ms against "
                  f"{1e3 * t:.2f} ms with torch sampling ({t / steps[('embedded', b)]:.2f}×; no goal)"
                  for (name, b), t in steps.items() if name == "embedded, torch sampling" and ("embedded", b) in steps]
-    verdicts += [f"batch {b}: a decode step with q/k-norm + RoPE in the attention kernel {1e3 * steps[('embedded', b)]:.2f} "
-                 f"ms against {1e3 * t:.2f} ms with them outside ({t / steps[('embedded', b)]:.2f}×; no goal)"
+    verdicts += [f"batch {b}: a decode step with q/k-norm + RoPE in the attention kernel "
+                 f"{1e3 * steps[('embedded', b)]:.2f} ms against {1e3 * t:.2f} ms with them outside "
+                 f"({t / steps[('embedded', b)]:.2f}×; no goal)"
                  for (name, b), t in steps.items()
                  if name == "embedded, RoPE outside attention" and ("embedded", b) in steps]
     verdicts += [f"batch {r['batch']}: with an fp8_e4m3 KV cache {r['vs_hf']:.2f}× HF decode, a step "

@@ -77,11 +77,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # halve its memory (twice the slots or the context in the same memory) and the bytes a
     # decode step reads from it; on the H200 a 0.5B step got only 1.03-1.09x faster, as the
     # Triton attention over an 8-bit cache is bound by issuing instructions, not by its bytes
-    # (benchmarks/RESULTS.md, decode_attention and Nsight Compute, 2026-12-01). Values are stored unscaled (scale 1, as
-    # SGLang's default without calibrated scales), clamped to the format's range, and read
-    # back into the engine's dtype for the attention math; prefill attends over its own
-    # unrounded K/V. The rollout log-probs then differ slightly more from the trainer's
-    # (engines/CONSISTENCY.md): the off-policy corrections (--use-tis) see it as mismatch.
+    # (benchmarks/RESULTS.md, decode_attention and Nsight Compute, 2026-12-01). Values are
+    # stored unscaled (scale 1, as SGLang's default without calibrated scales), clamped to the
+    # format's range, and read back into the engine's dtype for the attention math; prefill
+    # attends over its own unrounded K/V. The rollout log-probs then differ slightly more from
+    # the trainer's (engines/CONSISTENCY.md): the off-policy corrections (--use-tis) see it as
+    # mismatch.
     kv_cache_dtype: str = "auto"
     # With the triton decode attention, its kernel applies the q/k RMSNorms and RoPE to the raw
     # projections itself (three launches a layer fewer; miles.kernels.decode_attention.Rope).
