@@ -13,6 +13,9 @@ Found (H200, 2026-12-01 03:06-03:11): the bf16 cache's layer runs at 3.1 / 3.7 T
 at each one's best launch). Its step is bound by something other than the bytes it reads;
 neither transposed dots nor CUDA-core products (both tried as launch modes) changed that.
 
+The default launch is timed once more with rows of one chunk sent through the merge kernel
+(``direct=False``), as they were before the partial program stored their output itself.
+
     python benchmarks/decode_attention.py [--batch 64 256] [--context 384] [--quick]
 
 Appends a section to benchmarks/RESULTS.md (``--no-record`` to skip).
@@ -58,7 +61,8 @@ def time_us(fn, reps: int, calls: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def sweep(rows: int, context: int, cache_len: int, kv_dtype: torch.dtype, launches: list, reps: int) -> list[dict]:
+def sweep(rows: int, context: int, cache_len: int, kv_dtype: torch.dtype, launches: list, reps: int,
+          direct: bool = True) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     kc = torch.randn(rows, KV, cache_len, D, device="cuda", generator=g).to(kv_dtype)
     vc = torch.randn(rows, KV, cache_len, D, device="cuda", generator=g).to(kv_dtype)
@@ -70,7 +74,7 @@ def sweep(rows: int, context: int, cache_len: int, kv_dtype: torch.dtype, launch
     for launch in launches:
         try:
             us = time_us(lambda: kernel.decode_attention(q, kc, vc, lengths, D ** -0.5, cache_len,
-                                                         new_kv=tuple(new), launch=launch), reps)
+                                                         new_kv=tuple(new), launch=launch, direct=direct), reps)
         except Exception as exc:  # noqa: BLE001 - a launch that does not fit (shared memory) is skipped
             print(f"  {launch}: {type(exc).__name__}")
             continue
@@ -93,17 +97,18 @@ def main() -> None:
     else:
         launches = list(itertools.product((128, 256, 512), (32, 64, 128), (4, 8), (2, 3, 4)))
     bw = copy_bandwidth(torch.device("cuda"), 1 << 30)
-    lines = ["| batch | cache | default launch µs | its GB/s | best launch (CHUNK, BLOCK_N, warps, stages) | "
-             "its µs | its GB/s | × default |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch | cache | default launch µs | its GB/s | one-chunk rows merged too µs | best launch "
+             "(CHUNK, BLOCK_N, warps, stages) | its µs | its GB/s | × default |", "|---|---|---|---|---|---|---|---|---|"]
     best_of: dict[str, dict] = {}
     for rows, (name, dtype) in itertools.product(args.batch, (("bf16", torch.bfloat16),
                                                               ("fp8_e4m3", torch.float8_e4m3fn))):
         default = kernel.default_launch(rows * KV, dtype)
         found = sweep(rows, args.context, args.cache_len, dtype, sorted({default, *launches}), args.reps)
         base = next(r for r in found if r["launch"] == default)
+        merged = sweep(rows, args.context, args.cache_len, dtype, [default], args.reps, direct=False)[0]
         best = min(found, key=lambda r: r["us"])
         best_of[f"{rows}/{name}"] = best
-        lines.append(f"| {rows} | {name} | {base['us']:.1f} | {base['gbs']:.0f} | {best['launch']} | "
+        lines.append(f"| {rows} | {name} | {base['us']:.1f} | {base['gbs']:.0f} | {merged['us']:.1f} | {best['launch']} | "
                      f"{best['us']:.1f} | {best['gbs']:.0f} | {base['us'] / best['us']:.2f}× |")
         top = sorted(found, key=lambda r: r["us"])[:5]
         print(f"batch {rows} {name}: " + ", ".join(f"{r['launch']} {r['us']:.1f} µs" for r in top))

@@ -22,7 +22,11 @@ Two launches per layer:
    ~40% slower). That is the cache write of a decode step without a launch of its own: the
    two index_put kernels it replaces were ~8 µs a layer, ~9% of a 0.5B batch-64 step on the
    H200 (pure launch latency: 131 KB each).
-2. ``_merge``: grid (rows, KV heads): merges the row's valid chunks exactly.
+2. ``_merge``: grid (rows, KV heads): merges the row's valid chunks exactly. A row whose
+   context fits one chunk has no partials to merge: its ``_partial`` program normalises and
+   stores the output itself, and the merge programs of such rows return at once (at batch 64
+   the merge was ~2.2 µs of a ~60 µs layer on the H200, and most rows of short-context
+   batches have one chunk of ``CHUNK`` = 512 positions).
 
 The same kernel serves a speculative verify step (several new tokens per row, causal among
 them): each query row's own limit masks the keys it may not see. A step with more than
@@ -133,7 +137,8 @@ def _probe(device: str, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float,
                      max_len: int, tokens: int = 1, new_kv: tuple[Tensor, Tensor] | None = None,
-                     launch: tuple[int, int, int, int] | None = None, rope: Rope | None = None) -> Tensor:
+                     launch: tuple[int, int, int, int] | None = None, rope: Rope | None = None,
+                     direct: bool = True) -> Tensor:
     """Attention of ``tokens`` new queries per row over the row's cache, causal among them:
     query t of row b sees positions ``[0, lengths[b] - tokens + t]`` (one token: a decode
     step; several: a speculative verify step, the new tokens' K/V already written).
@@ -147,8 +152,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     dtype as they load, and the new K/V clamped to the format's range before they are
     rounded into it. ``launch``: (CHUNK, BLOCK_N, num_warps, num_stages) instead of ``default_launch``'s
     (for tuning). ``rope`` (with ``new_kv`` only): q and the new K are the raw projections, and
-    the kernel applies the q/k RMSNorms and RoPE to them itself (``Rope``). Returns q's shape
-    and dtype (contiguous)."""
+    the kernel applies the q/k RMSNorms and RoPE to them itself (``Rope``). ``direct=False``
+    sends one-chunk rows through the merge too (the A/B of benchmarks/decode_attention.py).
+    Returns q's shape and dtype (contiguous)."""
     n, KV, _, D = q.shape
     if new_kv is not None:
         if tokens != 1 or any(t.shape != (n, KV, D) for t in new_kv):
@@ -161,7 +167,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
         rows = slice(row0, row0 + MAX_ROWS)
         _launch(q[:, :, rows], k_cache, v_cache, lengths, scale, max_len, tokens, row0, out[:, :, rows],
                 new_kv if row0 == 0 else None, launch or default_launch(q.shape[0] * q.shape[1], k_cache.dtype),
-                rope)
+                rope, direct)
     return out
 
 
@@ -210,7 +216,7 @@ def default_launch(programs: int, kv_dtype: torch.dtype) -> tuple[int, int, int,
 
 def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float, max_len: int,
             tokens: int, row0: int, out: Tensor, new_kv: tuple[Tensor, Tensor] | None,
-            launch: tuple[int, int, int, int], rope: Rope | None = None) -> None:
+            launch: tuple[int, int, int, int], rope: Rope | None = None, direct: bool = True) -> None:
     n, KV, G, D = q.shape  # G: query rows per KV head in this slice, from row ``row0``
     chunk, block_n, warps, stages = launch
     chunks = triton.cdiv(max_len, chunk)
@@ -227,8 +233,9 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
         q, k_cache, v_cache, lengths, acc, stats, k_new, v_new, scale, G, tokens, row0,
         *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3], *acc.stride()[:4], *stats.stride()[:5],
         *k_new.stride()[:3], *v_new.stride()[:3],
-        cos, sin, cos.stride(0), q_norm, k_norm, rope.eps if rope is not None else 0.0,
+        cos, sin, cos.stride(0), q_norm, k_norm, rope.eps if rope is not None else 0.0, out, *out.stride(),
         G_PAD=G_PAD, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None, KV_MAX=kv_max,
+        DIRECT=direct,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm is not None,
         # float32 tiles are twice the size: unpipelined they fit any GPU's shared memory
         # (3 stages took 143-230 KB on sm80/sm90; an A100 has 164 KB)
@@ -236,7 +243,7 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
     )
     _merge[(n, KV)](
         acc, stats, lengths, out, G, *acc.stride()[:4], *stats.stride()[:5], *out.stride(),
-        G_PAD=G_PAD, D=D, CHUNK=chunk,
+        G_PAD=G_PAD, D=D, CHUNK=chunk, DIRECT=direct,
     )
 
 
@@ -268,10 +275,10 @@ if triton is not None:
                  sq_b, sq_h, sq_g, sq_d, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                  sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
                  skn_b, skn_h, skn_d, svn_b, svn_h, svn_d,
-                 cos_ptr, sin_ptr, sc_b, qw_ptr, kw_ptr, eps,
+                 cos_ptr, sin_ptr, sc_b, qw_ptr, kw_ptr, eps, out_ptr, so_b, so_h, so_g, so_d,
                  G_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
                  EXACT: tl.constexpr, WRITE: tl.constexpr, KV_MAX: tl.constexpr,
-                 ROPE: tl.constexpr, QK_NORM: tl.constexpr):
+                 ROPE: tl.constexpr, QK_NORM: tl.constexpr, DIRECT: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
@@ -343,26 +350,35 @@ if triton is not None:
                 den = den * alpha + p_new
                 acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
                 m = m_new
-        keep = (g < G) & (start < length)
-        tl.store(acc_ptr + b * sa_b + h * sa_h + c * sa_c + g[:, None] * sa_g + d[None, :], acc,
-                 mask=keep[:, None])
-        st = st_ptr + b * ss_b + h * ss_h + c * ss_c + g * ss_g
-        tl.store(st, m, mask=keep)
-        tl.store(st + ss_w, den, mask=keep)
+        if DIRECT and length <= CHUNK:  # the row has one chunk: its output, as _merge would make it
+            out = acc / tl.where(g < G, den, 1.0)[:, None]
+            tl.store(out_ptr + b * so_b + h * so_h + g[:, None] * so_g + d[None, :] * so_d,
+                     out.to(out_ptr.dtype.element_ty), mask=((g < G) & (c == 0))[:, None])
+        else:
+            keep = (g < G) & (start < length)
+            tl.store(acc_ptr + b * sa_b + h * sa_h + c * sa_c + g[:, None] * sa_g + d[None, :], acc,
+                     mask=keep[:, None])
+            st = st_ptr + b * ss_b + h * ss_h + c * ss_c + g * ss_g
+            tl.store(st, m, mask=keep)
+            tl.store(st + ss_w, den, mask=keep)
 
     @triton.jit(do_not_specialize=["G", "ss_w", "ss_b", "ss_h", "ss_c"])
     def _merge(acc_ptr, st_ptr, len_ptr, out_ptr, G, sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
-               so_b, so_h, so_g, so_d, G_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr):
+               so_b, so_h, so_g, so_d, G_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+               DIRECT: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         length = tl.load(len_ptr + b)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
-        rows = g < G
+        chunks = tl.cdiv(length, CHUNK)
+        if DIRECT:  # a one-chunk row: _partial stored its output
+            chunks = tl.where(chunks == 1, 0, chunks)
+        rows = (g < G) & (chunks > 0)
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         den = tl.zeros((G_PAD,), tl.float32)
         acc = tl.zeros((G_PAD, D), tl.float32)
-        for c in range(0, tl.cdiv(length, CHUNK)):
+        for c in range(0, chunks):
             st = st_ptr + b * ss_b + h * ss_h + c * ss_c + g * ss_g
             m_c = tl.load(st, mask=rows, other=0.0)
             den_c = tl.load(st + ss_w, mask=rows, other=0.0)
@@ -374,6 +390,6 @@ if triton is not None:
             den = den * alpha + den_c * beta
             acc = acc * alpha[:, None] + acc_c * beta[:, None]
             m = m_new
-        out = acc / tl.where(rows, den, 1.0)[:, None]
+        out = acc / tl.where(rows, den, 1.0)[:, None]  # nothing stored where no chunk was merged
         tl.store(out_ptr + b * so_b + h * so_h + g[:, None] * so_g + d[None, :] * so_d,
                  out.to(out_ptr.dtype.element_ty), mask=rows[:, None])

@@ -90,6 +90,26 @@ def test_every_launch_attends_alike(tokens: int) -> None:
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_one_chunk_rows_stored_by_the_partial_program_match_the_merge(tokens: int) -> None:
+    """``direct`` (the default): a row of at most CHUNK positions gets its output from its one
+    ``_partial`` program; bitwise what the merge makes of it, next to rows that do merge."""
+    g = torch.Generator().manual_seed(10 + tokens)
+    KV, G, D, chunk = 2, 2, 32, 128
+    T = 3 * chunk + 5
+    lengths = [tokens, 7, chunk - 1, chunk, chunk + 1, 2 * chunk, T]
+    n = len(lengths)
+    kc = torch.randn(n, KV, T, D, generator=g).to(DEVICE)
+    vc = torch.randn(n, KV, T, D, generator=g).to(DEVICE)
+    q = torch.randn(n, KV, G * tokens, D, generator=g).to(DEVICE)
+    lens = torch.tensor(lengths, device=DEVICE)
+    new_kv = tuple(torch.randn(n, KV, D, generator=g).to(DEVICE) for _ in range(2)) if tokens == 1 else None
+    outs = [kernel.decode_attention(q, kc.clone(), vc.clone(), lens, D ** -0.5, T, tokens=tokens, new_kv=new_kv,
+                                    launch=(chunk, 32, 4, 2), direct=direct) for direct in (True, False)]
+    assert torch.equal(outs[0], outs[1])
+    assert torch.isfinite(outs[0]).all()
+
+
 def _rope_case(dtype: torch.dtype, qk_norm: bool, seed: int = 4):
     """Raw q/k/v projections laid out as the engine's qkv GEMM leaves them (views of one
     [n, H + 2·KV, D] buffer), each row's RoPE entries, and the q/k-norm weights."""
