@@ -88,6 +88,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # projections itself (three launches a layer fewer; miles.kernels.decode_attention.Rope).
     # False: the compiled layer functions apply them first (the A/B of benchmarks/engine.py).
     decode_fuse_rope: bool = True
+    # Decode steps add the attention output and MLP projections into the residual stream inside
+    # their GEMMs (cuBLAS beta = 1; models.fused.residual_gemm_mlp): two kernels a layer fewer.
+    # On the H200 a 0.5B step took 2.09 / 4.86 ms against 2.15 / 5.46 ms with the adds after the
+    # GEMMs at batch 64 / 256 (benchmarks/RESULTS.md, engine, 2026-12-01 19:33). The sum is
+    # rounded once, not twice (engines/CONSISTENCY.md). False: a GEMM, then an add.
+    decode_residual_gemm: bool = True
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0
     # Batch-invariant numerics (the run's --deterministic): every decode step runs the full

@@ -123,8 +123,12 @@ class DecodeAttention:
     long rows among many short ones (RL's long tail) make most of the KV read padding."""
 
     def __init__(self, cache: KVCache, positions: Tensor, length: int, mode: str = "matmul",
-                 split: tuple[int, Tensor] | None = None, rope: bool = True) -> None:
+                 split: tuple[int, Tensor] | None = None, rope: bool = True,
+                 residual_gemm: bool = False) -> None:
         self.cache, self.positions, self.length, self.mode = cache, positions, length, mode
+        # the layers may add the o / down projections into their residual stream in place
+        # (``fused_layer_forward``): a decode step's own hidden states, which nothing else holds
+        self.residual_gemm = residual_gemm
         n = positions.shape[0]
         dev = positions.device
         self.rows = torch.arange(n, device=dev)

@@ -236,7 +236,8 @@ class ModelRunner:
                      split: tuple[int, Tensor] | None = None, logits: bool = True) -> StepOut:
         """One decode step run op by op (``logits=False``: the final hidden states only)."""
         backend = DecodeAttention(self.cache, positions, L, self.attention, split=split,
-                                  rope=self.config.decode_fuse_rope)
+                                  rope=self.config.decode_fuse_rope,
+                                  residual_gemm=self.config.decode_residual_gemm)
         with self._blas(tokens.shape[0]):
             out = self.model(tokens[:, None], positions[:, None], kv_cache=backend, return_hidden=True,
                              return_routing=self.is_moe, return_logits=logits, check_inputs=False)

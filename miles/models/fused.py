@@ -97,6 +97,11 @@ def qkv_projection(h: Tensor, norm_w: Tensor, eps: float, qkv_w: Tensor, qkv_b: 
     return F.linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
 
 
+def silu_mul(gate_up: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def attention_output(h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None) -> Tensor:
     B, T = h.shape[0], h.shape[1]
     return h + F.linear(attn.transpose(1, 2).reshape(B, T, -1), o_w, o_b)
@@ -118,6 +123,8 @@ class FastPath:
         self.qkv_projection = wrap(qkv_projection)
         self.attention_output = wrap(attention_output)
         self.attention_output_mlp = wrap(attention_output_mlp)
+        self.rms_norm = wrap(rms_norm)
+        self.silu_mul = wrap(silu_mul)
 
 
 _COMPILED: dict[tuple, FastPath] = {}
@@ -213,4 +220,26 @@ def fused_layer_forward(layer: Any, fast: FastPath, h: Tensor, cos: Tensor, sin:
         h = fast.attention_output(h, a, *o)
         y, idx = layer.mlp(layer.post_attention_layernorm(h), routing)
         return h + y, idx
+    if getattr(backend, "residual_gemm", False) and second[1] is None:
+        return residual_gemm_mlp(fast, h, a, *second), None
     return fast.attention_output_mlp(h, a, *second), None
+
+
+def residual_gemm_mlp(fast: FastPath, h: Tensor, attn: Tensor, o_w: Tensor, o_b: None, norm_w: Tensor,
+                      eps: float, gate_up_w: Tensor, down_w: Tensor) -> Tensor:
+    """``attention_output_mlp`` with its two residual adds inside the o / down GEMMs:
+    ``h.addmm_(x, wᵀ)`` is one cuBLAS call with beta = 1, where ``h + linear(x, w)`` is the
+    GEMM and then an add kernel. Why: at decode sizes a kernel's cost is mostly fixed (a 4-13
+    MB GEMM took 5-7 µs whatever its kernel on the H200, an add of 128 KB 1-1.4 µs;
+    benchmarks/RESULTS.md, decode_gemm, 2026-12-01), and a 28-layer step had 56 such adds.
+
+    ``h`` is updated in place and returned: the decode step's own residual stream (each
+    layer's input is the previous layer's output, the first a fresh embedding), which the
+    backend vouches for with ``residual_gemm``. The sum is rounded once (GEMM accumulator +
+    h in float32) where the unfused path rounds the projection first: CONSISTENCY.md."""
+    B = h.shape[0]
+    h2 = h.view(B, -1)
+    h2.addmm_(attn.reshape(B, -1), o_w.t())
+    x = fast.rms_norm(h, norm_w, eps)
+    h2.addmm_(fast.silu_mul(F.linear(x, gate_up_w)).view(B, -1), down_w.t())
+    return h

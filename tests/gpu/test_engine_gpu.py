@@ -62,6 +62,30 @@ def test_engine_float32_logprobs_match_cpu_full_forward(moe: bool, attention: st
         assert (_logprobs(ref, p, out) - torch.tensor(out.logprobs)).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("in_gemm", [True, False])
+def test_decode_with_residual_adds_in_the_gemms_matches_full_forward(in_gemm: bool) -> None:
+    """``decode_residual_gemm``: the o / down projections added into the residual stream
+    by cuBLAS (beta = 1) in captured decode graphs, or by an add after them: float32 log-probs
+    match a full forward either way."""
+    ref = _model()
+    engine = _engine(copy.deepcopy(ref), decode_attention="triton", decode_residual_gemm=in_gemm)
+    ps = _prompts(7, seed=4)
+    sp = SamplingParams(max_new_tokens=60, seed=3, ignore_eos=True)
+
+    async def go():
+        outs = await asyncio.gather(*(engine.generate(GenerateRequest(rid=str(i), input_ids=p, sampling=sp))
+                                      for i, p in enumerate(ps)))
+        await engine.close()
+        return outs
+
+    outs = asyncio.run(go())
+    graphs = engine.runner.graphs
+    assert graphs is not None and not graphs.failed and graphs.graphs
+    for p, out in zip(ps, outs):
+        assert len(out.output_ids) == 60
+        assert (_logprobs(ref, p, out) - torch.tensor(out.logprobs)).abs().max() < 1e-4
+
+
 def test_abort_resume_and_weight_update_with_graphs() -> None:
     ref_old, ref_new = _model(1), _model(2)
     engine = _engine(copy.deepcopy(ref_old))

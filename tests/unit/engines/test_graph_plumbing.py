@@ -30,9 +30,18 @@ def _fake_graphs(engine) -> DecodeGraphs:
 
 
 def test_graph_path_matches_full_forward(overlap: bool) -> None:
+    _check_graph_path(overlap)
+
+
+def test_graph_path_with_residual_adds_matches_full_forward() -> None:
+    """``decode_residual_gemm=False`` (a GEMM, then an add) against a full forward too."""
+    _check_graph_path(True, decode_residual_gemm=False)
+
+
+def _check_graph_path(overlap: bool, **config) -> None:
     ref = make_model(seed=8)
     engine = make_engine(copy.deepcopy(ref), max_batch_size=6, overlap=overlap, kv_block=32,
-                         cpu_decode_kernel=False)  # the torch decode path is what graphs capture
+                         cpu_decode_kernel=False, **config)  # the torch decode path is what graphs capture
     graphs = _fake_graphs(engine)
     ps = prompts(9, seed=8)  # more requests than slots: batch sizes 6, 5, ... all bucketed
     sps = [SamplingParams(max_new_tokens=10 + 7 * (i % 4), seed=i, ignore_eos=True) for i in range(9)]
