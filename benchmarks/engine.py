@@ -18,7 +18,8 @@ every GEMM on torch's BLAS thread count, where the default runs small ones on on
 drawing its tokens with torch ops instead of the fused sampler, one with an ``fp8_e4m3`` KV
 cache (its roofline counts its 1-byte K/V; HF's cache stays in the model's dtype, and the goals
 are the default engine's), and one applying the q/k-norms and RoPE outside the decode
-attention kernel (``decode_fuse_rope=False``).
+attention kernel (``decode_fuse_rope=False``). ``--side`` adds engines with other EngineConfig
+fields, for A/B runs of an option (``--side "residual adds:decode_residual_gemm=false"``).
 
 Usage:
   python benchmarks/engine.py --quick                       # seconds, CPU smoke
@@ -38,7 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -222,6 +225,9 @@ def main() -> None:
                          "kernel, CUDA's sampling without the fused Triton draw")
     ap.add_argument("--no-rope-outside", action="store_true",
                     help="skip the engine with q/k-norm + RoPE outside the decode attention kernel (CUDA)")
+    ap.add_argument("--side", action="append", default=[], metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
+                    help="one more engine beside the default one, with these EngineConfig fields "
+                         "(e.g. 'residual adds:decode_residual_gemm=false'); repeatable")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--repeats", type=int, default=None, help="best of N interleaved runs")
     ap.add_argument("--workload", choices=["decode", "rollout", "both"], default="decode",
@@ -293,6 +299,9 @@ def bench(args) -> tuple[list[dict], dict]:
             # applying them inside the decode attention kernel buys (decode_fuse_rope)
             rope_outside = EngineSide(engine_model, prompts, args.new_tokens, args, decode_fuse_rope=False)
             systems["embedded, RoPE outside attention"] = rope_outside
+        extra = {name: EngineSide(engine_model, prompts, args.new_tokens, args, **fields)
+                 for name, fields in map(parse_side, args.side)}
+        systems.update((f"embedded, {name}", side_) for name, side_ in extra.items())
         kv_bytes = {name: sys_.engine.runner.cache.bytes_per_token() for name, sys_ in systems.items()}
         if hf is not None:
             systems["hf generate"] = lambda n: run_hf(hf, prompts, n, device)
@@ -300,10 +309,10 @@ def bench(args) -> tuple[list[dict], dict]:
         if args.workload in ("rollout", "both"):
             found += rollout_rows(side, hf, batch, args, device, V, g)
         side.close()
-        for other in (torch_ops, blas_threads, torch_sampling, fp8_kv, rope_outside):
+        for other in (torch_ops, blas_threads, torch_sampling, fp8_kv, rope_outside, *extra.values()):
             if other is not None:
                 other.close()
-        del side, systems, torch_ops, blas_threads, torch_sampling, fp8_kv, rope_outside
+        del side, systems, torch_ops, blas_threads, torch_sampling, fp8_kv, rope_outside, extra
         mean_ctx = args.prompt_len + args.new_tokens / 2
         for row in found:
             if "step_s" in row:  # each system's own KV bytes (HF's cache is in the model's dtype)
@@ -317,6 +326,22 @@ def bench(args) -> tuple[list[dict], dict]:
         rows += found
     n_params = sum(p.numel() for p in engine_model.parameters())
     return rows, dict(copy_bw=bw, params=n_params, dtype=str(dtype).removeprefix("torch."))
+
+
+def parse_side(spec: str) -> tuple[str, dict]:
+    """``--side``'s ``NAME:FIELD=VALUE,...`` → (name, EngineConfig fields); values are YAML
+    scalars (true, 0, fp8_e4m3), each checked against the field's type."""
+    name, _, fields = spec.partition(":")
+    out = {}
+    for item in filter(None, fields.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in EngineConfig.__struct_fields__:
+            raise SystemExit(f"--side {spec!r}: {item!r} is not FIELD=VALUE of an EngineConfig field")
+        out[key] = yaml.safe_load(value)
+    msgspec.convert(out, EngineConfig)  # a wrong type fails here, not mid-run
+    if not name or not out:
+        raise SystemExit(f"--side {spec!r}: expected NAME:FIELD=VALUE[,FIELD=VALUE]")
+    return name, out
 
 
 def rollout_rows(side: EngineSide, hf, batch: int, args, device, V: int, g) -> list[dict]:
@@ -392,6 +417,10 @@ def report(args, rows: list[dict], info: dict) -> None:
                  f"({t / steps[('embedded', b)]:.2f}×; no goal)"
                  for (name, b), t in steps.items()
                  if name == "embedded, RoPE outside attention" and ("embedded", b) in steps]
+    verdicts += [f"batch {b}: {name.removeprefix('embedded, ')}: a step {1e3 * t:.2f} ms against the default "
+                 f"engine's {1e3 * steps[('embedded', b)]:.2f} ms ({steps[('embedded', b)] / t:.2f}× its speed; no goal)"
+                 for (name, b), t in steps.items()
+                 if name.removeprefix("embedded, ") in dict(map(parse_side, args.side)) and ("embedded", b) in steps]
     verdicts += [f"batch {r['batch']}: with an fp8_e4m3 KV cache {r['vs_hf']:.2f}× HF decode, a step "
                  f"{steps[('embedded', r['batch'])] / r['step_s']:.2f}× faster than the default engine's "
                  f"(the goal is the default engine's; HF's cache is {info['dtype']})"

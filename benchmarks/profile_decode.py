@@ -1,7 +1,7 @@
 """Where an embedded-engine decode step spends its time: the top CUDA kernels of a few
 steady-state decode steps (torch.profiler), for tuning toward the memory roofline.
 
-    python benchmarks/profile_decode.py --device cuda [--batch 64] [--context 384]
+    python benchmarks/profile_decode.py --device cuda [--batch 64] [--config FIELD=VALUE,...]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine import build_model  # noqa: E402
+from benchmarks.engine import build_model, parse_side  # noqa: E402
 from miles.engines import EmbeddedEngine, EngineConfig  # noqa: E402
 from miles.types import GenerateRequest, SamplingParams  # noqa: E402
 
@@ -30,11 +30,14 @@ async def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=320)
     ap.add_argument("--decode-attention", default="auto")
     ap.add_argument("--rows", type=int, default=18)
+    ap.add_argument("--config", default="", metavar="FIELD=VALUE[,FIELD=VALUE]",
+                    help="EngineConfig fields of the engine profiled (e.g. decode_halves_min_batch=32)")
     args = ap.parse_args()
+    fields = parse_side(f"profiled:{args.config}")[1] if args.config else {}
     model = build_model(args.preset)
     engine = EmbeddedEngine(model, config=EngineConfig(
         max_batch_size=args.batch, max_seq_len=args.prompt_len + args.new_tokens + 8, device=args.device,
-        decode_attention=args.decode_attention))
+        decode_attention=args.decode_attention, **fields))
     engine.start()
     g = torch.Generator().manual_seed(0)
     reqs = [GenerateRequest(rid=f"r{i}", input_ids=torch.randint(5, 1000, (args.prompt_len,), generator=g).tolist(),
