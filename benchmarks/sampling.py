@@ -6,7 +6,9 @@ H200 as ~15 torch kernels (profile of 2026-12-01), and the first fused version s
 hash, logs and division are the cost. This times, with CUDA events on one process's GPU,
 the torch draw (``sample`` + the finiteness check + the stack the stepper copies back, as
 the stepper ran it) and the fused draw at several launch shapes, for plain (T = 1), tempered
-and unseeded rows, and reports each in µs and in GB/s of logits read.
+and unseeded rows, and reports each in µs and in GB/s of logits read. Those eager calls
+include host launch time; the kernel alone is also timed inside a CUDA graph (as the decode
+graph runs it), with its per-lane reductions against the first form's per-block ones.
 
     python benchmarks/sampling.py [--batch 64 256] [--vocab 151936]   (CUDA; appends to RESULTS.md)
 """
@@ -42,6 +44,27 @@ def timed(fn, iters: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graphed(fn, calls: int = 20, reps: int = 10) -> float:
+    """Median device µs a call of ``fn``: ``calls`` calls captured in one CUDA graph (as the
+    engine's decode graph runs the sampler), replayed ``reps`` times; no host launch time."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def torch_draw(logits: torch.Tensor, batch: SamplingBatch, gen: torch.Generator) -> torch.Tensor:
     """What the stepper ran before the fused sampler (float32 logits from the graph)."""
     tokens, logprobs = sample(logits.float(), batch, gen)
@@ -59,8 +82,10 @@ def main() -> None:
     dev = torch.device("cuda")
     gen = torch.Generator(dev).manual_seed(0)
     shapes = [(b, c, w) for b in (1024, 2048, 4096) for c in (4096, 8192, 16384) for w in (4, 8) if c >= b]
-    lines = ["| batch | rows | torch µs | fused µs (default launch) | × | best launch (block, chunk, warps) | its µs | GB/s of logits |",
+    lines = ["| batch | rows | torch µs | fused µs (default launch) | × | best launch (block, chunk, warps; in a graph) | its µs | GB/s of logits |",
              "|---|---|---|---|---|---|---|---|"]
+    graph_lines = ["| batch | rows | per-lane µs (default launch, in a graph) | per-block µs | × | GB/s of logits |",
+                   "|---|---|---|---|---|---|"]
     for n in args.batch:
         logits = (torch.randn(n, args.vocab, device=dev) * 3).to(torch.bfloat16)
         gb = logits.numel() * logits.element_size() / 1e9
@@ -72,9 +97,16 @@ def main() -> None:
             t_fused = timed(lambda: fused_sample(logits, batch, gen))
             temps = torch.full((n,), temp, device=dev)
             keys = torch.tensor([row_key(i, 100) for i in range(n)], device=dev)
-            per_shape = {s: timed(lambda s=s: kernel.sample(logits, temps, keys, block=s[0], chunk=s[1], warps=s[2]))
+            per_shape = {s: graphed(lambda s=s: kernel.sample(logits, temps, keys, block=s[0], chunk=s[1], warps=s[2]))
                          for s in shapes}
             best = min(per_shape, key=per_shape.get)
+            # the kernel alone as the decode graph runs it: per-lane reductions (the default)
+            # against a reduction across the program every block (the first form)
+            in_graph = {lanes: graphed(lambda lanes=lanes: kernel.sample(logits, temps, keys, lanes=lanes))
+                        for lanes in (True, False)}
+            graph_lines.append(f"| {n} | {label} | {in_graph[True]:.1f} | {in_graph[False]:.1f} | "
+                               f"{in_graph[False] / in_graph[True]:.2f}× | {gb / (in_graph[True] * 1e-6):.0f} |")
+            print(graph_lines[-1], flush=True)
             lines.append(f"| {n} | {label} | {t_torch:.1f} | {t_fused:.1f} | {t_torch / t_fused:.1f}× | {best} | "
                          f"{per_shape[best]:.1f} | {gb / (per_shape[best] * 1e-6):.0f} |")
             print(lines[-1], flush=True)
@@ -82,13 +114,15 @@ def main() -> None:
     torch_note = ("torch µs: the stepper's former draw on the float32 copy of the logits (the graph "
                   "used to write them so); fused µs: `fused_sample` on the bf16 logits, key upload included")
     print(torch_note)
+    print("\n".join(graph_lines))
     if args.no_record:
         return
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     cmd = "python benchmarks/sampling.py " + " ".join(sys.argv[1:])
     section = [f"\n## sampling — {stamp}", "", f"Command: `{cmd}`  ", f"Machine: {machine()}  ",
                f"vocabulary {args.vocab}, bf16 logits; median of 50 calls each, CUDA events; {torch_note}.", "",
-               *lines, ""]
+               *lines, "", f"The kernel alone at its default launch {(kernel.BLOCK, kernel.CHUNK, kernel.WARPS)}, "
+               "20 calls captured in a CUDA graph, median of 10 replays:", "", *graph_lines, ""]
     with open(args.results, "a") as f:
         f.write("\n".join(section))
 

@@ -44,14 +44,16 @@ WARPS = 4
 
 
 def sample(logits: Tensor, temperature: Tensor, keys: Tensor, *, block: int | None = None, chunk: int | None = None,
-           warps: int | None = None) -> tuple[Tensor, Tensor]:
+           warps: int | None = None, lanes: bool = True) -> tuple[Tensor, Tensor]:
     """Draw one token per row of ``logits`` [n, V] (any float dtype, unit stride along V).
 
     ``temperature`` [n] float32 or float64, rounded to float32 (≤ ``GREEDY_EPS``: greedy,
     log-prob at temperature 1);
     ``keys`` [n] int64, each row's draw key (``row_key``). Returns tokens [n] int64 and
     [3, n] float64 rows (token, log-prob, 1.0 if every logit of the row is finite).
-    ``block`` / ``chunk`` / ``warps``: launch shape (default the module's; benchmarks/sampling.py)."""
+    ``block`` / ``chunk`` / ``warps``: launch shape (default the module's; benchmarks/sampling.py).
+    ``lanes=False``: reduce every block across the program (the first form, for the A/B of
+    benchmarks/sampling.py) instead of once at the end; the same token and log-prob either way."""
     block, chunk, warps = block or BLOCK, chunk or CHUNK, warps or WARPS
     n, V = logits.shape
     if logits.stride(1) != 1:
@@ -65,7 +67,8 @@ def sample(logits: Tensor, temperature: Tensor, keys: Tensor, *, block: int | No
     if n == 0:
         return tokens, out
     _chunk[(n, chunks)](logits, temperature, keys, part, part_idx, V, logits.stride(0), n * chunks, chunks,
-                        _GOLDEN, _MIX1, _MIX2, GREEDY_EPS, CHUNK=chunk, BLOCK=block, PRECISE=precise, num_warps=warps)
+                        _GOLDEN, _MIX1, _MIX2, GREEDY_EPS, CHUNK=chunk, BLOCK=block, PRECISE=precise, LANES=lanes,
+                        num_warps=warps)
     _finish[(n,)](logits, temperature, part, part_idx, tokens, out, logits.stride(0), n * chunks, chunks, n,
                   GREEDY_EPS, C_PAD=max(16, triton.next_power_of_2(chunks)), PRECISE=precise)
     return tokens, out
@@ -84,23 +87,29 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["V", "sx", "plane", "chunks"])
     def _chunk(x_ptr, t_ptr, key_ptr, part_ptr, idx_ptr, V, sx, plane, chunks, golden, c1, c2, eps,
-               CHUNK: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+               CHUNK: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr, LANES: tl.constexpr):
         b = tl.program_id(0)
         c = tl.program_id(1)
         temp = tl.load(t_ptr + b).to(tl.float32)
         greedy = temp <= eps
         unit = greedy | (temp == 1.0)  # logits / 1 is the logits: no division
         key = tl.load(key_ptr + b).to(tl.uint64, bitcast=True)
-        best = float("-inf")
-        best_i = 0
-        m = float("-inf")
-        s = 0.0
-        bad = 0.0
+        if LANES:  # per-lane running values, reduced across the program once, after the loop
+            best = tl.full((BLOCK,), float("-inf"), tl.float32)
+            best_i = tl.zeros((BLOCK,), tl.int32)
+            s = tl.zeros((BLOCK,), tl.float32)
+            bad = tl.zeros((BLOCK,), tl.float32)
+        else:
+            best = float("-inf")
+            best_i = 0
+            s = 0.0
+            bad = 0.0
+        m = float("-inf")  # the tempered logits' running max: one reduction a block either way
         for lo in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
             v = lo + tl.arange(0, BLOCK)
             live = v < V
             x = tl.load(x_ptr + b * sx + v, mask=live, other=0.0).to(tl.float32)
-            bad += tl.sum(tl.where(live & ((x != x) | (tl.abs(x) == float("inf"))), 1.0, 0.0), 0)
+            nonfinite = tl.where(live & ((x != x) | (tl.abs(x) == float("inf"))), 1.0, 0.0)
             if unit:
                 scaled = x
             else:
@@ -115,17 +124,31 @@ if triton is not None:
                 u = ((z >> 40).to(tl.int32).to(tl.float32) + 0.5) * (1.0 / 16777216)  # 24 bits: exact
                 score = scaled - _log(-_log(u, PRECISE), PRECISE)
             score = tl.where(live, score, float("-inf"))
-            blk_best, blk_i = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
-            take = blk_best > best  # strict: an earlier index keeps a tie
-            best_i = tl.where(take, blk_i + lo, best_i)
-            best = tl.where(take, blk_best, best)
             # the log-sum-exp with the fast exp: its error (~2 ulp a term) is below the
             # float32 sum's own, and the draw does not depend on it
             sm = tl.where(live, scaled, float("-inf"))
             m_new = tl.maximum(m, tl.max(sm, 0))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * tl.exp(m - m_use) + tl.sum(tl.exp(sm - m_use), 0)
+            if LANES:
+                take = score > best  # strict: a lane's earlier index keeps a tie
+                best_i = tl.where(take, v, best_i)
+                best = tl.where(take, score, best)
+                s = s * tl.exp(m - m_use) + tl.exp(sm - m_use)
+                bad += nonfinite
+            else:
+                blk_best, blk_i = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
+                take = blk_best > best  # strict: an earlier index keeps a tie
+                best_i = tl.where(take, blk_i + lo, best_i)
+                best = tl.where(take, blk_best, best)
+                s = s * tl.exp(m - m_use) + tl.sum(tl.exp(sm - m_use), 0)
+                bad += tl.sum(nonfinite, 0)
             m = m_new
+        if LANES:  # the best score, and the lowest index holding it (argmax's tie rule)
+            top = tl.max(best, 0)
+            best_i = tl.min(tl.where(best == top, best_i, 2147483647), 0)
+            best = top
+            s = tl.sum(s, 0)
+            bad = tl.sum(bad, 0)
         at = b * chunks + c
         tl.store(part_ptr + at, best)
         tl.store(part_ptr + plane + at, m)

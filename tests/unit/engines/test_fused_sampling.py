@@ -72,6 +72,34 @@ def test_ties_go_to_the_lowest_index_across_chunks() -> None:
     assert tok.tolist() == [kernel.CHUNK + 3]
 
 
+def test_ties_within_a_chunk_go_to_the_lowest_index_whichever_lane_holds_it() -> None:
+    """Per-lane running maxima: a tie between a later lane's first block and an earlier
+    lane's later block goes to the lower index, as argmax's."""
+    V = kernel.CHUNK
+    logits = torch.zeros(2, V)
+    logits[0, [7, kernel.BLOCK + 1]] = 5.0  # lane 7 in the first block, lane 1 in the second
+    logits[1, [kernel.BLOCK + 9, 2 * kernel.BLOCK + 3]] = 5.0
+    tok, _ = fused_sample(logits.to(DEVICE), _batch([0.0, 0.0], [None, None]), None)
+    assert tok.tolist() == [7, kernel.BLOCK + 9]
+
+
+def test_lane_and_block_reductions_draw_alike() -> None:
+    """The kernel's two reduction forms (``lanes``): the same tokens and finiteness flags,
+    log-probs within float32 sums of each other."""
+    g = torch.Generator().manual_seed(12)
+    V = 2 * kernel.CHUNK + 5
+    logits = (torch.randn(6, V, generator=g) * 3).to(torch.bfloat16)  # bf16: many ties
+    logits[2, 100] = float("nan")
+    temps = torch.tensor([1.0, 0.7, 0.0, 1.0, 2.0, 1e-7]).to(DEVICE)
+    keys = torch.tensor([row_key(i, 40 + i) for i in range(6)]).to(DEVICE)
+    (tok_a, out_a), (tok_b, out_b) = (kernel.sample(logits.to(DEVICE), temps, keys, lanes=lanes)
+                                      for lanes in (True, False))
+    assert tok_a.tolist() == tok_b.tolist()
+    assert out_a[2].tolist() == out_b[2].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    keep = [0, 1, 3, 4, 5]
+    torch.testing.assert_close(out_a[1][keep], out_b[1][keep], atol=1e-5, rtol=1e-6)
+
+
 def test_unseeded_rows_follow_the_generator_and_the_distribution() -> None:
     """Rows without a seed hash a key from the generator: the same generator state gives the
     same tokens, and the draws follow softmax(logits / T) (a chi-square-sized check)."""

@@ -91,13 +91,25 @@ def test_every_launch_attends_alike(tokens: int) -> None:
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_one_chunk_rows_stored_by_the_partial_program_match_the_merge(tokens: int) -> None:
+@pytest.mark.parametrize("one_chunk_grid", [False, True])
+def test_one_chunk_rows_stored_by_the_partial_program_match_the_merge(tokens: int, one_chunk_grid: bool,
+                                                                      monkeypatch) -> None:
     """``direct`` (the default): a row of at most CHUNK positions gets its output from its one
-    ``_partial`` program; bitwise what the merge makes of it, next to rows that do merge."""
+    ``_partial`` program; bitwise what the merge makes of it, next to rows that do merge. A
+    grid of one chunk (every row that short) launches no merge at all."""
+    merges = []
+    real = kernel._merge
+
+    class Counted:
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(kernel, "_merge", Counted())
     g = torch.Generator().manual_seed(10 + tokens)
     KV, G, D, chunk = 2, 2, 32, 128
-    T = 3 * chunk + 5
-    lengths = [tokens, 7, chunk - 1, chunk, chunk + 1, 2 * chunk, T]
+    T = chunk if one_chunk_grid else 3 * chunk + 5
+    lengths = [tokens, 7, chunk - 1, chunk] + ([] if one_chunk_grid else [chunk + 1, 2 * chunk, T])
     n = len(lengths)
     kc = torch.randn(n, KV, T, D, generator=g).to(DEVICE)
     vc = torch.randn(n, KV, T, D, generator=g).to(DEVICE)
@@ -108,6 +120,7 @@ def test_one_chunk_rows_stored_by_the_partial_program_match_the_merge(tokens: in
                                     launch=(chunk, 32, 4, 2), direct=direct) for direct in (True, False)]
     assert torch.equal(outs[0], outs[1])
     assert torch.isfinite(outs[0]).all()
+    assert len(merges) == (1 if one_chunk_grid else 2)  # direct=False always merges
 
 
 def _rope_case(dtype: torch.dtype, qk_norm: bool, seed: int = 4):
