@@ -16,7 +16,8 @@ neither transposed dots nor CUDA-core products (both tried as launch modes) chan
 The default launch is timed once more with rows of one chunk sent through the merge kernel
 (``direct=False``), as they were before the partial program stored their output itself.
 
-    python benchmarks/decode_attention.py [--batch 64 256] [--context 384] [--quick]
+    python benchmarks/decode_attention.py [--batch 64 256] [--context 384] [--quick] [--rope]
+                                          [--caches bf16 fp8_e4m3]
 
 Appends a section to benchmarks/RESULTS.md (``--no-record`` to skip).
 """
@@ -62,19 +63,26 @@ def time_us(fn, reps: int, calls: int = 20) -> float:
 
 
 def sweep(rows: int, context: int, cache_len: int, kv_dtype: torch.dtype, launches: list, reps: int,
-          direct: bool = True) -> list[dict]:
+          direct: bool = True, rope: bool = False) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     kc = torch.randn(rows, KV, cache_len, D, device="cuda", generator=g).to(kv_dtype)
     vc = torch.randn(rows, KV, cache_len, D, device="cuda", generator=g).to(kv_dtype)
-    q = torch.randn(rows, KV, G, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    new = [torch.randn(rows, KV, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2)]
+    # q, k, v as the engine's decode step hands them over: views of one qkv projection
+    qkv = torch.randn(rows, KV * G + 2 * KV, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    q, k, v = qkv.split((KV * G, KV, KV), dim=1)
+    q = q.view(rows, KV, G, D)
+    tables = None
+    if rope:  # the engine's default form: the kernel applies the q/k-norms and RoPE itself
+        cos, sin = (torch.randn(rows, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+        norms = (1 + 0.1 * torch.randn(2, D, device="cuda", generator=g)).to(torch.bfloat16)
+        tables = kernel.Rope(cos, sin, norms[0], norms[1], 1e-6)
     lengths = torch.full((rows,), context, device="cuda")
     nbytes = 2 * rows * KV * context * D * kc.element_size()
     found = []
     for launch in launches:
         try:
-            us = time_us(lambda: kernel.decode_attention(q, kc, vc, lengths, D ** -0.5, cache_len,
-                                                         new_kv=tuple(new), launch=launch, direct=direct), reps)
+            us = time_us(lambda: kernel.decode_attention(q, kc, vc, lengths, D ** -0.5, cache_len, new_kv=(k, v),
+                                                         launch=launch, rope=tables, direct=direct), reps)
         except Exception as exc:  # noqa: BLE001 - a launch that does not fit (shared memory) is skipped
             print(f"  {launch}: {type(exc).__name__}")
             continue
@@ -89,6 +97,9 @@ def main() -> None:
     ap.add_argument("--cache-len", type=int, default=641, help="positions per slot (engine.py: 128 + 512 + 1)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="a few launches only")
+    ap.add_argument("--rope", action="store_true",
+                    help="the engine's decode form: raw q/k projections, q/k-norm + RoPE in the kernel")
+    ap.add_argument("--caches", nargs="+", default=["bf16", "fp8_e4m3"], choices=["bf16", "fp8_e4m3"])
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
     args = ap.parse_args()
@@ -100,12 +111,15 @@ def main() -> None:
     lines = ["| batch | cache | default launch µs | its GB/s | one-chunk rows merged too µs | best launch "
              "(CHUNK, BLOCK_N, warps, stages) | its µs | its GB/s | × default |", "|---|---|---|---|---|---|---|---|---|"]
     best_of: dict[str, dict] = {}
-    for rows, (name, dtype) in itertools.product(args.batch, (("bf16", torch.bfloat16),
-                                                              ("fp8_e4m3", torch.float8_e4m3fn))):
+    caches = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+    for rows, name in itertools.product(args.batch, args.caches):
+        dtype = caches[name]
         default = kernel.default_launch(rows * KV, dtype)
-        found = sweep(rows, args.context, args.cache_len, dtype, sorted({default, *launches}), args.reps)
+        found = sweep(rows, args.context, args.cache_len, dtype, sorted({default, *launches}), args.reps,
+                      rope=args.rope)
         base = next(r for r in found if r["launch"] == default)
-        merged = sweep(rows, args.context, args.cache_len, dtype, [default], args.reps, direct=False)[0]
+        merged = sweep(rows, args.context, args.cache_len, dtype, [default], args.reps, direct=False,
+                       rope=args.rope)[0]
         best = min(found, key=lambda r: r["us"])
         best_of[f"{rows}/{name}"] = best
         lines.append(f"| {rows} | {name} | {base['us']:.1f} | {base['gbs']:.0f} | {merged['us']:.1f} | {best['launch']} | "
@@ -116,7 +130,8 @@ def main() -> None:
         a, b = best_of.get(f"{rows}/bf16"), best_of.get(f"{rows}/fp8_e4m3")
         if a and b:
             lines.append(f"\nbatch {rows}: fp8 cache at its best launch {a['us'] / b['us']:.2f}× the bf16 cache's best")
-    desc = (f"one layer's decode attention (new K/V written by the kernel), {KV} KV heads × group {G}, head dim "
+    form = ", q/k-norm + RoPE applied by the kernel to the raw projections" if args.rope else ""
+    desc = (f"one layer's decode attention (new K/V written by the kernel{form}), {KV} KV heads × group {G}, head dim "
             f"{D}, every row at {args.context} positions of {args.cache_len}; µs a call in a CUDA graph of 20 calls, "
             f"median of {args.reps} replays by CUDA events; GB/s = K+V bytes read / time; copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
     record_section("decode_attention", machine(), desc, lines, args.results, save=not args.no_record)

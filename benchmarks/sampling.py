@@ -44,6 +44,9 @@ def timed(fn, iters: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+FORMER = dict(block=2048, chunk=8192, warps=4)  # the launch and form before 2026-12-01 19:44
+
+
 def graphed(fn, calls: int = 20, reps: int = 10) -> float:
     """Median device µs a call of ``fn``: ``calls`` calls captured in one CUDA graph (as the
     engine's decode graph runs the sampler), replayed ``reps`` times; no host launch time."""
@@ -84,8 +87,10 @@ def main() -> None:
     shapes = [(b, c, w) for b in (1024, 2048, 4096) for c in (4096, 8192, 16384) for w in (4, 8) if c >= b]
     lines = ["| batch | rows | torch µs | fused µs (default launch) | × | best launch (block, chunk, warps; in a graph) | its µs | GB/s of logits |",
              "|---|---|---|---|---|---|---|---|"]
-    graph_lines = ["| batch | rows | per-lane µs (default launch, in a graph) | per-block µs | × | GB/s of logits |",
-                   "|---|---|---|---|---|---|"]
+    graph_lines = ["| batch | rows | per-lane µs (default launch, in a graph) | per-block µs, same launch | "
+                   "per-block µs, former launch (2048, 8192, 4) | × former | GB/s of logits |",
+                   "|---|---|---|---|---|---|---|"]
+    launch_lines: list[str] = []
     for n in args.batch:
         logits = (torch.randn(n, args.vocab, device=dev) * 3).to(torch.bfloat16)
         gb = logits.numel() * logits.element_size() / 1e9
@@ -104,13 +109,16 @@ def main() -> None:
             # against a reduction across the program every block (the first form)
             in_graph = {lanes: graphed(lambda lanes=lanes: kernel.sample(logits, temps, keys, lanes=lanes))
                         for lanes in (True, False)}
-            graph_lines.append(f"| {n} | {label} | {in_graph[True]:.1f} | {in_graph[False]:.1f} | "
-                               f"{in_graph[False] / in_graph[True]:.2f}× | {gb / (in_graph[True] * 1e-6):.0f} |")
+            former = graphed(lambda: kernel.sample(logits, temps, keys, lanes=False, **FORMER))
+            graph_lines.append(f"| {n} | {label} | {in_graph[True]:.1f} | {in_graph[False]:.1f} | {former:.1f} | "
+                               f"{former / in_graph[True]:.2f}× | {gb / (in_graph[True] * 1e-6):.0f} |")
             print(graph_lines[-1], flush=True)
             lines.append(f"| {n} | {label} | {t_torch:.1f} | {t_fused:.1f} | {t_torch / t_fused:.1f}× | {best} | "
                          f"{per_shape[best]:.1f} | {gb / (per_shape[best] * 1e-6):.0f} |")
             print(lines[-1], flush=True)
-            print("   all launches:", {s: round(t, 1) for s, t in per_shape.items()}, flush=True)
+            launch_lines.append(f"- batch {n}, {label}, every launch (per-lane, µs in a graph): " +
+                                ", ".join(f"{s} {t:.1f}" for s, t in sorted(per_shape.items(), key=lambda x: x[1])))
+            print(launch_lines[-1], flush=True)
     torch_note = ("torch µs: the stepper's former draw on the float32 copy of the logits (the graph "
                   "used to write them so); fused µs: `fused_sample` on the bf16 logits, key upload included")
     print(torch_note)
@@ -121,8 +129,9 @@ def main() -> None:
     cmd = "python benchmarks/sampling.py " + " ".join(sys.argv[1:])
     section = [f"\n## sampling — {stamp}", "", f"Command: `{cmd}`  ", f"Machine: {machine()}  ",
                f"vocabulary {args.vocab}, bf16 logits; median of 50 calls each, CUDA events; {torch_note}.", "",
-               *lines, "", f"The kernel alone at its default launch {(kernel.BLOCK, kernel.CHUNK, kernel.WARPS)}, "
-               "20 calls captured in a CUDA graph, median of 10 replays:", "", *graph_lines, ""]
+               *lines, "", f"The kernel alone at its default launch (block {kernel.BLOCK}, chunk {kernel.CHUNK}, "
+               f"{kernel.WIDE_CHUNK} from {kernel.WIDE} rows, {kernel.WARPS} warps), 20 calls captured in a CUDA graph, "
+               "median of 10 replays:", "", *graph_lines, "", *launch_lines, ""]
     with open(args.results, "a") as f:
         f.write("\n".join(section))
 

@@ -9,7 +9,9 @@ finiteness check, the stack — each a kernel of its own. With a 152k vocabulary
 1. ``_chunk``: grid (rows, vocab chunks). Each program draws its chunk's uniforms from the
    row's key with the same splitmix64 hash as ``counter_uniform`` (bitwise the same u), adds
    the Gumbel noise, keeps the best score and its first index, and the chunk's max and
-   exp-sum of the tempered logits (for the log-softmax), and counts non-finite logits.
+   exp-sum of the tempered logits (for the log-softmax), and counts non-finite logits. Each
+   lane keeps its own best, index, exp-sum and count over the blocks it walks, and the program
+   reduces them once at the end: only the running max is reduced every block.
 2. ``_finish``: grid (rows,). Merges the chunks in order (ties go to the lower index, as
    ``argmax``), and writes the token, and the host-bound [3, rows] float64 (token, log-prob,
    finite) the stepper copies back.
@@ -38,9 +40,16 @@ from miles.kernels.decode_attention import available  # the same rule: CUDA, or 
 
 __all__ = ["BLOCK", "CHUNK", "WARPS", "available", "sample"]
 
-BLOCK = 2048  # vocabulary entries per inner iteration
-CHUNK = 8192  # vocabulary entries per program (19 programs a row for a 152k vocabulary)
-WARPS = 4
+# The launch, from benchmarks/sampling.py on the H200 (2026-12-01 19:44, the kernel in a CUDA
+# graph, 152k vocabulary): the per-lane form's best launches were (1024, 4096, 8) at batch 64,
+# 52 µs, and (1024, 8192, 8) at batch 256, 197 µs, against 65 / 274 µs for the per-block form at
+# the former default (2048, 8192, 4). At that former launch the per-lane form was slower (89 /
+# 457 µs): 16 entries a thread of running state spill, 4 do not.
+BLOCK = 1024  # vocabulary entries per inner iteration
+CHUNK = 4096  # vocabulary entries per program (38 programs a row for a 152k vocabulary)
+WIDE_CHUNK = 8192  # per program in batches of WIDE rows or more (already enough programs)
+WIDE = 128
+WARPS = 8
 
 
 def sample(logits: Tensor, temperature: Tensor, keys: Tensor, *, block: int | None = None, chunk: int | None = None,
@@ -54,8 +63,8 @@ def sample(logits: Tensor, temperature: Tensor, keys: Tensor, *, block: int | No
     ``block`` / ``chunk`` / ``warps``: launch shape (default the module's; benchmarks/sampling.py).
     ``lanes=False``: reduce every block across the program (the first form, for the A/B of
     benchmarks/sampling.py) instead of once at the end; the same token and log-prob either way."""
-    block, chunk, warps = block or BLOCK, chunk or CHUNK, warps or WARPS
     n, V = logits.shape
+    block, chunk, warps = block or BLOCK, chunk or (WIDE_CHUNK if n >= WIDE else CHUNK), warps or WARPS
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     chunks = triton.cdiv(V, chunk)

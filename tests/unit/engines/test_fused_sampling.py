@@ -83,16 +83,17 @@ def test_ties_within_a_chunk_go_to_the_lowest_index_whichever_lane_holds_it() ->
     assert tok.tolist() == [7, kernel.BLOCK + 9]
 
 
-def test_lane_and_block_reductions_draw_alike() -> None:
-    """The kernel's two reduction forms (``lanes``): the same tokens and finiteness flags,
-    log-probs within float32 sums of each other."""
+@pytest.mark.parametrize("chunk", [kernel.CHUNK, kernel.WIDE_CHUNK])
+def test_lane_and_block_reductions_draw_alike(chunk: int) -> None:
+    """The kernel's two reduction forms (``lanes``), at either chunk of the default launch:
+    the same tokens and finiteness flags, log-probs within float32 sums of each other."""
     g = torch.Generator().manual_seed(12)
-    V = 2 * kernel.CHUNK + 5
+    V = 2 * chunk + 5
     logits = (torch.randn(6, V, generator=g) * 3).to(torch.bfloat16)  # bf16: many ties
     logits[2, 100] = float("nan")
     temps = torch.tensor([1.0, 0.7, 0.0, 1.0, 2.0, 1e-7]).to(DEVICE)
     keys = torch.tensor([row_key(i, 40 + i) for i in range(6)]).to(DEVICE)
-    (tok_a, out_a), (tok_b, out_b) = (kernel.sample(logits.to(DEVICE), temps, keys, lanes=lanes)
+    (tok_a, out_a), (tok_b, out_b) = (kernel.sample(logits.to(DEVICE), temps, keys, chunk=chunk, lanes=lanes)
                                       for lanes in (True, False))
     assert tok_a.tolist() == tok_b.tolist()
     assert out_a[2].tolist() == out_b[2].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
