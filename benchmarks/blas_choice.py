@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,32 +26,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine import machine  # noqa: E402
+from benchmarks.engine import graph_us, machine  # noqa: E402
 
 # A Qwen3-0.6B layer's projections: (name, N, K, residual added after it)
 SHAPES = (("qkv", 4096, 1024, False), ("o", 1024, 2048, True), ("gate_up", 6144, 1024, False),
           ("down", 1024, 3072, True))
 COPIES = 20
-
-
-def timed(calls: list[Callable[[], None]], reps: int = 10) -> float:
-    """µs a call: the calls captured into one graph, replayed ``reps`` times."""
-    for call in calls:  # warm-up outside the capture (workspaces, heuristics)
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
 
 
 def case(batch: int, N: int, K: int, residual: bool, *, transposed: bool, in_gemm: bool,
@@ -93,14 +72,14 @@ def main() -> None:
                 if in_gemm and not residual:
                     continue
                 torch.backends.cuda.preferred_blas_library(backend)
-                found[(backend, transposed, in_gemm)] = timed(case(batch, N, K, residual, transposed=transposed,
+                found[(backend, transposed, in_gemm)] = graph_us(case(batch, N, K, residual, transposed=transposed,
                                                                   in_gemm=in_gemm))
             torch.backends.cuda.preferred_blas_library("cublas")
             now = found[("cublas", False, residual)]  # the engine's: cuBLAS, [N, K], residual in the GEMM
             best = min(found, key=found.get)
             # the engine's case with its weight in L2: what is left of a call when no byte comes
             # from DRAM (its fixed cost: launch, ramp, tail)
-            hot = timed(case(batch, N, K, residual, transposed=False, in_gemm=residual, hot=True))
+            hot = graph_us(case(batch, N, K, residual, transposed=False, in_gemm=residual, hot=True))
             rows.append((batch, name, N * K * 2 / 1e6, now, found, best, hot))
     header = ["batch", "projection", "MB"] + [
         f"{b} {'[K,N]' if t else '[N,K]'}{' +res in GEMM' if i else ''} µs" for b, t, i in variants] + [

@@ -33,33 +33,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine import copy_bandwidth, machine  # noqa: E402
+from benchmarks.engine import copy_bandwidth, graph_us, machine  # noqa: E402
 from benchmarks.trainer import record_section  # noqa: E402
 from miles.kernels import decode_attention as kernel  # noqa: E402
 
 KV, G, D = 8, 2, 128  # Qwen3-0.6B: 8 KV heads, 16 query heads, head dim 128
-
-
-def time_us(fn, reps: int, calls: int = 20) -> float:
-    """Median over ``reps`` of the µs a call takes in a CUDA graph of ``calls`` calls, as
-    the engine replays them: launched eagerly, a call's host time (~70 µs of Python and two
-    launches with ~40 arguments each) exceeds a batch-64 layer's kernels."""
-    fn()  # compiles
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+CALLS = 20  # calls a CUDA graph holds (benchmarks.engine.graph_us)
 
 
 def sweep(rows: int, context: int, cache_len: int, kv_dtype: torch.dtype, launches: list, reps: int,
@@ -81,8 +60,8 @@ def sweep(rows: int, context: int, cache_len: int, kv_dtype: torch.dtype, launch
     found = []
     for launch in launches:
         try:
-            us = time_us(lambda: kernel.decode_attention(q, kc, vc, lengths, D ** -0.5, cache_len, new_kv=(k, v),
-                                                         launch=launch, rope=tables, direct=direct), reps)
+            us = graph_us([lambda: kernel.decode_attention(q, kc, vc, lengths, D ** -0.5, cache_len, new_kv=(k, v),
+                                                           launch=launch, rope=tables, direct=direct)] * CALLS, reps)
         except Exception as exc:  # noqa: BLE001 - a launch that does not fit (shared memory) is skipped
             print(f"  {launch}: {type(exc).__name__}")
             continue

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine import machine  # noqa: E402
+from benchmarks.engine import graph_us, machine  # noqa: E402
 from miles.engines.sampling import SamplingBatch, fused_sample, row_key, sample  # noqa: E402
 from miles.kernels import sampling as kernel  # noqa: E402
 
@@ -45,27 +45,7 @@ def timed(fn, iters: int = 50) -> float:
 
 
 FORMER = dict(block=2048, chunk=8192, warps=4)  # the launch and form before 2026-12-01 19:44
-
-
-def graphed(fn, calls: int = 20, reps: int = 10) -> float:
-    """Median device µs a call of ``fn``: ``calls`` calls captured in one CUDA graph (as the
-    engine's decode graph runs the sampler), replayed ``reps`` times; no host launch time."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+CALLS = 20  # calls a CUDA graph holds (benchmarks.engine.graph_us)
 
 
 def torch_draw(logits: torch.Tensor, batch: SamplingBatch, gen: torch.Generator) -> torch.Tensor:
@@ -102,14 +82,14 @@ def main() -> None:
             t_fused = timed(lambda: fused_sample(logits, batch, gen))
             temps = torch.full((n,), temp, device=dev)
             keys = torch.tensor([row_key(i, 100) for i in range(n)], device=dev)
-            per_shape = {s: graphed(lambda s=s: kernel.sample(logits, temps, keys, block=s[0], chunk=s[1], warps=s[2]))
-                         for s in shapes}
+            per_shape = {s: graph_us([lambda s=s: kernel.sample(logits, temps, keys, block=s[0], chunk=s[1],
+                                                                warps=s[2])] * CALLS) for s in shapes}
             best = min(per_shape, key=per_shape.get)
             # the kernel alone as the decode graph runs it: per-lane reductions (the default)
             # against a reduction across the program every block (the first form)
-            in_graph = {lanes: graphed(lambda lanes=lanes: kernel.sample(logits, temps, keys, lanes=lanes))
+            in_graph = {lanes: graph_us([lambda lanes=lanes: kernel.sample(logits, temps, keys, lanes=lanes)] * CALLS)
                         for lanes in (True, False)}
-            former = graphed(lambda: kernel.sample(logits, temps, keys, lanes=False, **FORMER))
+            former = graph_us([lambda: kernel.sample(logits, temps, keys, lanes=False, **FORMER)] * CALLS)
             graph_lines.append(f"| {n} | {label} | {in_graph[True]:.1f} | {in_graph[False]:.1f} | {former:.1f} | "
                                f"{former / in_graph[True]:.2f}× | {gb / (in_graph[True] * 1e-6):.0f} |")
             print(graph_lines[-1], flush=True)

@@ -43,23 +43,8 @@ def _logprobs(ref: CausalLM, prompt: list[int], out) -> torch.Tensor:
 @pytest.mark.parametrize("attention", ["sdpa", "matmul", "triton"])
 def test_engine_float32_logprobs_match_cpu_full_forward(moe: bool, attention: str) -> None:
     ref = _model(moe=moe)
-    engine = _engine(copy.deepcopy(ref), decode_attention=attention)
-    ps = _prompts(6)
-    sp = SamplingParams(max_new_tokens=100, seed=3, ignore_eos=True)
-
-    async def go():
-        outs = await asyncio.gather(*(engine.generate(GenerateRequest(rid=str(i), input_ids=p, sampling=sp))
-                                      for i, p in enumerate(ps)))
-        await engine.close()
-        return outs
-
-    outs = asyncio.run(go())
-    if not moe:
-        graphs = engine.runner.graphs
-        assert graphs is not None and not graphs.failed and graphs.graphs  # CUDA graphs ran
-    for p, out in zip(ps, outs):
-        assert len(out.output_ids) == 100
-        assert (_logprobs(ref, p, out) - torch.tensor(out.logprobs)).abs().max() < 1e-4
+    _check_against_full_forward(ref, _engine(copy.deepcopy(ref), decode_attention=attention), _prompts(6), 100,
+                                graphs=not moe)
 
 
 @pytest.mark.parametrize("in_gemm", [True, False])
@@ -69,8 +54,14 @@ def test_decode_with_residual_adds_in_the_gemms_matches_full_forward(in_gemm: bo
     match a full forward either way."""
     ref = _model()
     engine = _engine(copy.deepcopy(ref), decode_attention="triton", decode_residual_gemm=in_gemm)
-    ps = _prompts(7, seed=4)
-    sp = SamplingParams(max_new_tokens=60, seed=3, ignore_eos=True)
+    _check_against_full_forward(ref, engine, _prompts(7, seed=4), 60, graphs=True)
+
+
+def _check_against_full_forward(ref: CausalLM, engine: EmbeddedEngine, ps: list[list[int]], new: int, *,
+                                graphs: bool) -> None:
+    """``new`` seeded tokens for each prompt, at once; each one's float32 log-prob within 1e-4
+    of ``ref``'s full forward, and (``graphs``) the decode steps ran as CUDA graphs."""
+    sp = SamplingParams(max_new_tokens=new, seed=3, ignore_eos=True)
 
     async def go():
         outs = await asyncio.gather(*(engine.generate(GenerateRequest(rid=str(i), input_ids=p, sampling=sp))
@@ -79,10 +70,11 @@ def test_decode_with_residual_adds_in_the_gemms_matches_full_forward(in_gemm: bo
         return outs
 
     outs = asyncio.run(go())
-    graphs = engine.runner.graphs
-    assert graphs is not None and not graphs.failed and graphs.graphs
+    if graphs:
+        captured = engine.runner.graphs
+        assert captured is not None and not captured.failed and captured.graphs  # CUDA graphs ran
     for p, out in zip(ps, outs):
-        assert len(out.output_ids) == 60
+        assert len(out.output_ids) == new
         assert (_logprobs(ref, p, out) - torch.tensor(out.logprobs)).abs().max() < 1e-4
 
 

@@ -65,19 +65,26 @@ def test_kernel_verify_step_is_causal_among_new_tokens(G: int, tokens: int) -> N
             torch.testing.assert_close(out[b : b + 1, :, r : r + 1], want, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_every_launch_attends_alike(tokens: int) -> None:
-    """Chunk sizes, tile widths and pipelines compute the same attention: decode steps
-    writing their new K/V, and verify steps."""
-    g = torch.Generator().manual_seed(tokens)
-    KV, G, D, T = 2, 2, 32, 600
-    lengths = [tokens, 40, 300, T]
+def _attention_case(lengths: list[int], tokens: int, T: int, seed: int, KV: int = 2, G: int = 2, D: int = 32):
+    """Random q [n, KV, G·tokens, D], K/V caches of T positions, the rows' lengths and (one
+    token) the step's new K/V."""
+    g = torch.Generator().manual_seed(seed)
     n = len(lengths)
     kc = torch.randn(n, KV, T, D, generator=g).to(DEVICE)
     vc = torch.randn(n, KV, T, D, generator=g).to(DEVICE)
     q = torch.randn(n, KV, G * tokens, D, generator=g).to(DEVICE)
     lens = torch.tensor(lengths, device=DEVICE)
     new_kv = tuple(torch.randn(n, KV, D, generator=g).to(DEVICE) for _ in range(2)) if tokens == 1 else None
+    return q, kc, vc, lens, new_kv
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_every_launch_attends_alike(tokens: int) -> None:
+    """Chunk sizes, tile widths and pipelines compute the same attention: decode steps
+    writing their new K/V, and verify steps."""
+    T = 600
+    q, kc, vc, lens, new_kv = _attention_case([tokens, 40, 300, T], tokens, T, seed=tokens)
+    n, D = q.shape[0], q.shape[-1]
     want_k, want_v = kc.clone(), vc.clone()
     if new_kv is not None:
         want_k[torch.arange(n), :, lens - 1], want_v[torch.arange(n), :, lens - 1] = new_kv
@@ -106,16 +113,11 @@ def test_one_chunk_rows_stored_by_the_partial_program_match_the_merge(tokens: in
             return real[grid]
 
     monkeypatch.setattr(kernel, "_merge", Counted())
-    g = torch.Generator().manual_seed(10 + tokens)
-    KV, G, D, chunk = 2, 2, 32, 128
+    chunk = 128
     T = chunk if one_chunk_grid else 3 * chunk + 5
     lengths = [tokens, 7, chunk - 1, chunk] + ([] if one_chunk_grid else [chunk + 1, 2 * chunk, T])
-    n = len(lengths)
-    kc = torch.randn(n, KV, T, D, generator=g).to(DEVICE)
-    vc = torch.randn(n, KV, T, D, generator=g).to(DEVICE)
-    q = torch.randn(n, KV, G * tokens, D, generator=g).to(DEVICE)
-    lens = torch.tensor(lengths, device=DEVICE)
-    new_kv = tuple(torch.randn(n, KV, D, generator=g).to(DEVICE) for _ in range(2)) if tokens == 1 else None
+    q, kc, vc, lens, new_kv = _attention_case(lengths, tokens, T, seed=10 + tokens)
+    D = q.shape[-1]
     outs = [kernel.decode_attention(q, kc.clone(), vc.clone(), lens, D ** -0.5, T, tokens=tokens, new_kv=new_kv,
                                     launch=(chunk, 32, 4, 2), direct=direct) for direct in (True, False)]
     assert torch.equal(outs[0], outs[1])
