@@ -6,7 +6,7 @@
 - ``logprobs``: response-token log-probs with a memory-lean fused LM head + log-softmax.
 - ``state``: weight export and checkpoint state (tensors + plain values, no pickle).
 - ``metrics``: folds micro-batch metrics into one dict per step.
-- ``fsdp``: the (untested) FSDP2 wrapping.
+- ``fsdp``: the FSDP2 wrapping (tested on two CPU ranks over gloo; not yet on GPUs).
 
 A Megatron-core trainer for large MoE models lives beside it (``megatron*``) when present.
 """

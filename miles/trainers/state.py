@@ -28,7 +28,7 @@ TRAINER_KEYS = ("version", "optimizer_steps", "consecutive_nonfinite", "skipped_
 
 
 def _full(t: Tensor) -> Tensor:
-    # FSDP2 parameters are DTensors; gather the full tensor (untested path).
+    # FSDP2 parameters are DTensors: every rank gathers the full tensor (tests/unit/trainers/test_fsdp.py).
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
