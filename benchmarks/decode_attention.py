@@ -111,7 +111,7 @@ def main() -> None:
             lines.append(f"\nbatch {rows}: fp8 cache at its best launch {a['us'] / b['us']:.2f}× the bf16 cache's best")
     form = ", q/k-norm + RoPE applied by the kernel to the raw projections" if args.rope else ""
     desc = (f"one layer's decode attention (new K/V written by the kernel{form}), {KV} KV heads × group {G}, head dim "
-            f"{D}, every row at {args.context} positions of {args.cache_len}; µs a call in a CUDA graph of 20 calls, "
+            f"{D}, every row at {args.context} positions of {args.cache_len}; µs a call in a CUDA graph of {CALLS} calls, "
             f"median of {args.reps} replays by CUDA events; GB/s = K+V bytes read / time; copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
     record_section("decode_attention", machine(), desc, lines, args.results, save=not args.no_record)
 

@@ -444,10 +444,10 @@ def report(args, rows: list[dict], info: dict) -> None:
                  f"({t / steps[('embedded', b)]:.2f}×; no goal)"
                  for (name, b), t in steps.items()
                  if name == "embedded, RoPE outside attention" and ("embedded", b) in steps]
+    sides = {f"embedded, {name}" for name, _ in map(parse_side, args.side)}
     verdicts += [f"batch {b}: {name.removeprefix('embedded, ')}: a step {1e3 * t:.2f} ms against the default "
                  f"engine's {1e3 * steps[('embedded', b)]:.2f} ms ({steps[('embedded', b)] / t:.2f}× its speed; no goal)"
-                 for (name, b), t in steps.items()
-                 if name.removeprefix("embedded, ") in dict(map(parse_side, args.side)) and ("embedded", b) in steps]
+                 for (name, b), t in steps.items() if name in sides and ("embedded", b) in steps]
     verdicts += [f"batch {r['batch']}: with an fp8_e4m3 KV cache {r['vs_hf']:.2f}× HF decode, a step "
                  f"{steps[('embedded', r['batch'])] / r['step_s']:.2f}× faster than the default engine's "
                  f"(the goal is the default engine's; HF's cache is {info['dtype']})"

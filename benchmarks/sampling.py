@@ -110,7 +110,7 @@ def main() -> None:
     section = [f"\n## sampling — {stamp}", "", f"Command: `{cmd}`  ", f"Machine: {machine()}  ",
                f"vocabulary {args.vocab}, bf16 logits; median of 50 calls each, CUDA events; {torch_note}.", "",
                *lines, "", f"The kernel alone at its default launch (block {kernel.BLOCK}, chunk {kernel.CHUNK}, "
-               f"{kernel.WIDE_CHUNK} from {kernel.WIDE} rows, {kernel.WARPS} warps), 20 calls captured in a CUDA graph, "
+               f"{kernel.WIDE_CHUNK} from {kernel.WIDE} rows, {kernel.WARPS} warps), {CALLS} calls captured in a CUDA graph, "
                "median of 10 replays:", "", *graph_lines, "", *launch_lines, ""]
     with open(args.results, "a") as f:
         f.write("\n".join(section))

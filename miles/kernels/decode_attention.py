@@ -26,7 +26,8 @@ Two launches per layer:
    context fits one chunk has no partials to merge: its ``_partial`` program normalises and
    stores the output itself, and the merge programs of such rows return at once (at batch 64
    the merge was ~2.2 µs of a ~60 µs layer on the H200, and most rows of short-context
-   batches have one chunk of ``CHUNK`` = 512 positions).
+   batches fit one chunk: 256 positions in narrow grids, 512 in wide ones). A grid of one
+   chunk launches no merge.
 
 The same kernel serves a speculative verify step (several new tokens per row, causal among
 them): each query row's own limit masks the keys it may not see. A step with more than

@@ -110,8 +110,7 @@ def attention_output(h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None) -
 def attention_output_mlp(h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None, norm_w: Tensor,
                          eps: float, gate_up_w: Tensor, down_w: Tensor) -> Tensor:
     h = attention_output(h, attn, o_w, o_b)
-    gate, up = F.linear(rms_norm(h, norm_w, eps), gate_up_w).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, down_w)
+    return h + F.linear(silu_mul(F.linear(rms_norm(h, norm_w, eps), gate_up_w)), down_w)
 
 
 class FastPath:
