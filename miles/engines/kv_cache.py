@@ -72,6 +72,10 @@ class KVCache:
         self.limit = torch.finfo(kv_dtype).max  # float8 overflows to NaN (e4m3fn) or inf (e5m2): clamp
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.length = max_seq_len + headroom  # positions per slot
+        # the Triton decode attention's per-(row, KV head) counters: its last partial program
+        # of a row merges the row's chunks, so no merge kernel launches (one buffer per cache:
+        # the calls that use it run one after another on the engine's stream)
+        self.merge_counters = torch.zeros(num_slots * config.num_key_value_heads, device=device, dtype=torch.int32)
 
     def encode(self, x: Tensor) -> Tensor:
         """K or V as the cache stores them."""
@@ -154,7 +158,7 @@ class DecodeAttention:
         qg = q.reshape(n, KV, H // KV, D)  # the GQA group becomes the query axis
         if self.mode == "triton":  # the kernel writes the new K/V itself (no launch of their own)
             out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length,
-                                                 new_kv=(k[:, :, 0], v[:, :, 0]))
+                                                 new_kv=(k[:, :, 0], v[:, :, 0]), counters=self.cache.merge_counters)
             return out.reshape(n, H, 1, D)
         cache = self.cache
         kc[self.rows, :, self.positions] = cache.encode(k[:, :, 0])
@@ -180,7 +184,8 @@ class DecodeAttention:
         KV = k.shape[1]
         out = triton_decode.decode_attention(
             q.view(n, KV, H // KV, D), self.cache.k[layer_idx], self.cache.v[layer_idx], self.lengths,
-            1.0 / math.sqrt(D), self.length, new_kv=(k, v), rope=triton_decode.Rope(cos, sin, q_norm, k_norm, eps))
+            1.0 / math.sqrt(D), self.length, new_kv=(k, v), rope=triton_decode.Rope(cos, sin, q_norm, k_norm, eps),
+            counters=self.cache.merge_counters)
         return out.view(n, H, 1, D)
 
     def _long_rows(self, qg: Tensor, scores: Tensor, values: Tensor, kc: Tensor, vc: Tensor,
@@ -223,7 +228,8 @@ class VerifyAttention:
         G = H // KV
         qg = q.reshape(n, KV, G * T, D)  # (group, token) rows per KV head
         if self.mode == "triton":
-            out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length, tokens=T)
+            out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length, tokens=T,
+                                                 counters=self.cache.merge_counters)
             return out.reshape(n, H, T, D)
         keys = cache.decode(kc[:n, :, : self.length])  # views: [n, KV, L, D] (copies when 8-bit)
         values = cache.decode(vc[:n, :, : self.length])
