@@ -13,12 +13,10 @@ Found (H200, 2026-12-01 03:06-03:11): the bf16 cache's layer runs at 3.1 / 3.7 T
 at each one's best launch). Its step is bound by something other than the bytes it reads;
 neither transposed dots nor CUDA-core products (both tried as launch modes) changed that.
 
-The default launch is timed once more with rows of one chunk sent through the merge kernel
-(``direct=False``), as they were before the partial program stored their output itself, and
-the sweep runs as the engine calls the kernel: with merge counters, so a row's last partial
-program merges it and no merge kernel launches (``counters``); the default launch is timed
-with the merge kernel too. ``--lengths spread`` gives the rows lengths spread evenly over
-the cache (mean ``--context``, RL's uneven batches) instead of one length for all.
+Beside the default launch, the launch of the grid-width rule alone (512-position chunks in wide
+grids, whatever the cache length) is timed: what one chunk a row over a short cache buys
+(``ONE_CHUNK``; 1.05-1.07x at 2026-12-01 21:14). ``--lengths spread`` gives the rows lengths
+spread evenly over the cache (mean ``--context``, RL's uneven batches) instead of one length.
 
     python benchmarks/decode_attention.py [--batch 64 256] [--context 384] [--quick] [--rope]
                                           [--caches bf16 fp8_e4m3] [--chunks 128 256 512 1024]
@@ -57,7 +55,7 @@ def row_lengths(rows: int, context: int, cache_len: int, kind: str) -> torch.Ten
 
 
 def sweep(rows: int, lengths: torch.Tensor, cache_len: int, kv_dtype: torch.dtype, launches: list, reps: int,
-          direct: bool = True, rope: bool = False, in_kernel: bool = True) -> list[dict]:
+          rope: bool = False) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     kc = torch.randn(rows, KV, cache_len, D, device="cuda", generator=g).to(kv_dtype)
     vc = torch.randn(rows, KV, cache_len, D, device="cuda", generator=g).to(kv_dtype)
@@ -71,13 +69,11 @@ def sweep(rows: int, lengths: torch.Tensor, cache_len: int, kv_dtype: torch.dtyp
         norms = (1 + 0.1 * torch.randn(2, D, device="cuda", generator=g)).to(torch.bfloat16)
         tables = kernel.Rope(cos, sin, norms[0], norms[1], 1e-6)
     nbytes = 2 * KV * int(lengths.sum()) * D * kc.element_size()
-    counters = torch.zeros(rows * KV, device="cuda", dtype=torch.int32) if in_kernel else None
     found = []
     for launch in launches:
         try:
             us = graph_us([lambda: kernel.decode_attention(q, kc, vc, lengths, D ** -0.5, cache_len, new_kv=(k, v),
-                                                           launch=launch, rope=tables, direct=direct,
-                                                           counters=counters)] * CALLS, reps)
+                                                           launch=launch, rope=tables)] * CALLS, reps)
         except Exception as exc:  # noqa: BLE001 - a launch that does not fit (shared memory) is skipped
             print(f"  {launch}: {type(exc).__name__}")
             continue
@@ -91,11 +87,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=384, help="every row's length (engine.py's mean context)")
     ap.add_argument("--cache-len", type=int, default=641, help="positions per slot (engine.py: 128 + 512 + 1)")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--quick", action="store_true", help="fewer launches: each chunk with BLOCK_N 32/64, 4 warps, 2/3 stages")
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer launches: each chunk with BLOCK_N 32/64, 4 warps, 2/3 stages")
     ap.add_argument("--rope", action="store_true",
                     help="the engine's decode form: raw q/k projections, q/k-norm + RoPE in the kernel")
     ap.add_argument("--caches", nargs="+", default=["bf16", "fp8_e4m3"], choices=["bf16", "fp8_e4m3"])
-    ap.add_argument("--chunks", type=int, nargs="+", default=[128, 256, 512],
+    ap.add_argument("--chunks", type=int, nargs="+", default=[128, 256, 512, 1024],
                     help="the sweep's CHUNK values (with every BLOCK_N, warps and stages)")
     ap.add_argument("--lengths", nargs="+", default=["uniform"], choices=["uniform", "spread"])
     ap.add_argument("--no-record", action="store_true")
@@ -106,38 +103,37 @@ def main() -> None:
     else:
         launches = list(itertools.product(args.chunks, (32, 64, 128), (4, 8), (2, 3, 4)))
     bw = copy_bandwidth(torch.device("cuda"), 1 << 30)
-    lines = ["| batch | lengths | cache | default launch µs | its GB/s | with the merge kernel µs | one-chunk rows "
-             "merged too µs | best launch (CHUNK, BLOCK_N, warps, stages) | its µs | its GB/s | × default |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch | lengths | cache | default launch | its µs | its GB/s | grid-width rule's launch | its µs | "
+             "best launch (CHUNK, BLOCK_N, warps, stages) | its µs | its GB/s | × default |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     best_of: dict[str, dict] = {}
     caches = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
     for rows, kind, name in itertools.product(args.batch, args.lengths, args.caches):
         dtype = caches[name]
         lengths = row_lengths(rows, args.context, args.cache_len, kind)
-        default = kernel.default_launch(rows * KV, dtype)
-        found = sweep(rows, lengths, args.cache_len, dtype, sorted({default, *launches}), args.reps, rope=args.rope)
+        default = kernel.default_launch(rows * KV, dtype, args.cache_len)
+        former = kernel.default_launch(rows * KV, dtype)  # the grid-width rule alone: 512 chunks when wide
+        found = sweep(rows, lengths, args.cache_len, dtype, sorted({default, former, *launches}), args.reps,
+                      rope=args.rope)
         base = next(r for r in found if r["launch"] == default)
-        kernel_merge = sweep(rows, lengths, args.cache_len, dtype, [default], args.reps, rope=args.rope,
-                             in_kernel=False)[0]
-        merged = sweep(rows, lengths, args.cache_len, dtype, [default], args.reps, direct=False, rope=args.rope,
-                       in_kernel=False)[0]
+        width_rule = next(r for r in found if r["launch"] == former)
         best = min(found, key=lambda r: r["us"])
         best_of[f"{rows}/{kind}/{name}"] = best
-        lines.append(f"| {rows} | {kind} | {name} | {base['us']:.1f} | {base['gbs']:.0f} | {kernel_merge['us']:.1f} | "
-                     f"{merged['us']:.1f} | {best['launch']} | {best['us']:.1f} | {best['gbs']:.0f} | "
-                     f"{base['us'] / best['us']:.2f}× |")
+        lines.append(f"| {rows} | {kind} | {name} | {default} | {base['us']:.1f} | {base['gbs']:.0f} | "
+                     f"{former} | {width_rule['us']:.1f} | {best['launch']} | {best['us']:.1f} | "
+                     f"{best['gbs']:.0f} | {base['us'] / best['us']:.2f}× |")
         top = sorted(found, key=lambda r: r["us"])[:5]
         print(f"batch {rows} {kind} {name}: " + ", ".join(f"{r['launch']} {r['us']:.1f} µs" for r in top))
     for rows, kind in itertools.product(args.batch, args.lengths):
         a, b = best_of.get(f"{rows}/{kind}/bf16"), best_of.get(f"{rows}/{kind}/fp8_e4m3")
         if a and b:
-            lines.append(f"\nbatch {rows} ({kind}): fp8 cache at its best launch {a['us'] / b['us']:.2f}× the bf16 "
-                         "cache's best")
+            lines.append(f"\nbatch {rows} ({kind}): fp8 cache at its best launch {a['us'] / b['us']:.2f}× "
+                         "the bf16 cache's best")
     form = ", q/k-norm + RoPE applied by the kernel to the raw projections" if args.rope else ""
     spread = " (spread: evenly over the cache, same mean)" if "spread" in args.lengths else ""
-    desc = (f"one layer's decode attention (new K/V written by the kernel{form}; merged in the kernel, merge "
-            f"counters, unless a column says otherwise), {KV} KV heads × group {G}, head dim "
-            f"{D}, rows at {args.context} positions of {args.cache_len} on average{spread}; µs a call in a CUDA graph of {CALLS} calls, "
+    desc = (f"one layer's decode attention (new K/V written by the kernel{form}), {KV} KV heads × group {G}, head dim "
+            f"{D}, rows at {args.context} positions of {args.cache_len} on average{spread}; µs a call in a CUDA graph "
+            f"of {CALLS} calls, "
             f"median of {args.reps} replays by CUDA events; GB/s = K+V bytes read / time; copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
     record_section("decode_attention", machine(), desc, lines, args.results, save=not args.no_record)
 

@@ -94,6 +94,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # GEMMs at batch 64 / 256 (benchmarks/RESULTS.md, engine, 2026-12-01 19:33). The sum is
     # rounded once, not twice (engines/CONSISTENCY.md). False: a GEMM, then an add.
     decode_residual_gemm: bool = True
+    # Positions per program of the Triton decode attention (its CHUNK; 0 = auto: 256 in grids of
+    # fewer than 128 rows × KV heads, else 512, or one chunk a row where a 16-bit cache holds at
+    # most 1024 positions; miles.kernels.decode_attention.default_launch). For A/B runs
+    # (benchmarks/engine.py --side) and tuning; a power of two ≥ 64.
+    decode_attention_chunk: int = 0
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0
     # Batch-invariant numerics (the run's --deterministic): every decode step runs the full
@@ -180,6 +185,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             reason = kernel.failure(self.device, self.torch_dtype(), head_dim, self.kv_torch_dtype())
             if reason is not None:
                 raise ValueError(f"decode_attention 'triton' cannot run here: the kernel {reason}")
+        chunk = self.decode_attention_chunk
+        if chunk != 0 and (chunk < 64 or chunk & (chunk - 1)):
+            raise ValueError(f"decode_attention_chunk must be 0 (auto) or a power of two >= 64, got {chunk}")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
         if self.admit_min is not None and self.admit_min < 1:

@@ -83,3 +83,21 @@ def test_a_failed_capture_switches_graphs_off(monkeypatch) -> None:
     assert graphs.run([5, 6], [3, 4], 32) is None
     assert graphs.failed and not graphs.graphs
     assert graphs.run([5, 6], [3, 4], 32) is None  # stays off
+
+
+def test_decode_attention_launch_by_grid_width_and_cache_length() -> None:
+    """Wide grids over a 16/32-bit cache of at most ONE_CHUNK positions run one chunk a row;
+    longer caches, 8-bit caches and narrow grids keep their chunk; an explicit chunk wins
+    (pure Python: runs without triton)."""
+    from miles.kernels import decode_attention as kernel
+
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    wide, narrow = kernel.WIDE, kernel.WIDE - 1
+    assert kernel.default_launch(wide, bf16, 641) == (kernel.ONE_CHUNK, *kernel.LAUNCH[2][1:])
+    assert kernel.default_launch(wide, torch.float32, kernel.ONE_CHUNK)[0] == kernel.ONE_CHUNK
+    assert kernel.default_launch(wide, fp8, 641) == kernel.LAUNCH[1]  # not timed so: unchanged
+    assert kernel.default_launch(wide, bf16, kernel.ONE_CHUNK + 1) == kernel.LAUNCH[2]
+    assert kernel.default_launch(wide, bf16, kernel.LAUNCH[2][0]) == kernel.LAUNCH[2]  # one chunk already
+    assert kernel.default_launch(wide, bf16) == kernel.LAUNCH[2]
+    assert kernel.default_launch(narrow, bf16, 641) == kernel.NARROW[2]
+    assert kernel.default_launch(wide, bf16, 641, chunk=128) == (128, *kernel.LAUNCH[2][1:])

@@ -90,7 +90,7 @@ def test_every_launch_attends_alike(tokens: int) -> None:
         want_k[torch.arange(n), :, lens - 1], want_v[torch.arange(n), :, lens - 1] = new_kv
     ref = kernel.decode_attention(q, want_k.clone(), want_v.clone(), lens, D ** -0.5, T, tokens=tokens,
                                   launch=(256, 64, 4, 1))
-    for launch in ((256, 32, 4, 2), (512, 64, 4, 2), (512, 32, 8, 3), (128, 16, 4, 4)):
+    for launch in ((256, 32, 4, 2), (512, 64, 4, 2), (512, 32, 8, 3), (128, 16, 4, 4), (1024, 64, 4, 2)):
         k, v = kc.clone(), vc.clone()
         out = kernel.decode_attention(q, k, v, lens, D ** -0.5, T, tokens=tokens, new_kv=new_kv, launch=launch)
         assert torch.equal(k, want_k) and torch.equal(v, want_v)
@@ -123,48 +123,6 @@ def test_one_chunk_rows_stored_by_the_partial_program_match_the_merge(tokens: in
     assert torch.equal(outs[0], outs[1])
     assert torch.isfinite(outs[0]).all()
     assert len(merges) == (1 if one_chunk_grid else 2)  # direct=False always merges
-
-
-@pytest.mark.parametrize("tokens", [1, 3])
-@pytest.mark.parametrize("direct", [True, False])
-def test_last_partial_program_merges_in_place_of_the_merge_launch(tokens: int, direct: bool, monkeypatch) -> None:
-    """With ``counters`` the last of a row's partial programs merges it: bitwise the merge
-    kernel's output, no merge launch, and the counters are zero again after every call (the
-    next call, or a graph replay, reuses them)."""
-    merges = []
-    real = kernel._merge
-
-    class Counted:
-        def __getitem__(self, grid):
-            merges.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(kernel, "_merge", Counted())
-    chunk = 128
-    T = 4 * chunk + 3
-    lengths = [tokens, chunk, chunk + 1, 2 * chunk + 7, 3 * chunk, T]  # one to five chunks
-    q, kc, vc, lens, new_kv = _attention_case(lengths, tokens, T, seed=30 + tokens)
-    D, launch = q.shape[-1], (chunk, 32, 4, 2)
-    want_k, want_v = kc.clone(), vc.clone()
-    want = kernel.decode_attention(q, want_k, want_v, lens, D ** -0.5, T, tokens=tokens, new_kv=new_kv,
-                                   launch=launch, direct=direct)
-    assert len(merges) == 1
-    counters = torch.zeros(q.shape[0] * q.shape[1] + 3, dtype=torch.int32, device=DEVICE)  # more than needed
-    for _ in range(2):
-        k, v = kc.clone(), vc.clone()
-        out = kernel.decode_attention(q, k, v, lens, D ** -0.5, T, tokens=tokens, new_kv=new_kv, launch=launch,
-                                      direct=direct, counters=counters)
-        assert torch.equal(out, want) and torch.equal(k, want_k) and torch.equal(v, want_v)
-        assert not counters.any()
-    assert len(merges) == 1
-
-
-def test_merge_counters_are_checked() -> None:
-    q, kc, vc, lens, new_kv = _attention_case([5, 300], 1, 300, seed=1)
-    for bad in (torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE),
-                torch.zeros(8, dtype=torch.int32, device=DEVICE)[::2]):
-        with pytest.raises(ValueError, match="counters"):
-            kernel.decode_attention(q, kc, vc, lens, 0.1, 300, new_kv=new_kv, counters=bad)
 
 
 def _rope_case(dtype: torch.dtype, qk_norm: bool, seed: int = 4):
