@@ -21,5 +21,6 @@ if [ "${MILES_KERNEL_TESTS:-0}" = 1 ]; then
     .venv/bin/python -c "from miles.kernels import decode_attention as k; assert k.available('cpu'), \
         'triton interpreter unusable (triton missing or numpy >= 2.4)'"
     .venv/bin/python -m pytest -q "$@" \
-        tests/unit/engines/test_triton_decode.py tests/unit/engines/test_fused_sampling.py
+        tests/unit/engines/test_triton_decode.py tests/unit/engines/test_fused_sampling.py \
+        tests/unit/test_kernel_registers.py
 fi

@@ -99,6 +99,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # most 1024 positions; miles.kernels.decode_attention.default_launch). For A/B runs
     # (benchmarks/engine.py --side) and tuning; a power of two ≥ 64.
     decode_attention_chunk: int = 0
+    # The Triton decode attention merges a row's chunks in its last partial program (per-row
+    # counters) instead of a merge launch: ~1.6-2.3 µs a layer fewer at batch 64 wherever a row
+    # spans two chunks, by the merge kernel's own time on the H200. Off by default until timed
+    # on a GPU: its first form, inlined, cost an SM one program (miles.kernels.decode_attention).
+    decode_merge_in_kernel: bool = False
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0
     # Batch-invariant numerics (the run's --deterministic): every decode step runs the full

@@ -30,6 +30,20 @@ Two launches per layer:
    where a wide grid's 16-bit cache holds at most ``ONE_CHUNK``). A grid of one chunk
    launches no merge.
 
+   Given ``counters`` (a zeroed int32 buffer the caller keeps: ``EngineConfig.
+   decode_merge_in_kernel``), no merge launches at all: each ``_partial`` program of a row of
+   several chunks counts itself done on its (row, KV head) counter after storing its partial
+   (acquire / release), and the one that finishes last merges the row's chunks in chunk order
+   (so the result does not depend on which program came last: bitwise the ``_merge``
+   kernel's) and zeroes the counter for the next call. Why: the merge launch costs ~1.6-2.3 µs
+   a layer at batch 64 on the H200 whenever a row spans two chunks, as every step of an RL run
+   whose slots hold more than 1024 positions may. Not the default: its first form, with the
+   merge inlined into ``_partial``, took 144 registers a thread against 106 (ptxas, sm_90), so
+   3 programs fitted an SM instead of 4, and a layer ran 4-8% slower even where no row merged
+   (benchmarks/RESULTS.md, decode_attention, 2026-12-01 21:14). The merge is now a function
+   of its own on a tile of the group's own rows: +0-2 registers in every form compiled
+   (benchmarks/kernel_registers.py), the same occupancy. Not timed on a GPU yet.
+
 The same kernel serves a speculative verify step (several new tokens per row, causal among
 them): each query row's own limit masks the keys it may not see. A step with more than
 ``MAX_ROWS`` query rows per KV head (GQA group × new tokens) launches in slices, so tiles
@@ -148,7 +162,7 @@ def _probe(device: str, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float,
                      max_len: int, tokens: int = 1, new_kv: tuple[Tensor, Tensor] | None = None,
                      launch: tuple[int, int, int, int] | None = None, rope: Rope | None = None,
-                     direct: bool = True) -> Tensor:
+                     direct: bool = True, counters: Tensor | None = None) -> Tensor:
     """Attention of ``tokens`` new queries per row over the row's cache, causal among them:
     query t of row b sees positions ``[0, lengths[b] - tokens + t]`` (one token: a decode
     step; several: a speculative verify step, the new tokens' K/V already written).
@@ -165,9 +179,16 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     the kernel applies the q/k RMSNorms and RoPE to them itself (``Rope``). A row of one chunk
     gets its output from its one program, and a grid of one chunk (``max_len`` ≤ CHUNK) runs no
     merge at all; ``direct=False`` sends such rows through the merge too (the A/B of
-    benchmarks/decode_attention.py).
+    benchmarks/decode_attention.py). ``counters``: int32, contiguous, at least n × KV
+    elements, all zero (the kernel leaves them zero): the last partial program of each row
+    merges it, and no merge kernel launches. Calls that share a buffer must not run
+    concurrently (one stream).
     Returns q's shape and dtype (contiguous)."""
     n, KV, _, D = q.shape
+    if counters is not None and (counters.dtype != torch.int32 or not counters.is_contiguous()
+                                 or counters.numel() < n * KV or counters.device != q.device):
+        raise ValueError(f"counters: a contiguous int32 buffer of at least {n * KV} elements on {q.device}, got "
+                         f"{counters.dtype} [{counters.numel()}] on {counters.device}")
     if new_kv is not None:
         if tokens != 1 or any(t.shape != (n, KV, D) for t in new_kv):
             raise ValueError(f"new_kv: one token's K and V of shape {(n, KV, D)} each, got "
@@ -180,7 +201,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
         _launch(q[:, :, rows], k_cache, v_cache, lengths, scale, max_len, tokens, row0, out[:, :, rows],
                 new_kv if row0 == 0 else None,
                 launch or default_launch(q.shape[0] * q.shape[1], k_cache.dtype, max_len),
-                rope, direct)
+                rope, direct, counters)
     return out
 
 
@@ -238,13 +259,15 @@ def default_launch(programs: int, kv_dtype: torch.dtype, max_len: int | None = N
 
 def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float, max_len: int,
             tokens: int, row0: int, out: Tensor, new_kv: tuple[Tensor, Tensor] | None,
-            launch: tuple[int, int, int, int], rope: Rope | None = None, direct: bool = True) -> None:
+            launch: tuple[int, int, int, int], rope: Rope | None = None, direct: bool = True,
+            counters: Tensor | None = None) -> None:
     n, KV, G, D = q.shape  # G: query rows per KV head in this slice, from row ``row0``
     chunk, block_n, warps, stages = launch
     chunks = triton.cdiv(max_len, chunk)
     acc = torch.empty((n, KV, chunks, G, D), device=q.device, dtype=torch.float32)
     stats = torch.empty((2, n, KV, chunks, G), device=q.device, dtype=torch.float32)  # max, denominator
-    G_PAD = max(16, triton.next_power_of_2(G))
+    G_PAD = max(16, triton.next_power_of_2(G))  # the query tile of the dots (16 rows at least)
+    G_M = triton.next_power_of_2(G)  # the merge's tile: no dot, so no padding to 16 rows
     exact = q.dtype == torch.float32  # fp32 dots stay fp32 (tl.dot would use tf32)
     k_new, v_new = new_kv if new_kv is not None else (k_cache, v_cache)  # unread without WRITE
     kv_max = torch.finfo(k_cache.dtype).max if k_cache.dtype != q.dtype else 0.0  # 0: no clamp
@@ -256,8 +279,9 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
         *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3], *acc.stride()[:4], *stats.stride()[:5],
         *k_new.stride()[:3], *v_new.stride()[:3],
         cos, sin, cos.stride(0), q_norm, k_norm, rope.eps if rope is not None else 0.0, out, *out.stride(),
-        G_PAD=G_PAD, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None, KV_MAX=kv_max,
-        DIRECT=direct,
+        counters if counters is not None else lengths,  # unread without MERGE_IN
+        G_PAD=G_PAD, G_M=G_M, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None,
+        KV_MAX=kv_max, DIRECT=direct, MERGE_IN=counters is not None and chunks > 1,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm is not None,
         # float32 tiles are twice the size: unpipelined they fit any GPU's shared memory
         # (3 stages took 143-230 KB on sm80/sm90; an A100 has 164 KB)
@@ -265,9 +289,11 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
     )
     if direct and chunks == 1:  # every row is one chunk, stored by its program: nothing to merge
         return  # (a launch saved: ~1.6 µs a layer, 28 a 0.5B step, whenever the context fits a chunk)
+    if counters is not None and chunks > 1:  # each row's last partial program merged it
+        return
     _merge[(n, KV)](
         acc, stats, lengths, out, G, *acc.stride()[:4], *stats.stride()[:5], *out.stride(),
-        G_PAD=G_PAD, D=D, CHUNK=chunk, DIRECT=direct,
+        G_M=G_M, D=D, CHUNK=chunk, DIRECT=direct,
     )
 
 
@@ -299,10 +325,10 @@ if triton is not None:
                  sq_b, sq_h, sq_g, sq_d, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                  sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
                  skn_b, skn_h, skn_d, svn_b, svn_h, svn_d,
-                 cos_ptr, sin_ptr, sc_b, qw_ptr, kw_ptr, eps, out_ptr, so_b, so_h, so_g, so_d,
-                 G_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                 EXACT: tl.constexpr, WRITE: tl.constexpr, KV_MAX: tl.constexpr,
-                 ROPE: tl.constexpr, QK_NORM: tl.constexpr, DIRECT: tl.constexpr):
+                 cos_ptr, sin_ptr, sc_b, qw_ptr, kw_ptr, eps, out_ptr, so_b, so_h, so_g, so_d, cnt_ptr,
+                 G_PAD: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+                 BLOCK_N: tl.constexpr, EXACT: tl.constexpr, WRITE: tl.constexpr, KV_MAX: tl.constexpr,
+                 ROPE: tl.constexpr, QK_NORM: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
@@ -385,29 +411,40 @@ if triton is not None:
             st = st_ptr + b * ss_b + h * ss_h + c * ss_c + g * ss_g
             tl.store(st, m, mask=keep)
             tl.store(st + ss_w, den, mask=keep)
+            if MERGE_IN:
+                if start < length:  # a live chunk: count it done; the row's last one merges
+                    cnt = cnt_ptr + b * tl.num_programs(1) + h
+                    tl.debug_barrier()  # every thread's stores above come before the count
+                    # release: this chunk's partial is visible before its count; acquire: the
+                    # last program sees every chunk's
+                    done = tl.atomic_add(cnt, 1, sem="acq_rel")
+                    if done == tl.cdiv(length, CHUNK) - 1:
+                        _merge_row(acc_ptr, st_ptr, out_ptr, b, h, G, tl.cdiv(length, CHUNK), sa_b, sa_h, sa_c,
+                                   sa_g, ss_w, ss_b, ss_h, ss_c, ss_g, so_b, so_h, so_g, so_d, G_M, D)
+                        tl.atomic_xchg(cnt, 0)  # ready for the next call
 
-    @triton.jit(do_not_specialize=["G", "ss_w", "ss_b", "ss_h", "ss_c"])
-    def _merge(acc_ptr, st_ptr, len_ptr, out_ptr, G, sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
-               so_b, so_h, so_g, so_d, G_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-               DIRECT: tl.constexpr):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        length = tl.load(len_ptr + b)
-        g = tl.arange(0, G_PAD)
+    # not inlined by triton: inlined into ``_partial`` its code raised the kernel's registers
+    # (ptxas, sm_90) from 106 to 142-144 a thread in most forms, one program fewer an SM; as a
+    # function of its own +0-2 (benchmarks/kernel_registers.py)
+    @triton.jit(noinline=True)
+    def _merge_row(acc_ptr, st_ptr, out_ptr, b, h, G, chunks, sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c,
+                   ss_g, so_b, so_h, so_g, so_d, G_M: tl.constexpr, D: tl.constexpr):
+        """Merge chunks ``[0, chunks)`` of (row b, KV head h) in chunk order and store the
+        output (nothing when ``chunks`` is 0), on a tile of the group's own G_M rows (no dot
+        here, so no padding to the dots' 16 rows). The loads bypass L1 (``.cg``): in
+        ``_partial`` the partials come from other programs of the same launch."""
+        g = tl.arange(0, G_M)
         d = tl.arange(0, D)
-        chunks = tl.cdiv(length, CHUNK)
-        if DIRECT:  # a one-chunk row: _partial stored its output
-            chunks = tl.where(chunks == 1, 0, chunks)
         rows = (g < G) & (chunks > 0)
-        m = tl.full((G_PAD,), float("-inf"), tl.float32)
-        den = tl.zeros((G_PAD,), tl.float32)
-        acc = tl.zeros((G_PAD, D), tl.float32)
+        m = tl.full((G_M,), float("-inf"), tl.float32)
+        den = tl.zeros((G_M,), tl.float32)
+        acc = tl.zeros((G_M, D), tl.float32)
         for c in range(0, chunks):
             st = st_ptr + b * ss_b + h * ss_h + c * ss_c + g * ss_g
-            m_c = tl.load(st, mask=rows, other=0.0)
-            den_c = tl.load(st + ss_w, mask=rows, other=0.0)
+            m_c = tl.load(st, mask=rows, other=0.0, cache_modifier=".cg")
+            den_c = tl.load(st + ss_w, mask=rows, other=0.0, cache_modifier=".cg")
             acc_c = tl.load(acc_ptr + b * sa_b + h * sa_h + c * sa_c + g[:, None] * sa_g + d[None, :],
-                            mask=rows[:, None], other=0.0)
+                            mask=rows[:, None], other=0.0, cache_modifier=".cg")
             m_new = tl.maximum(m, m_c)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # chunks a query row sees nothing of
             alpha, beta = tl.exp(m - m_use), tl.exp(m_c - m_use)
@@ -417,3 +454,15 @@ if triton is not None:
         out = acc / tl.where(rows, den, 1.0)[:, None]  # nothing stored where no chunk was merged
         tl.store(out_ptr + b * so_b + h * so_h + g[:, None] * so_g + d[None, :] * so_d,
                  out.to(out_ptr.dtype.element_ty), mask=rows[:, None])
+
+    @triton.jit(do_not_specialize=["G", "ss_w", "ss_b", "ss_h", "ss_c"])
+    def _merge(acc_ptr, st_ptr, len_ptr, out_ptr, G, sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
+               so_b, so_h, so_g, so_d, G_M: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+               DIRECT: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        chunks = tl.cdiv(tl.load(len_ptr + b), CHUNK)
+        if DIRECT:  # a one-chunk row: _partial stored its output
+            chunks = tl.where(chunks == 1, 0, chunks)
+        _merge_row(acc_ptr, st_ptr, out_ptr, b, h, G, chunks, sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c,
+                   ss_g, so_b, so_h, so_g, so_d, G_M, D)

@@ -1,0 +1,170 @@
+"""Registers, spills and shared memory of the Triton kernels' variants, compiled offline.
+
+Why: a kernel form can be slower where its new code never runs, because it raised the
+registers a thread needs past an occupancy step. The decode attention's first in-kernel merge
+did that (benchmarks/RESULTS.md, decode_attention, 2026-12-01 21:14: 4-8% slower a layer with
+no row merging; 144 registers a thread against 106, so 3 programs an SM instead of 4). This
+compiles each variant with the installed triton and its bundled ptxas for a GPU architecture
+(default sm_90, the H200), with no GPU: it runs on any machine with triton.
+
+Each kernel gets the arguments the engine's call passes: the launch function runs on CPU
+tensors of the engine's shapes (the Qwen3-0.6B decode step, batch 64 over a 2049-position
+cache), with the kernel swapped for a recorder; the recorded arguments are specialised as
+triton specialises them at a launch (integers equal to 1 become constants, multiples of 16
+and pointers get the divisibility hint, except the kernel's ``do_not_specialize``).
+Programs an SM: the lowest of the register, shared-memory and warp limits of the
+architecture (``ARCH``). This is a static count: ``benchmarks/decode_attention.py`` times.
+
+    python benchmarks/kernel_registers.py [--arch 90] [--no-record]
+
+Appends a section to benchmarks/RESULTS.md (``--no-record`` to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter's
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.engine import machine  # noqa: E402
+from benchmarks.trainer import record_section  # noqa: E402
+
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:  # noqa: E402
+    triton = None
+
+# registers an SM, registers a warp is given at a time, shared memory an SM (bytes, less the
+# 1 KB a program reserves), warps an SM, programs an SM
+ARCH = {80: (65536, 256, 163 * 1024, 64, 32), 90: (65536, 256, 227 * 1024, 64, 32)}
+POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
+           torch.int32: "*i32", torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}
+KV, G, D, ROWS, CACHE = 8, 2, 128, 64, 2049  # Qwen3-0.6B's attention; batch 64 over a 2049-position cache
+
+
+class Recorder:
+    """Stands in for a JIT kernel: ``kernel[grid](*args, **kw)`` records the call."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.calls = fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((args, kw))
+
+
+def signature(fn, args: tuple, kw: dict) -> tuple[dict, dict, dict, dict]:
+    """triton's specialisation of one launch: (signature, constexprs, attrs, options)."""
+    options = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
+    constexprs = {k: v for k, v in kw.items() if k not in options}
+    sig, attrs = {}, {}
+    for i, (name, value) in enumerate(zip(fn.arg_names, args)):
+        free = name in fn.do_not_specialize
+        if isinstance(value, torch.Tensor):
+            sig[name] = POINTER[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]  # torch's allocations are 16-byte aligned
+        elif isinstance(value, bool):
+            sig[name] = "i1"
+        elif isinstance(value, int):
+            if value == 1 and not free:
+                sig[name], constexprs[name] = "constexpr", 1
+                continue
+            sig[name] = "i32" if -(2 ** 31) <= value < 2 ** 31 else "i64"
+            if value % 16 == 0 and not free:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}.{name}: {type(value).__name__}")
+    for name in constexprs:
+        sig[name] = "constexpr"
+    return sig, constexprs, attrs, options
+
+
+def usage(fn, args: tuple, kw: dict, arch: int) -> dict:
+    sig, constexprs, attrs, options = signature(fn, args, kw)
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32), options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    line = next(ln for ln in text.splitlines() if "REG:" in ln)
+    field = dict(item.split(":", 1) for item in line.split() if ":" in item)
+    regs, stack, shared = int(field["REG"]), int(field["STACK"]), compiled.metadata.shared
+    warps = options.get("num_warps", 4)
+    reg_file, unit, smem, max_warps, max_programs = ARCH[arch]
+    per_warp = -(-regs * 32 // unit) * unit
+    fits = min(reg_file // (per_warp * warps), smem // max(shared, 1), max_warps // warps, max_programs)
+    return dict(regs=regs, spill=stack, shared=shared, programs=fits)
+
+
+def decode_attention_cases() -> list[tuple[str, object, tuple, dict]]:
+    """The decode step's ``_partial`` (and ``_merge``) as the engine launches them."""
+    from miles.kernels import decode_attention as kernel
+
+    cases = []
+    for g_size, kv_dtype, form in [(2, torch.bfloat16, "wide"), (2, torch.bfloat16, "narrow"),
+                                   (2, torch.float8_e4m3fn, "wide"), (1, torch.bfloat16, "wide"),
+                                   (8, torch.bfloat16, "wide")]:
+        rows = ROWS if form == "wide" else 8
+        for merge_in in (False, True):
+            qkv = torch.zeros(rows, KV * g_size + 2 * KV, D, dtype=torch.bfloat16)
+            q, k, v = qkv.split((KV * g_size, KV, KV), dim=1)
+            kc = torch.zeros(rows, KV, CACHE, D, dtype=kv_dtype)
+            rope = kernel.Rope(torch.zeros(rows, D, dtype=torch.bfloat16), torch.zeros(rows, D, dtype=torch.bfloat16),
+                               torch.ones(D, dtype=torch.bfloat16), torch.ones(D, dtype=torch.bfloat16), 1e-6)
+            counters = torch.zeros(rows * KV, dtype=torch.int32) if merge_in else None
+            lengths = torch.full((rows,), CACHE)
+            launch = kernel.default_launch(rows * KV, kv_dtype, CACHE)
+            partial, merge = Recorder(kernel._partial), Recorder(kernel._merge)
+            real = kernel._partial, kernel._merge
+            kernel._partial, kernel._merge = partial, merge
+            try:
+                kernel._launch(q.view(rows, KV, g_size, D), kc, kc.clone(), lengths, D ** -0.5, CACHE, 1, 0,
+                               torch.empty(rows, KV, g_size, D, dtype=torch.bfloat16), (k, v), launch, rope,
+                               True, counters)
+            finally:
+                kernel._partial, kernel._merge = real
+            name = (f"_partial, group {g_size}, {str(kv_dtype).removeprefix('torch.')} cache, {rows} rows, "
+                    f"launch {launch}, merge {'in the kernel' if merge_in else 'kernel'}")
+            cases.append((name, real[0], *partial.calls[0]))
+            if merge.calls and g_size == 2 and kv_dtype == torch.bfloat16 and form == "wide":
+                cases.append((f"_merge, group {g_size}", real[1], *merge.calls[0]))
+    return cases
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, choices=sorted(ARCH))
+    ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    args = ap.parse_args()
+    if triton is None:
+        sys.exit("kernel_registers needs triton (pip install triton): it compiles the kernels offline")
+    lines = ["| kernel variant | registers a thread | spilled bytes | shared memory B | programs an SM |",
+             "|---|---|---|---|---|"]
+    for name, fn, call_args, call_kw in decode_attention_cases():
+        u = usage(fn, call_args, call_kw, args.arch)
+        lines.append(f"| {name} | {u['regs']} | {u['spill']} | {u['shared']} | {u['programs']} |")
+        print(lines[-1])
+    desc = (f"registers, spills (local stack) and shared memory of the Triton decode attention's variants, compiled "
+            f"offline for sm_{args.arch} by triton {triton.__version__} and its ptxas (no GPU), with the arguments "
+            f"of the engine's decode step (Qwen3-0.6B attention: {KV} KV heads, head dim {D}, a {CACHE}-position "
+            "cache; group 8 and 1 for other models' GQA); programs an SM by the register, shared-memory and warp limits")
+    record_section("kernel_registers", machine(), desc, lines, args.results, save=not args.no_record)
+
+
+if __name__ == "__main__":
+    main()
