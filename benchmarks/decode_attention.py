@@ -13,14 +13,20 @@ Found (H200, 2026-12-01 03:06-03:11): the bf16 cache's layer runs at 3.1 / 3.7 T
 at each one's best launch). Its step is bound by something other than the bytes it reads;
 neither transposed dots nor CUDA-core products (both tried as launch modes) changed that.
 
-Beside the default launch, the launch of the grid-width rule alone (512-position chunks in wide
-grids, whatever the cache length) is timed: what one chunk a row over a short cache buys
-(``ONE_CHUNK``; 1.05-1.07x at 2026-12-01 21:14). ``--lengths spread`` gives the rows lengths
-spread evenly over the cache (mean ``--context``, RL's uneven batches) instead of one length.
+Beside the sweep, two more forms are timed:
+- the default launch with its rows merged in the kernel (merge counters:
+  ``decode_merge_in_kernel``). Where every row is one chunk it is the default itself; a cache
+  over 1024 positions (``--cache-len 2049 --context 1024``) shows the difference;
+- the launch of the grid-width rule alone (512-position chunks in wide grids, whatever the
+  cache length): what one chunk a row over a short cache buys (``ONE_CHUNK``; 1.05-1.07x at
+  2026-12-01 21:14).
+``--lengths spread`` gives the rows lengths spread evenly over the cache (mean ``--context``,
+RL's uneven batches) instead of one length.
 
     python benchmarks/decode_attention.py [--batch 64 256] [--context 384] [--quick] [--rope]
                                           [--caches bf16 fp8_e4m3] [--chunks 128 256 512 1024]
-                                          [--lengths uniform spread]
+                                          [--lengths uniform spread] [--cache-len 641]
+                                          [--shared-cache]
 
 Appends a section to benchmarks/RESULTS.md (``--no-record`` to skip).
 """
@@ -55,7 +61,7 @@ def row_lengths(rows: int, context: int, cache_len: int, kind: str) -> torch.Ten
 
 
 def sweep(rows: int, lengths: torch.Tensor, cache_len: int, kv_dtype: torch.dtype, launches: list, reps: int,
-          rope: bool = False, shared_cache: bool = False) -> list[dict]:
+          rope: bool = False, shared_cache: bool = False, in_kernel: bool = False) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     # each call of a graph reads a cache of its own, as each layer of a step does: with one
     # cache for all calls, a batch-64 layer's ~100 MB was read partly from L2 (50 MB), and the
@@ -72,10 +78,11 @@ def sweep(rows: int, lengths: torch.Tensor, cache_len: int, kv_dtype: torch.dtyp
         norms = (1 + 0.1 * torch.randn(2, D, device="cuda", generator=g)).to(torch.bfloat16)
         tables = kernel.Rope(cos, sin, norms[0], norms[1], 1e-6)
     nbytes = 2 * KV * int(lengths.sum()) * D * caches[0][0].element_size()
+    counters = torch.zeros(rows * KV, device="cuda", dtype=torch.int32) if in_kernel else None
     found = []
     for launch in launches:
         calls = [lambda kc=kc, vc=vc: kernel.decode_attention(q, kc, vc, lengths, D ** -0.5, cache_len, new_kv=(k, v),
-                                                               launch=launch, rope=tables)
+                                                               launch=launch, rope=tables, counters=counters)
                  for kc, vc in (caches[i % len(caches)] for i in range(CALLS))]
         try:
             us = graph_us(calls, reps)
@@ -111,9 +118,9 @@ def main() -> None:
     else:
         launches = list(itertools.product(args.chunks, (32, 64, 128), (4, 8), (2, 3, 4)))
     bw = copy_bandwidth(torch.device("cuda"), 1 << 30)
-    lines = ["| batch | lengths | cache | default launch | its µs | its GB/s | grid-width rule's launch | its µs | "
-             "best launch (CHUNK, BLOCK_N, warps, stages) | its µs | its GB/s | × default |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch | lengths | cache | default launch | its µs | its GB/s | merged in the kernel µs | "
+             "grid-width rule's launch | its µs | best launch (CHUNK, BLOCK_N, warps, stages) | its µs | its GB/s | "
+             "× default |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     best_of: dict[str, dict] = {}
     caches = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
     for rows, kind, name in itertools.product(args.batch, args.lengths, args.caches):
@@ -125,10 +132,13 @@ def main() -> None:
                       rope=args.rope, shared_cache=args.shared_cache)
         base = next(r for r in found if r["launch"] == default)
         width_rule = next(r for r in found if r["launch"] == former)
+        in_kernel = sweep(rows, lengths, args.cache_len, dtype, [default], args.reps, rope=args.rope,
+                          shared_cache=args.shared_cache, in_kernel=True)[0]
         best = min(found, key=lambda r: r["us"])
         best_of[f"{rows}/{kind}/{name}"] = best
         lines.append(f"| {rows} | {kind} | {name} | {default} | {base['us']:.1f} | {base['gbs']:.0f} | "
-                     f"{former} | {width_rule['us']:.1f} | {best['launch']} | {best['us']:.1f} | "
+                     f"{in_kernel['us']:.1f} | {former} | {width_rule['us']:.1f} | {best['launch']} | "
+                     f"{best['us']:.1f} | "
                      f"{best['gbs']:.0f} | {base['us'] / best['us']:.2f}× |")
         top = sorted(found, key=lambda r: r["us"])[:5]
         print(f"batch {rows} {kind} {name}: " + ", ".join(f"{r['launch']} {r['us']:.1f} µs" for r in top))
