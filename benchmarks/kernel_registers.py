@@ -13,7 +13,10 @@ cache), with the kernel swapped for a recorder; the recorded arguments are speci
 triton specialises them at a launch (integers equal to 1 become constants, multiples of 16
 and pointers get the divisibility hint, except the kernel's ``do_not_specialize``).
 Programs an SM: the lowest of the register, shared-memory and warp limits of the
-architecture (``ARCH``). This is a static count: ``benchmarks/decode_attention.py`` times.
+architecture (``ARCH``). Loop instructions a position: a warp's SASS instructions in the
+attention's inner loop over its BLOCK_N positions, the cost of an issue-bound form (the 8-bit
+cache's, by Nsight Compute on the H200). These are static counts:
+``benchmarks/decode_attention.py`` times.
 
     python benchmarks/kernel_registers.py [--arch 90] [--no-record]
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -91,15 +95,36 @@ def signature(fn, args: tuple, kw: dict) -> tuple[dict, dict, dict, dict]:
     return sig, constexprs, attrs, options
 
 
+def loop_instructions(sass: str) -> int | None:
+    """SASS instructions in the body of the innermost loop that holds the tensor-core dots (a
+    backward branch's span), or None: per loop trip, the figure an issue-bound kernel's time
+    follows."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
+    index = {address: i for i, (address, _) in enumerate(lines)}
+    labels = {m.group(1): int(m.group(2), 16)
+              for m in re.finditer(r"^\.(L_x_\d+):\s*\n\s+/\*([0-9a-f]+)\*/", sass, re.M)}
+    bodies = []
+    for i, (address, text) in enumerate(lines):
+        m = re.search(r"BRA\s+(?:`\()?\.?(L_x_\d+)", text)
+        if m and labels.get(m.group(1), address) < address:
+            body = lines[index[labels[m.group(1)]] : i + 1]
+            if any("MMA" in t for _, t in body):
+                bodies.append(len(body))
+    return min(bodies) if bodies else None
+
+
 def usage(fn, args: tuple, kw: dict, arch: int) -> dict:
     sig, constexprs, attrs, options = signature(fn, args, kw)
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32), options=options)
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        text = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+        sass = subprocess.run([str(tools / "nvdisasm"), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
     line = next(ln for ln in text.splitlines() if "REG:" in ln)
     field = dict(item.split(":", 1) for item in line.split() if ":" in item)
     regs, stack, shared = int(field["REG"]), int(field["STACK"]), compiled.metadata.shared
@@ -107,7 +132,7 @@ def usage(fn, args: tuple, kw: dict, arch: int) -> dict:
     reg_file, unit, smem, max_warps, max_programs = ARCH[arch]
     per_warp = -(-regs * 32 // unit) * unit
     fits = min(reg_file // (per_warp * warps), smem // max(shared, 1), max_warps // warps, max_programs)
-    return dict(regs=regs, spill=stack, shared=shared, programs=fits)
+    return dict(regs=regs, spill=stack, shared=shared, programs=fits, loop=loop_instructions(sass))
 
 
 def decode_attention_cases() -> list[tuple[str, object, tuple, dict]]:
@@ -153,16 +178,18 @@ def main() -> None:
     args = ap.parse_args()
     if triton is None:
         sys.exit("kernel_registers needs triton (pip install triton): it compiles the kernels offline")
-    lines = ["| kernel variant | registers a thread | spilled bytes | shared memory B | programs an SM |",
-             "|---|---|---|---|---|"]
+    lines = ["| kernel variant | registers a thread | spilled bytes | shared memory B | programs an SM | "
+             "loop instructions a position |", "|---|---|---|---|---|---|"]
     for name, fn, call_args, call_kw in decode_attention_cases():
         u = usage(fn, call_args, call_kw, args.arch)
-        lines.append(f"| {name} | {u['regs']} | {u['spill']} | {u['shared']} | {u['programs']} |")
+        per = f"{u['loop'] / call_kw['BLOCK_N']:.1f}" if u["loop"] and "BLOCK_N" in call_kw else ""
+        lines.append(f"| {name} | {u['regs']} | {u['spill']} | {u['shared']} | {u['programs']} | {per} |")
         print(lines[-1])
     desc = (f"registers, spills (local stack) and shared memory of the Triton decode attention's variants, compiled "
             f"offline for sm_{args.arch} by triton {triton.__version__} and its ptxas (no GPU), with the arguments "
             f"of the engine's decode step (Qwen3-0.6B attention: {KV} KV heads, head dim {D}, a {CACHE}-position "
-            "cache; group 8 and 1 for other models' GQA); programs an SM by the register, shared-memory and warp limits")
+            "cache; group 8 and 1 for other models' GQA); programs an SM by the register, shared-memory and warp "
+            "limits; loop instructions a position: a warp's SASS in the inner loop / BLOCK_N")
     record_section("kernel_registers", machine(), desc, lines, args.results, save=not args.no_record)
 
 
