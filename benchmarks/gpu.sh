@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/RESULTS.md's H200 sections, one part per argument:
 #   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command; parts:
-#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing engine-matmul engine-attn engine-rollout profile engine long-tail trainer trainer-long-tail spec spec-overhead megatron weights async async-x2 bg-start bg-wait)
+#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing engine-matmul engine-attn engine-rollout profile engine engine-ab attention long-tail trainer trainer-long-tail spec spec-overhead megatron weights async async-x2 bg-start bg-wait)
 # A run longer than one call: `BG_PARTS=async-x2 ... gpu.sh bg-start` in one call, then at once
 # `gpu.sh bg-wait [more parts]` in the next (the machine is given back ~30 s after a call).
 # On a machine without ray/msgspec/megatron-core, a .whl folder built by the project's
@@ -44,6 +44,15 @@ for part in "$@"; do
         engine-rollout) timeout 300 python3 benchmarks/engine.py --device cuda --preset 0.5b --workload rollout --no-hf ;;
         profile)  timeout 200 python3 benchmarks/profile_decode.py --device cuda 2>&1 | tail -45 ;;
         engine)   timeout 300 python3 benchmarks/engine.py --device cuda --preset 0.5b ;;
+        attention) # the decode attention, each call on its own cache: the engine's cache (one chunk a
+                  # row) and one over 1024 positions, where rows merge (kernel or in-kernel merge)
+                  timeout 150 python3 benchmarks/decode_attention.py --quick --rope --batch 64 256 --lengths uniform spread \
+                      --caches bf16 fp8_e4m3 &&
+                  timeout 150 python3 benchmarks/decode_attention.py --quick --rope --batch 64 256 --lengths uniform spread \
+                      --caches bf16 --chunks 256 512 1024 --cache-len 2049 --context 1024 ;;
+        engine-ab) # the engine's decode options side by side (ENGINE_SIDES: --side arguments, names without spaces)
+                  timeout 400 python3 benchmarks/engine.py --device cuda --preset 0.5b --no-fp8-kv --no-torch-ops \
+                      --no-rope-outside ${ENGINE_SIDES:---side "512-position chunks:decode_attention_chunk=512" --side "512 merged in the kernel:decode_attention_chunk=512,decode_merge_in_kernel=true"} ;;
         long-tail) timeout 300 python3 benchmarks/long_tail_decode.py --device cuda --preset 0.5b ;;
         trainer)  timeout 300 python3 benchmarks/trainer.py --device cuda --preset 0.5b --compile ${TRAINER_ARGS:-} ;;
         trainer-long-tail) timeout 300 python3 benchmarks/trainer_long_tail.py --device cuda ${TLT_ARGS:-} ;;
