@@ -113,6 +113,7 @@ def test_incompatible_flags(files, capsys) -> None:
     _fails(_argv(files, "--advantage-estimator", "ppo"), capsys, "no critic yet")
     _fails(_argv(files, "--decode-attention", "triton"), capsys, "--decode-attention triton is a CUDA kernel")
     _fails(_argv(files, "--decode-attention", "flash"), capsys, "choose auto, matmul, sdpa or triton")
+    _fails(_argv(files, "--decode-attention-chunk", "100"), capsys, "--decode-attention-chunk 100: 0 (auto) or a power")
     _fails(_argv(files, "--kv-cache-dtype", "int4"), capsys, "--kv-cache-dtype 'int4': choose auto, fp8_e4m3, fp8_e5m2")
     _fails(_argv(files, "--kv-cache-dtype", "fp8_e4m3", "--cpu-decode-kernel"), capsys, "reads a cache in the engine's own dtype")
     _fails(_argv(files, "--kv-cache-dtype", "fp8_e4m3", "--rollout-backend", "sglang"), capsys,
