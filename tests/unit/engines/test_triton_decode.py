@@ -371,8 +371,11 @@ def test_engine_with_rope_in_the_kernel_matches_rope_outside(qk_norm: bool) -> N
 
 def test_engine_merging_in_the_kernel_matches_the_merge_launch(monkeypatch) -> None:
     """``decode_merge_in_kernel`` (rows merged by their last partial program) against the merge
-    kernel, with 64-position chunks so that rows span several: bitwise the same tokens and
-    log-probs, and no merge launch."""
+    kernel, with 64-position chunks so that rows span several: the same tokens and log-probs,
+    and no merge launch. The kernel is bitwise the merge's (tested above), but two engines of
+    one process can differ by float32 rounding outside it: in CI a first token's log-prob, which
+    comes from the prefill and no decode step, differed by 5e-7. So the log-probs are compared
+    within 1e-5, as the other engine tests here do."""
     merges = _count_merges(monkeypatch)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(5, 250, (m,), generator=g).tolist() for m in (3, 70, 200, 17)]
@@ -382,7 +385,8 @@ def test_engine_merging_in_the_kernel_matches_the_merge_launch(monkeypatch) -> N
     out, _ = _generate("triton", prompts, decode_attention_chunk=64, decode_merge_in_kernel=True)
     assert not merges
     for a, b in zip(ref, out):
-        assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
 
 
 def test_length_aware_decode_needs_one_graph_per_batch_bucket() -> None:
