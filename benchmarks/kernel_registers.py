@@ -15,8 +15,10 @@ and pointers get the divisibility hint, except the kernel's ``do_not_specialize`
 Programs an SM: the lowest of the register, shared-memory and warp limits of the
 architecture (``ARCH``). Loop instructions a position: a warp's SASS instructions in the
 attention's inner loop over its BLOCK_N positions, the cost of an issue-bound form (the 8-bit
-cache's, by Nsight Compute on the H200). These are static counts:
-``benchmarks/decode_attention.py`` times.
+cache's, by Nsight Compute on the H200); for the fused sampler's ``_chunk``, a thread's loop
+instructions an entry of the vocabulary. These are static counts (both sides of a branch in
+the loop count, such as the sampler's temperature-1 and greedy paths):
+``benchmarks/decode_attention.py`` and ``benchmarks/sampling.py`` time.
 
     python benchmarks/kernel_registers.py [--arch 90] [--no-record]
 
@@ -55,6 +57,7 @@ ARCH = {80: (65536, 256, 163 * 1024, 64, 32), 90: (65536, 256, 227 * 1024, 64, 3
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
            torch.int32: "*i32", torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}
 KV, G, D, ROWS, CACHE = 8, 2, 128, 64, 2049  # Qwen3-0.6B's attention; batch 64 over a 2049-position cache
+VOCAB = 151936  # Qwen3's
 
 
 class Recorder:
@@ -83,7 +86,7 @@ def signature(fn, args: tuple, kw: dict) -> tuple[dict, dict, dict, dict]:
             if value == 1 and not free:
                 sig[name], constexprs[name] = "constexpr", 1
                 continue
-            sig[name] = "i32" if -(2 ** 31) <= value < 2 ** 31 else "i64"
+            sig[name] = "i32" if -(2 ** 31) <= value < 2 ** 31 else "i64" if value < 2 ** 63 else "u64"
             if value % 16 == 0 and not free:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
@@ -95,10 +98,10 @@ def signature(fn, args: tuple, kw: dict) -> tuple[dict, dict, dict, dict]:
     return sig, constexprs, attrs, options
 
 
-def loop_instructions(sass: str) -> int | None:
-    """SASS instructions in the body of the innermost loop that holds the tensor-core dots (a
-    backward branch's span), or None: per loop trip, the figure an issue-bound kernel's time
-    follows."""
+def loop_instructions(sass: str, marker: str = "MMA") -> int | None:
+    """SASS instructions in the body of the innermost loop that holds a ``marker`` instruction
+    (the tensor-core dots; a backward branch's span), or None: per loop trip, the figure an
+    issue-bound kernel's time follows."""
     lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
     index = {address: i for i, (address, _) in enumerate(lines)}
     labels = {m.group(1): int(m.group(2), 16)
@@ -108,7 +111,7 @@ def loop_instructions(sass: str) -> int | None:
         m = re.search(r"BRA\s+(?:`\()?\.?(L_x_\d+)", text)
         if m and labels.get(m.group(1), address) < address:
             body = lines[index[labels[m.group(1)]] : i + 1]
-            if any("MMA" in t for _, t in body):
+            if any(marker in t for _, t in body):
                 bodies.append(len(body))
     return min(bodies) if bodies else None
 
@@ -132,7 +135,8 @@ def usage(fn, args: tuple, kw: dict, arch: int) -> dict:
     reg_file, unit, smem, max_warps, max_programs = ARCH[arch]
     per_warp = -(-regs * 32 // unit) * unit
     fits = min(reg_file // (per_warp * warps), smem // max(shared, 1), max_warps // warps, max_programs)
-    return dict(regs=regs, spill=stack, shared=shared, programs=fits, loop=loop_instructions(sass))
+    return dict(regs=regs, spill=stack, shared=shared, programs=fits, loop=loop_instructions(sass),
+                exp_loop=loop_instructions(sass, "MUFU"))
 
 
 def decode_attention_cases() -> list[tuple[str, object, tuple, dict]]:
@@ -170,6 +174,31 @@ def decode_attention_cases() -> list[tuple[str, object, tuple, dict]]:
     return cases
 
 
+def sampler_cases() -> list[tuple[str, object, tuple, dict]]:
+    """The fused sampler's ``_chunk`` as a decode step launches it (152k vocabulary, bf16 logits,
+    libdevice's logs as on a GPU): the default launch at batch 64 and 256, the per-block form,
+    and the per-lane form at the former launch (2048, 8192, 4), which spilled on the H200."""
+    from miles.kernels import sampling
+
+    cases = []
+    for rows, block, chunk, warps, lanes in [(64, None, None, None, True), (256, None, None, None, True),
+                                             (64, None, None, None, False), (64, 2048, 8192, 4, True)]:
+        recorder, real = Recorder(sampling._chunk), (sampling._chunk, sampling._finish)
+        sampling._chunk, sampling._finish = recorder, Recorder(sampling._finish)
+        try:
+            sampling.sample(torch.zeros(rows, VOCAB, dtype=torch.bfloat16), torch.ones(rows),
+                            torch.zeros(rows, dtype=torch.int64), block=block, chunk=chunk, warps=warps, lanes=lanes)
+        finally:
+            sampling._chunk, sampling._finish = real
+        args, kw = recorder.calls[0]
+        kw = {**kw, "PRECISE": True}  # libdevice's logs, as on a GPU (the CPU call would take tl.log)
+        launch = (kw["BLOCK"], kw["CHUNK"], kw.get("num_warps", 4))
+        form = "per-lane" if lanes else "per-block"
+        name = f"_chunk (sampler), {rows} rows, launch (BLOCK, CHUNK, warps) {launch}, {form}"
+        cases.append((name, real[0], args, kw))
+    return cases
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, choices=sorted(ARCH))
@@ -180,16 +209,23 @@ def main() -> None:
         sys.exit("kernel_registers needs triton (pip install triton): it compiles the kernels offline")
     lines = ["| kernel variant | registers a thread | spilled bytes | shared memory B | programs an SM | "
              "loop instructions a position |", "|---|---|---|---|---|---|"]
-    for name, fn, call_args, call_kw in decode_attention_cases():
+    for name, fn, call_args, call_kw in decode_attention_cases() + sampler_cases():
         u = usage(fn, call_args, call_kw, args.arch)
-        per = f"{u['loop'] / call_kw['BLOCK_N']:.1f}" if u["loop"] and "BLOCK_N" in call_kw else ""
+        if "BLOCK_N" in call_kw:  # the attention: a warp's loop instructions over its BLOCK_N positions
+            per = f"{u['loop'] / call_kw['BLOCK_N']:.1f}" if u["loop"] else ""
+        elif "BLOCK" in call_kw:  # the sampler: a thread's loop instructions over its BLOCK / threads entries
+            threads = 32 * call_kw.get("num_warps", 4)
+            per = f"{u['exp_loop'] * threads / call_kw['BLOCK']:.1f} an entry" if u["exp_loop"] else "(unrolled)"
+        else:
+            per = ""
         lines.append(f"| {name} | {u['regs']} | {u['spill']} | {u['shared']} | {u['programs']} | {per} |")
         print(lines[-1])
-    desc = (f"registers, spills (local stack) and shared memory of the Triton decode attention's variants, compiled "
-            f"offline for sm_{args.arch} by triton {triton.__version__} and its ptxas (no GPU), with the arguments "
-            f"of the engine's decode step (Qwen3-0.6B attention: {KV} KV heads, head dim {D}, a {CACHE}-position "
-            "cache; group 8 and 1 for other models' GQA); programs an SM by the register, shared-memory and warp "
-            "limits; loop instructions a position: a warp's SASS in the inner loop / BLOCK_N")
+    desc = (f"registers, spills (local stack) and shared memory of the Triton decode attention's and sampler's "
+            f"variants, compiled offline for sm_{args.arch} by triton {triton.__version__} and its ptxas (no GPU), "
+            f"with the arguments of the engine's decode step (Qwen3-0.6B attention: {KV} KV heads, head dim {D}, "
+            f"a {CACHE}-position cache; group 8 and 1 for other models' GQA); programs an SM by the register, "
+            "shared-memory and warp limits; loop instructions a position: a warp's SASS in the inner loop / BLOCK_N "
+            f"(the sampler: a thread's loop SASS / its entries, {VOCAB}-entry vocabulary)")
     record_section("kernel_registers", machine(), desc, lines, args.results, save=not args.no_record)
 
 

@@ -44,7 +44,8 @@ __all__ = ["BLOCK", "CHUNK", "WARPS", "available", "sample"]
 # graph, 152k vocabulary): the per-lane form's best launches were (1024, 4096, 8) at batch 64,
 # 52 µs, and (1024, 8192, 8) at batch 256, 197 µs, against 65 / 274 µs for the per-block form at
 # the former default (2048, 8192, 4). At that former launch the per-lane form was slower (89 /
-# 457 µs): 16 entries a thread of running state spill, 4 do not.
+# 457 µs): with 16 entries a thread of running state it takes 185 registers a thread, 2 programs
+# an SM, against 61 and 4 at the new launch (benchmarks/kernel_registers.py; no spill in either).
 BLOCK = 1024  # vocabulary entries per inner iteration
 CHUNK = 4096  # vocabulary entries per program (38 programs a row for a 152k vocabulary)
 WIDE_CHUNK = 8192  # per program in batches of WIDE rows or more (already enough programs)
