@@ -95,8 +95,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # rounded once, not twice (engines/CONSISTENCY.md). False: a GEMM, then an add.
     decode_residual_gemm: bool = True
     # Positions per program of the Triton decode attention (its CHUNK; 0 = auto: 256 in grids of
-    # fewer than 128 rows × KV heads, else 512, or one chunk a row where a 16-bit cache holds at
-    # most 1024 positions; miles.kernels.decode_attention.default_launch). For A/B runs
+    # fewer than 128 rows × KV heads, else 512, or, in decode steps, one chunk a row where a 16-bit
+    # cache holds at most 1024 positions; miles.kernels.decode_attention.default_launch). For A/B runs
     # (benchmarks/engine.py --side) and tuning; a power of two ≥ 64.
     decode_attention_chunk: int = 0
     # The Triton decode attention merges a row's chunks in its last partial program (per-row

@@ -234,7 +234,7 @@ class VerifyAttention:
         G = H // KV
         qg = q.reshape(n, KV, G * T, D)  # (group, token) rows per KV head
         if self.mode == "triton":
-            launch = triton_decode.default_launch(n * KV, kc.dtype, self.length, self.chunk)
+            launch = triton_decode.default_launch(n * KV, kc.dtype, self.length, self.chunk, tokens=T)
             out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length, tokens=T,
                                                  launch=launch, counters=self.counters)
             return out.reshape(n, H, T, D)

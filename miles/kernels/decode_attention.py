@@ -89,9 +89,10 @@ WIDE = 128
 # side) and CUDA-core products in place of tensor-core dots.
 LAUNCH = {2: (512, 64, 4, 2), 1: (512, 32, 4, 3)}
 NARROW = {2: (CHUNK, BLOCK_N, 4, 3), 1: (CHUNK, 32, 4, 3)}
-# A wide grid over a 16-bit cache of at most this many positions runs one chunk a row. Why: with
-# 512-position chunks such a grid has a second chunk of programs that are empty for every row
-# shorter than 512, and a merge launch. On the H200 (benchmarks/decode_attention.py, 2026-12-01
+# A decode step's wide grid over a 16-bit cache of at most this many positions runs one chunk a
+# row (verify steps keep their chunks: not timed so). Why: with 512-position chunks such a grid
+# has a second chunk of programs that are empty for every row shorter than 512, and a merge
+# launch. On the H200 (benchmarks/decode_attention.py, 2026-12-01
 # 21:14, rows at 384 of 641 positions on average) one bf16 layer took 31.1 against 32.8 µs at
 # batch 64 and 105.9 against 113.0 µs at batch 256 with rows of one length, and 35.7 against
 # 35.5 / 107.8 against 114.4 µs with lengths spread over the cache. 8-bit caches were not timed
@@ -200,7 +201,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
         rows = slice(row0, row0 + MAX_ROWS)
         _launch(q[:, :, rows], k_cache, v_cache, lengths, scale, max_len, tokens, row0, out[:, :, rows],
                 new_kv if row0 == 0 else None,
-                launch or default_launch(q.shape[0] * q.shape[1], k_cache.dtype, max_len),
+                launch or default_launch(q.shape[0] * q.shape[1], k_cache.dtype, max_len, tokens=tokens),
                 rope, direct, counters)
     return out
 
@@ -244,15 +245,16 @@ class Rope(NamedTuple):
 
 
 def default_launch(programs: int, kv_dtype: torch.dtype, max_len: int | None = None,
-                   chunk: int = 0) -> tuple[int, int, int, int]:
+                   chunk: int = 0, tokens: int = 1) -> tuple[int, int, int, int]:
     """The launch for a grid of ``programs`` rows × KV heads over a cache of ``kv_dtype`` and
-    ``max_len`` positions: a wide grid over a 16/32-bit cache of at most ``ONE_CHUNK`` positions
-    runs one chunk a row (``ONE_CHUNK`` says why). ``chunk`` > 0 sets the chunk size instead
-    (EngineConfig.decode_attention_chunk)."""
+    ``max_len`` positions: a decode step's wide grid over a 16/32-bit cache of at most
+    ``ONE_CHUNK`` positions runs one chunk a row (``ONE_CHUNK`` says why; verify steps, with
+    ``tokens`` > 1 new tokens a row, were not timed so). ``chunk`` > 0 sets the chunk size
+    instead (EngineConfig.decode_attention_chunk)."""
     size = min(torch.finfo(kv_dtype).bits // 8, 2)
     launch = (LAUNCH if programs >= WIDE else NARROW)[size]
     short = max_len is not None and launch[0] < max_len <= ONE_CHUNK
-    if chunk <= 0 and size == 2 and programs >= WIDE and short:
+    if chunk <= 0 and size == 2 and programs >= WIDE and short and tokens == 1:
         chunk = ONE_CHUNK
     return (chunk, *launch[1:]) if chunk > 0 else launch
 

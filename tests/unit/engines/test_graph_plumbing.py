@@ -86,9 +86,9 @@ def test_a_failed_capture_switches_graphs_off(monkeypatch) -> None:
 
 
 def test_decode_attention_launch_by_grid_width_and_cache_length() -> None:
-    """Wide grids over a 16/32-bit cache of at most ONE_CHUNK positions run one chunk a row;
-    longer caches, 8-bit caches and narrow grids keep their chunk; an explicit chunk wins
-    (pure Python: runs without triton)."""
+    """Decode steps' wide grids over a 16/32-bit cache of at most ONE_CHUNK positions run one
+    chunk a row; longer caches, 8-bit caches, narrow grids and verify steps keep their chunk;
+    an explicit chunk wins (pure Python: runs without triton)."""
     from miles.kernels import decode_attention as kernel
 
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
@@ -101,3 +101,4 @@ def test_decode_attention_launch_by_grid_width_and_cache_length() -> None:
     assert kernel.default_launch(wide, bf16) == kernel.LAUNCH[2]
     assert kernel.default_launch(narrow, bf16, 641) == kernel.NARROW[2]
     assert kernel.default_launch(wide, bf16, 641, chunk=128) == (128, *kernel.LAUNCH[2][1:])
+    assert kernel.default_launch(wide, bf16, 641, tokens=3) == kernel.LAUNCH[2]  # verify steps: not timed so
