@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from miles.engines.config import DECODE_ATTENTION, KV_CACHE_DTYPES
+from miles.engines.config import DECODE_ATTENTION, KV_CACHE_DTYPES, chunk_problem
 from miles.scheduler.staleness import SchedulerConfig
 from miles.transports.config import transport_problems
 
@@ -140,9 +140,9 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
           and not str(engine.device).startswith("cuda")):
         yield (f"--decode-attention triton is a CUDA kernel; the engines run on {engine.device!r} "
                "(use auto, or --device cuda)")
-    chunk = engine.decode_attention_chunk
-    if chunk != 0 and (chunk < 64 or chunk & (chunk - 1)):
-        yield f"--decode-attention-chunk {chunk}: 0 (auto) or a power of two >= 64"
+    problem = chunk_problem(engine.decode_attention_chunk)
+    if problem is not None:
+        yield f"--decode-attention-chunk {engine.decode_attention_chunk}: {problem}"
     if engine.kv_cache_dtype not in KV_CACHE_DTYPES:
         yield f"--kv-cache-dtype {engine.kv_cache_dtype!r}: choose {', '.join(KV_CACHE_DTYPES)}"
     elif engine.kv_cache_dtype != "auto" and run.rollout_backend != "embedded":

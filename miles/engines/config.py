@@ -6,6 +6,13 @@ import msgspec
 import torch
 
 DECODE_ATTENTION = ("auto", "matmul", "sdpa", "triton")  # --decode-attention's choices
+
+
+def chunk_problem(chunk: int) -> str | None:
+    """What is wrong with a ``decode_attention_chunk`` value (completing "must be ..."), or None."""
+    if chunk != 0 and (chunk < 64 or chunk & (chunk - 1)):
+        return "0 (auto) or a power of two >= 64"
+    return None
 # --kv-cache-dtype's choices (SGLang's names): the model's dtype, or 8-bit floats.
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -190,9 +197,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             reason = kernel.failure(self.device, self.torch_dtype(), head_dim, self.kv_torch_dtype())
             if reason is not None:
                 raise ValueError(f"decode_attention 'triton' cannot run here: the kernel {reason}")
-        chunk = self.decode_attention_chunk
-        if chunk != 0 and (chunk < 64 or chunk & (chunk - 1)):
-            raise ValueError(f"decode_attention_chunk must be 0 (auto) or a power of two >= 64, got {chunk}")
+        problem = chunk_problem(self.decode_attention_chunk)
+        if problem is not None:
+            raise ValueError(f"decode_attention_chunk must be {problem}, got {self.decode_attention_chunk}")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
         if self.admit_min is not None and self.admit_min < 1:

@@ -158,9 +158,8 @@ class DecodeAttention:
         kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
         qg = q.reshape(n, KV, H // KV, D)  # the GQA group becomes the query axis
         if self.mode == "triton":  # the kernel writes the new K/V itself (no launch of their own)
-            launch = triton_decode.default_launch(n * KV, kc.dtype, self.length, self.chunk)
             out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length,
-                                                 new_kv=(k[:, :, 0], v[:, :, 0]), launch=launch,
+                                                 new_kv=(k[:, :, 0], v[:, :, 0]), chunk=self.chunk,
                                                  counters=self.counters)
             return out.reshape(n, H, 1, D)
         cache = self.cache
@@ -188,8 +187,7 @@ class DecodeAttention:
         out = triton_decode.decode_attention(
             q.view(n, KV, H // KV, D), self.cache.k[layer_idx], self.cache.v[layer_idx], self.lengths,
             1.0 / math.sqrt(D), self.length, new_kv=(k, v), rope=triton_decode.Rope(cos, sin, q_norm, k_norm, eps),
-            launch=triton_decode.default_launch(n * KV, self.cache.k.dtype, self.length, self.chunk),
-            counters=self.counters)
+            chunk=self.chunk, counters=self.counters)
         return out.view(n, H, 1, D)
 
     def _long_rows(self, qg: Tensor, scores: Tensor, values: Tensor, kc: Tensor, vc: Tensor,
@@ -234,9 +232,8 @@ class VerifyAttention:
         G = H // KV
         qg = q.reshape(n, KV, G * T, D)  # (group, token) rows per KV head
         if self.mode == "triton":
-            launch = triton_decode.default_launch(n * KV, kc.dtype, self.length, self.chunk, tokens=T)
             out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length, tokens=T,
-                                                 launch=launch, counters=self.counters)
+                                                 chunk=self.chunk, counters=self.counters)
             return out.reshape(n, H, T, D)
         keys = cache.decode(kc[:n, :, : self.length])  # views: [n, KV, L, D] (copies when 8-bit)
         values = cache.decode(vc[:n, :, : self.length])

@@ -163,7 +163,7 @@ def _probe(device: str, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float,
                      max_len: int, tokens: int = 1, new_kv: tuple[Tensor, Tensor] | None = None,
                      launch: tuple[int, int, int, int] | None = None, rope: Rope | None = None,
-                     direct: bool = True, counters: Tensor | None = None) -> Tensor:
+                     direct: bool = True, counters: Tensor | None = None, chunk: int = 0) -> Tensor:
     """Attention of ``tokens`` new queries per row over the row's cache, causal among them:
     query t of row b sees positions ``[0, lengths[b] - tokens + t]`` (one token: a decode
     step; several: a speculative verify step, the new tokens' K/V already written).
@@ -175,9 +175,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     the cache at ``lengths[b] - 1`` by the kernel itself (not written before the call).
     The caches may be float8 (``KVCache``'s 8-bit storage): tiles are converted to q's
     dtype as they load, and the new K/V clamped to the format's range before they are
-    rounded into it. ``launch``: (CHUNK, BLOCK_N, num_warps, num_stages) instead of ``default_launch``'s
-    (for tuning). ``rope`` (with ``new_kv`` only): q and the new K are the raw projections, and
-    the kernel applies the q/k RMSNorms and RoPE to them itself (``Rope``). A row of one chunk
+    rounded into it. ``launch``: (CHUNK, BLOCK_N, num_warps, num_stages) instead of
+    ``default_launch``'s (for tuning); ``chunk`` > 0: ``default_launch``'s with that CHUNK.
+    ``rope`` (with ``new_kv`` only): q and the new K are the raw projections, and the kernel applies the q/k RMSNorms and RoPE to them itself (``Rope``). A row of one chunk
     gets its output from its one program, and a grid of one chunk (``max_len`` ≤ CHUNK) runs no
     merge at all; ``direct=False`` sends such rows through the merge too (the A/B of
     benchmarks/decode_attention.py). ``counters``: int32, contiguous, at least n × KV
@@ -201,7 +201,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
         rows = slice(row0, row0 + MAX_ROWS)
         _launch(q[:, :, rows], k_cache, v_cache, lengths, scale, max_len, tokens, row0, out[:, :, rows],
                 new_kv if row0 == 0 else None,
-                launch or default_launch(q.shape[0] * q.shape[1], k_cache.dtype, max_len, tokens=tokens),
+                launch or default_launch(q.shape[0] * q.shape[1], k_cache.dtype, max_len, chunk, tokens),
                 rope, direct, counters)
     return out
 
