@@ -178,8 +178,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     rounded into it. ``launch``: (CHUNK, BLOCK_N, num_warps, num_stages) instead of
     ``default_launch``'s (for tuning); ``chunk`` > 0: ``default_launch``'s with that CHUNK.
     ``rope`` (with ``new_kv`` only): q and the new K are the raw projections, and the kernel
-    applies the q/k RMSNorms and RoPE to them itself (``Rope``). A row of one chunk gets its output from its one program, and a grid of one chunk (``max_len`` ≤ CHUNK) runs no
-    merge at all; ``direct=False`` sends such rows through the merge too (the A/B of
+    applies the q/k RMSNorms and RoPE to them itself (``Rope``). A row of one chunk gets its
+    output from its one program, and a grid of one chunk (``max_len`` ≤ CHUNK) runs no merge at
+    all; ``direct=False`` sends such rows through the merge too (the A/B of
     benchmarks/decode_attention.py). ``counters``: int32, contiguous, at least n × KV
     elements, all zero (the kernel leaves them zero): the last partial program of each row
     merges it, and no merge kernel launches. Calls that share a buffer must not run
