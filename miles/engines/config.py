@@ -102,15 +102,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # rounded once, not twice (engines/CONSISTENCY.md). False: a GEMM, then an add.
     decode_residual_gemm: bool = True
     # Positions per program of the Triton decode attention (its CHUNK; 0 = auto: 256 in grids of
-    # fewer than 128 rows × KV heads, else 512, or, in decode steps, one chunk a row where a 16-bit
-    # cache holds at most 1024 positions; miles.kernels.decode_attention.default_launch). For A/B runs
-    # (benchmarks/engine.py --side) and tuning; a power of two ≥ 64.
+    # fewer than 128 rows × KV heads, else 1024; miles.kernels.decode_attention.default_launch). For
+    # A/B runs (benchmarks/engine.py --side) and tuning; a power of two ≥ 64.
     decode_attention_chunk: int = 0
     # The Triton decode attention merges a row's chunks in its last partial program (per-row
     # counters) instead of a merge launch: ~1.6-2.3 µs a layer fewer at batch 64 wherever a row
     # spans two chunks, by the merge kernel's own time on the H200. Off by default until timed
     # on a GPU: its first form, inlined, cost an SM one program (miles.kernels.decode_attention).
     decode_merge_in_kernel: bool = False
+    # The Triton decode attention's programs ask L2 for their first K/V tiles before anything else,
+    # and the kernel is a programmatic dependent launch (sm_90+): its start overlaps the qkv GEMM's
+    # end (miles.kernels.decode_attention, ``overlap``). False: neither (the A/B of benchmarks).
+    decode_attention_overlap: bool = True
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0
     # Batch-invariant numerics (the run's --deterministic): every decode step runs the full

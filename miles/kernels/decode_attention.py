@@ -26,9 +26,8 @@ Two launches per layer:
    context fits one chunk has no partials to merge: its ``_partial`` program normalises and
    stores the output itself, and the merge programs of such rows return at once (at batch 64
    the merge was ~2.2 µs of a ~60 µs layer on the H200, and most rows of short-context
-   batches fit one chunk: 256 positions in narrow grids, 512 in wide ones, or the whole cache
-   where a wide grid's 16-bit cache holds at most ``ONE_CHUNK``). A grid of one chunk
-   launches no merge.
+   batches fit one chunk: 256 positions in narrow grids, 1024 in wide ones). A grid of one
+   chunk launches no merge.
 
    Given ``counters`` (a zeroed int32 buffer the caller keeps: ``EngineConfig.
    decode_merge_in_kernel``), no merge launches at all: each ``_partial`` program of a row of
@@ -42,7 +41,24 @@ Two launches per layer:
    3 programs fitted an SM instead of 4, and a layer ran 4-8% slower even where no row merged
    (benchmarks/RESULTS.md, decode_attention, 2026-12-01 21:14). The merge is now a function
    of its own on a tile of the group's own rows: +0-2 registers in every form compiled
-   (benchmarks/kernel_registers.py), the same occupancy. Not timed on a GPU yet.
+   (benchmarks/kernel_registers.py), the same occupancy. Timed on the H200 (2026-12-02 00:10,
+   512-position chunks over a 2049-position cache, rows at 1024): 76.1 against 76.3 µs at batch
+   64, 288.1 against 283.5 at 256, so it stays off.
+
+``overlap`` (the default on CUDA: ``EngineConfig.decode_attention_overlap``) shortens the
+start of each program, which a one-wave grid (batch 64: 512 programs, ~4 an SM) cannot hide
+behind other programs. A layer's time grows by 0.24 µs a MB of K/V on the H200 (4.2 TB/s),
+but starts from ~7 µs (2026-12-02 00:10, 384- and 1024-position rows): the chain of
+dependent loads (length, q, its norm and rotation) runs before the first K/V tile is asked
+for. So each program first asks L2 for the first ``PREFETCH`` positions of its chunk's K and
+V (``prefetch.global.L2``: no registers held), and the kernel is launched as a programmatic
+dependent launch (PDL): it may start while the kernel before it (the qkv GEMM) finishes, and
+waits for that kernel (``griddepcontrol.wait``) only before it reads q and the new K/V, the
+GEMM's outputs. Before the wait a program reads only the lengths, the RoPE tables, the norm
+weights and positions of the cache before each row's new one, none of which the kernel
+launched just before it may write (the caller's contract; the engine's are written before
+the layer's qkv GEMM). Cache lines asked of L2 are a hint that reads nothing into registers,
+and every store comes after the wait.
 
 The same kernel serves a speculative verify step (several new tokens per row, causal among
 them): each query row's own limit masks the keys it may not see. A step with more than
@@ -72,6 +88,7 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_wait
 except ImportError:  # the CPU install has no triton; available() says so
     triton = None
 
@@ -82,23 +99,21 @@ BLOCK_N = 64  # positions per inner iteration
 WIDE = 128
 # (CHUNK, BLOCK_N, num_warps, num_stages) by the cache's element size (16/32-bit, 8-bit), for
 # wide grids and narrow ones (float32 q always runs unpipelined, see _launch). Wide: from
-# benchmarks/decode_attention.py on the H200 (2026-12-01 03:06 and 03:11: one layer at batch
-# 64 / 256 and 384 positions, 1.06-1.08x the former (256, 64, 4, 3) for bf16, 1.10-1.13x for
-# fp8). Narrow grids keep 256-position chunks, so a few rows still spread over the SMs. Tried
-# there and slower at every setting: the dots transposed (the K/V tile on the instruction's M
-# side) and CUDA-core products in place of tensor-core dots.
-LAUNCH = {2: (512, 64, 4, 2), 1: (512, 32, 4, 3)}
+# benchmarks/decode_attention.py on the H200, each call of a CUDA graph on a cache of its own
+# (2026-12-02 00:10): 1024-position chunks were the best CHUNK at batch 64 and 256, for rows
+# of one length or spread, over caches of 641 and of 2049 positions. Over 2049 positions a bf16
+# layer at 1024 positions a row took 70.8 / 262.7 µs against 76.3 / 283.5 with 512-position
+# chunks (1.08x), 80.4 / 268.6 against 82.9 / 279.6 with spread lengths; where the cache holds
+# at most 1024 positions a row is one chunk, with no merge launch (31.2 against 33.2 µs at
+# batch 64, 107.2 against 113.8 at 256, 641 positions). An fp8 layer over 641 positions: 29.5
+# / 102.7 µs against 32.2 / 108.7 with 512-position chunks. Narrow grids keep 256-position
+# chunks, so a few rows still spread over the SMs. Tried there and slower at every setting:
+# the dots transposed (the K/V tile on the instruction's M side) and CUDA-core products in
+# place of tensor-core dots.
+LAUNCH = {2: (1024, 64, 4, 2), 1: (1024, 32, 4, 3)}
 NARROW = {2: (CHUNK, BLOCK_N, 4, 3), 1: (CHUNK, 32, 4, 3)}
-# A decode step's wide grid over a 16-bit cache of at most this many positions runs one chunk a
-# row (verify steps keep their chunks: not timed so). Why: with 512-position chunks such a grid
-# has a second chunk of programs that are empty for every row shorter than 512, and a merge
-# launch. On the H200 (benchmarks/decode_attention.py, 2026-12-01
-# 21:14, rows at 384 of 641 positions on average) one bf16 layer took 31.1 against 32.8 µs at
-# batch 64 and 105.9 against 113.0 µs at batch 256 with rows of one length, and 35.7 against
-# 35.5 / 107.8 against 114.4 µs with lengths spread over the cache. 8-bit caches were not timed
-# so: they keep their chunks.
-ONE_CHUNK = 1024
 MAX_ROWS = 64  # query rows per KV head in one launch (G × tokens; wider steps launch in slices)
+PREFETCH = 128  # positions of K and V a program asks L2 for before its first loads (``overlap``)
 
 
 def available(device: torch.device | str) -> bool:
@@ -163,7 +178,8 @@ def _probe(device: str, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float,
                      max_len: int, tokens: int = 1, new_kv: tuple[Tensor, Tensor] | None = None,
                      launch: tuple[int, int, int, int] | None = None, rope: Rope | None = None,
-                     direct: bool = True, counters: Tensor | None = None, chunk: int = 0) -> Tensor:
+                     direct: bool = True, counters: Tensor | None = None, chunk: int = 0,
+                     prefetch: int | None = None, pdl: bool | None = None) -> Tensor:
     """Attention of ``tokens`` new queries per row over the row's cache, causal among them:
     query t of row b sees positions ``[0, lengths[b] - tokens + t]`` (one token: a decode
     step; several: a speculative verify step, the new tokens' K/V already written).
@@ -184,7 +200,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     benchmarks/decode_attention.py). ``counters``: int32, contiguous, at least n × KV
     elements, all zero (the kernel leaves them zero): the last partial program of each row
     merges it, and no merge kernel launches. Calls that share a buffer must not run
-    concurrently (one stream).
+    concurrently (one stream). ``prefetch`` (positions a program asks L2 for first, a power of
+    two or 0; default ``PREFETCH`` on CUDA) and ``pdl`` (a programmatic dependent launch;
+    default on sm_90 and later): the module docstring's ``overlap``, with its contract.
     Returns q's shape and dtype (contiguous)."""
     n, KV, _, D = q.shape
     if counters is not None and (counters.dtype != torch.int32 or not counters.is_contiguous()
@@ -197,14 +215,25 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
                              f"{[tuple(t.shape) for t in new_kv]} for tokens={tokens}")
     if rope is not None:
         rope.check(n, D, new_kv is not None, q.shape[2])
+    if prefetch is not None and (prefetch < 0 or prefetch & (prefetch - 1)):
+        raise ValueError(f"prefetch: 0 or a power of two (positions), got {prefetch}")
+    gpu = q.device.type == "cuda"  # the interpreter has neither (inline PTX)
+    prefetch = (PREFETCH if prefetch is None else prefetch) if gpu else 0
+    pdl = gpu and (_hopper(q.device) if pdl is None else pdl)
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     for row0 in range(0, q.shape[2], MAX_ROWS):  # a verify step of a wide GQA group: in slices
         rows = slice(row0, row0 + MAX_ROWS)
         _launch(q[:, :, rows], k_cache, v_cache, lengths, scale, max_len, tokens, row0, out[:, :, rows],
                 new_kv if row0 == 0 else None,
-                launch or default_launch(q.shape[0] * q.shape[1], k_cache.dtype, max_len, chunk, tokens),
-                rope, direct, counters)
+                launch or default_launch(q.shape[0] * q.shape[1], k_cache.dtype, chunk),
+                rope, direct, counters, prefetch, pdl)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol) needs sm_90 or later."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 class Rope(NamedTuple):
@@ -245,25 +274,19 @@ class Rope(NamedTuple):
                 raise ValueError(f"rope.{name} must be [{D}] and contiguous, got {tuple(t.shape)}")
 
 
-def default_launch(programs: int, kv_dtype: torch.dtype, max_len: int | None = None,
-                   chunk: int = 0, tokens: int = 1) -> tuple[int, int, int, int]:
-    """The launch for a grid of ``programs`` rows × KV heads over a cache of ``kv_dtype`` and
-    ``max_len`` positions: a decode step's wide grid over a 16/32-bit cache of at most
-    ``ONE_CHUNK`` positions runs one chunk a row (``ONE_CHUNK`` says why; verify steps, with
-    ``tokens`` > 1 new tokens a row, were not timed so). ``chunk`` > 0 sets the chunk size
-    instead (EngineConfig.decode_attention_chunk)."""
+def default_launch(programs: int, kv_dtype: torch.dtype, chunk: int = 0) -> tuple[int, int, int, int]:
+    """The launch for a grid of ``programs`` rows × KV heads over a cache of ``kv_dtype``
+    (``LAUNCH`` or ``NARROW``); ``chunk`` > 0 sets its CHUNK instead
+    (EngineConfig.decode_attention_chunk)."""
     size = min(torch.finfo(kv_dtype).bits // 8, 2)
     launch = (LAUNCH if programs >= WIDE else NARROW)[size]
-    short = max_len is not None and launch[0] < max_len <= ONE_CHUNK
-    if chunk <= 0 and size == 2 and programs >= WIDE and short and tokens == 1:
-        chunk = ONE_CHUNK
     return (chunk, *launch[1:]) if chunk > 0 else launch
 
 
 def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float, max_len: int,
             tokens: int, row0: int, out: Tensor, new_kv: tuple[Tensor, Tensor] | None,
             launch: tuple[int, int, int, int], rope: Rope | None = None, direct: bool = True,
-            counters: Tensor | None = None) -> None:
+            counters: Tensor | None = None, prefetch: int = 0, pdl: bool = False) -> None:
     n, KV, G, D = q.shape  # G: query rows per KV head in this slice, from row ``row0``
     chunk, block_n, warps, stages = launch
     chunks = triton.cdiv(max_len, chunk)
@@ -283,12 +306,13 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
         *k_new.stride()[:3], *v_new.stride()[:3],
         cos, sin, cos.stride(0), q_norm, k_norm, rope.eps if rope is not None else 0.0, out, *out.stride(),
         counters if counters is not None else lengths,  # unread without MERGE_IN
-        G_PAD=G_PAD, G_M=G_M, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None,
+        PREFETCH=min(prefetch, chunk), LINES=max(1, D * k_cache.element_size() // 128),
+        PDL=pdl, G_PAD=G_PAD, G_M=G_M, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None,
         KV_MAX=kv_max, DIRECT=direct, MERGE_IN=counters is not None and chunks > 1,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm is not None,
         # float32 tiles are twice the size: unpipelined they fit any GPU's shared memory
         # (3 stages took 143-230 KB on sm80/sm90; an A100 has 164 KB)
-        num_stages=1 if exact else stages, num_warps=warps,
+        num_stages=1 if exact else stages, num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     if direct and chunks == 1:  # every row is one chunk, stored by its program: nothing to merge
         return  # (a launch saved: ~1.6 µs a layer, 28 a 0.5B step, whenever the context fits a chunk)
@@ -331,13 +355,22 @@ if triton is not None:
                  cos_ptr, sin_ptr, sc_b, qw_ptr, kw_ptr, eps, out_ptr, so_b, so_h, so_g, so_d, cnt_ptr,
                  G_PAD: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                  BLOCK_N: tl.constexpr, EXACT: tl.constexpr, WRITE: tl.constexpr, KV_MAX: tl.constexpr,
-                 ROPE: tl.constexpr, QK_NORM: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN: tl.constexpr):
+                 ROPE: tl.constexpr, QK_NORM: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN: tl.constexpr,
+                 PREFETCH: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
         length = tl.load(len_ptr + b)
         start = c * CHUNK
         end = tl.minimum(start + CHUNK, length)
+        k_base = k_ptr + b * sk_b + h * sk_h
+        v_base = v_ptr + b * sv_b + h * sv_h
+        if PREFETCH > 0:  # before anything else: the first tiles' DRAM latency under the prologue
+            if start < end:
+                _prefetch_l2(k_base, start, end, sk_t, PREFETCH, LINES, D // LINES)
+                _prefetch_l2(v_base, start, end, sv_t, PREFETCH, LINES, D // LINES)
+        if PDL:  # q and the new K/V are the previous kernel's outputs (``overlap``)
+            gdc_wait()
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         q_rows = q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g
@@ -352,8 +385,6 @@ if triton is not None:
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         den = tl.zeros((G_PAD,), tl.float32)
         acc = tl.zeros((G_PAD, D), tl.float32)
-        k_base = k_ptr + b * sk_b + h * sk_h
-        v_base = v_ptr + b * sv_b + h * sv_h
         pos = length - 1  # the new token's position (WRITE: one token a row)
         if WRITE:
             end = tl.minimum(end, pos)  # the loop reads the cache before it; the tail adds it
@@ -425,6 +456,15 @@ if triton is not None:
                         _merge_row(acc_ptr, st_ptr, out_ptr, b, h, G, tl.cdiv(length, CHUNK), sa_b, sa_h, sa_c,
                                    sa_g, ss_w, ss_b, ss_h, ss_c, ss_g, so_b, so_h, so_g, so_d, G_M, D)
                         tl.atomic_xchg(cnt, 0)  # ready for the next call
+
+    @triton.jit
+    def _prefetch_l2(base, start, end, stride, N: tl.constexpr, LINES: tl.constexpr, STEP: tl.constexpr):
+        """Ask L2 for positions [start, min(start + N, end)) of one (row, KV head)'s K or V:
+        LINES cache lines of STEP elements a position (``prefetch.global.L2``)."""
+        t = tl.minimum(start + tl.arange(0, N), end - 1)
+        lines = base + t[:, None] * stride + (tl.arange(0, LINES) * STEP)[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l", [lines], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
     # not inlined by triton: inlined into ``_partial`` its code raised the kernel's registers
     # (ptxas, sm_90) from 106 to 142-144 a thread in most forms, one program fewer an SM; as a

@@ -85,20 +85,17 @@ def test_a_failed_capture_switches_graphs_off(monkeypatch) -> None:
     assert graphs.run([5, 6], [3, 4], 32) is None  # stays off
 
 
-def test_decode_attention_launch_by_grid_width_and_cache_length() -> None:
-    """Decode steps' wide grids over a 16/32-bit cache of at most ONE_CHUNK positions run one
-    chunk a row; longer caches, 8-bit caches, narrow grids and verify steps keep their chunk;
-    an explicit chunk wins (pure Python: runs without triton)."""
+def test_decode_attention_launch_by_grid_width_and_cache_dtype() -> None:
+    """Wide grids run 1024-position chunks (a 16-bit or float32 cache: LAUNCH[2]; 8-bit: LAUNCH[1]),
+    narrow ones 256; an explicit chunk wins (pure Python: runs without triton)."""
     from miles.kernels import decode_attention as kernel
 
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     wide, narrow = kernel.WIDE, kernel.WIDE - 1
-    assert kernel.default_launch(wide, bf16, 641) == (kernel.ONE_CHUNK, *kernel.LAUNCH[2][1:])
-    assert kernel.default_launch(wide, torch.float32, kernel.ONE_CHUNK)[0] == kernel.ONE_CHUNK
-    assert kernel.default_launch(wide, fp8, 641) == kernel.LAUNCH[1]  # not timed so: unchanged
-    assert kernel.default_launch(wide, bf16, kernel.ONE_CHUNK + 1) == kernel.LAUNCH[2]
-    assert kernel.default_launch(wide, bf16, kernel.LAUNCH[2][0]) == kernel.LAUNCH[2]  # one chunk already
-    assert kernel.default_launch(wide, bf16) == kernel.LAUNCH[2]
-    assert kernel.default_launch(narrow, bf16, 641) == kernel.NARROW[2]
-    assert kernel.default_launch(wide, bf16, 641, chunk=128) == (128, *kernel.LAUNCH[2][1:])
-    assert kernel.default_launch(wide, bf16, 641, tokens=3) == kernel.LAUNCH[2]  # verify steps: not timed so
+    assert kernel.default_launch(wide, bf16) == kernel.LAUNCH[2] and kernel.LAUNCH[2][0] == 1024
+    assert kernel.default_launch(wide, torch.float32) == kernel.LAUNCH[2]
+    assert kernel.default_launch(wide, fp8) == kernel.LAUNCH[1] and kernel.LAUNCH[1][0] == 1024
+    assert kernel.default_launch(narrow, bf16) == kernel.NARROW[2] and kernel.NARROW[2][0] == kernel.CHUNK
+    assert kernel.default_launch(narrow, fp8) == kernel.NARROW[1]
+    assert kernel.default_launch(wide, bf16, chunk=128) == (128, *kernel.LAUNCH[2][1:])
+    assert kernel.default_launch(narrow, fp8, chunk=64) == (64, *kernel.NARROW[1][1:])
