@@ -19,18 +19,13 @@ Beside the sweep, two more forms are timed:
   over 1024 positions (``--cache-len 2049 --context 1024``) shows the difference;
 - 512-position chunks in wide grids (the launch before 2026-12-02): what 1024-position chunks
   buy (1.03-1.08x at 2026-12-02 00:10).
-
-``--overlap`` times instead the kernel's ``overlap`` forms (prefetch into L2, programmatic
-dependent launch) as the engine runs it: each call after the qkv GEMM that makes its q/k/v
-(a weight of its own per call, so the GEMM reads DRAM), since a dependent launch overlaps only
-with the kernel before it. The GEMM alone is timed too.
 ``--lengths spread`` gives the rows lengths spread evenly over the cache (mean ``--context``,
 RL's uneven batches) instead of one length.
 
     python benchmarks/decode_attention.py [--batch 64 256] [--context 384] [--quick] [--rope]
                                           [--caches bf16 fp8_e4m3] [--chunks 128 256 512 1024]
                                           [--lengths uniform spread] [--cache-len 641]
-                                          [--shared-cache] [--overlap]
+                                          [--shared-cache]
 
 Appends a section to benchmarks/RESULTS.md (``--no-record`` to skip).
 """
@@ -50,7 +45,7 @@ from benchmarks.engine import copy_bandwidth, graph_us, machine  # noqa: E402
 from benchmarks.trainer import record_section  # noqa: E402
 from miles.kernels import decode_attention as kernel  # noqa: E402
 
-KV, G, D, HIDDEN = 8, 2, 128, 1024  # Qwen3-0.6B: 8 KV heads, 16 query heads, head dim 128
+KV, G, D = 8, 2, 128  # Qwen3-0.6B: 8 KV heads, 16 query heads, head dim 128
 CALLS = 20  # calls a CUDA graph holds (benchmarks.engine.graph_us)
 
 
@@ -65,11 +60,7 @@ def row_lengths(rows: int, context: int, cache_len: int, kind: str) -> torch.Ten
 
 
 def sweep(rows: int, lengths: torch.Tensor, cache_len: int, kv_dtype: torch.dtype, launches: list, reps: int,
-          rope: bool = False, shared_cache: bool = False, in_kernel: bool = False,
-          overlaps: list | None = None) -> list[dict]:
-    """Each launch timed (``launches``), or, with ``overlaps`` [(prefetch, pdl), ...], each of
-    those forms at the default launch, every call after its qkv GEMM (and the GEMM alone,
-    as ``overlap`` None)."""
+          rope: bool = False, shared_cache: bool = False, in_kernel: bool = False) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     # each call of a graph reads a cache of its own, as each layer of a step does: with one
     # cache for all calls, a batch-64 layer's ~100 MB was read partly from L2 (50 MB), and the
@@ -88,20 +79,6 @@ def sweep(rows: int, lengths: torch.Tensor, cache_len: int, kv_dtype: torch.dtyp
     nbytes = 2 * KV * int(lengths.sum()) * D * caches[0][0].element_size()
     counters = torch.zeros(rows * KV, device="cuda", dtype=torch.int32) if in_kernel else None
     found = []
-    if overlaps is not None:
-        x = torch.randn(rows, HIDDEN, device="cuda", generator=g, dtype=torch.bfloat16)
-        weights = [torch.randn(qkv[0].numel(), HIDDEN, device="cuda", generator=g, dtype=torch.bfloat16) / 32
-                   for _ in range(CALLS)]  # [out, in], as nn.Linear's: the engine's x @ W.T
-        flat = qkv.view(rows, -1)
-        for form in [None, *overlaps]:
-            def call(i: int, form=form) -> None:
-                torch.mm(x, weights[i].t(), out=flat)
-                if form is not None:
-                    kc, vc = caches[i % len(caches)]
-                    kernel.decode_attention(q, kc, vc, lengths, D ** -0.5, cache_len, new_kv=(k, v), rope=tables,
-                                            prefetch=form[0], pdl=form[1])
-            found.append(dict(overlap=form, us=graph_us([lambda i=i: call(i) for i in range(CALLS)], reps)))
-        return found
     for launch in launches:
         calls = [lambda kc=kc, vc=vc: kernel.decode_attention(q, kc, vc, lengths, D ** -0.5, cache_len, new_kv=(k, v),
                                                                launch=launch, rope=tables, counters=counters)
@@ -132,9 +109,6 @@ def main() -> None:
     ap.add_argument("--shared-cache", action="store_true",
                     help="every call reads the same cache (the form of the runs before 2026-12-01 22:00: "
                          "at batch 64 partly from L2)")
-    ap.add_argument("--overlap", action="store_true",
-                    help="time the overlap forms (prefetch, PDL) after a qkv GEMM instead of the launch sweep")
-    ap.add_argument("--prefetch", type=int, nargs="+", default=[64, 128, 256], help="--overlap's prefetch values")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
     args = ap.parse_args()
@@ -143,8 +117,6 @@ def main() -> None:
     else:
         launches = list(itertools.product(args.chunks, (32, 64, 128), (4, 8), (2, 3, 4)))
     bw = copy_bandwidth(torch.device("cuda"), 1 << 30)
-    if args.overlap:
-        return overlap_table(args, bw)
     lines = ["| batch | lengths | cache | default launch | its µs | its GB/s | merged in the kernel µs | "
              "512-position chunks | its µs | best launch (CHUNK, BLOCK_N, warps, stages) | its µs | its GB/s | "
              "× default |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -183,30 +155,6 @@ def main() -> None:
             f"median of {args.reps} replays by CUDA events; GB/s = K+V bytes read / time; copy bandwidth "
             f"{bw / 1e9:.0f} GB/s (read+write)")
     record_section("decode_attention", machine(), desc, lines, args.results, save=not args.no_record)
-
-
-def overlap_table(args, bw: float) -> None:
-    forms = [(0, False), (kernel.PREFETCH, False), (0, True)] + [(p, True) for p in args.prefetch]
-    forms = list(dict.fromkeys(forms))
-    names = [f"prefetch {p}{', PDL' if pdl else ''}" if p else ("PDL" if pdl else "neither") for p, pdl in forms]
-    lines = ["| batch | lengths | cache | qkv GEMM alone µs | " + " | ".join(f"{n} µs" for n in names)
-             + " | best | × neither |", "|---|---|---|---|" + "---|" * len(forms) + "---|---|"]
-    caches = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
-    for rows, kind, name in itertools.product(args.batch, args.lengths, args.caches):
-        lengths = row_lengths(rows, args.context, args.cache_len, kind)
-        found = sweep(rows, lengths, args.cache_len, caches[name], [], args.reps, rope=True, overlaps=forms)
-        gemm, timed = found[0]["us"], found[1:]
-        best = min(range(len(timed)), key=lambda i: timed[i]["us"])
-        lines.append(f"| {rows} | {kind} | {name} | {gemm:.1f} | " + " | ".join(f"{r['us']:.1f}" for r in timed)
-                     + f" | {names[best]} | {timed[0]['us'] / timed[best]['us']:.2f}× |")
-        print(lines[-1])
-    desc = (f"one layer's qkv GEMM ({HIDDEN} → {(KV * G + 2 * KV) * D}, a weight of its own per call) then its "
-            f"decode attention (new K/V written, q/k-norm + RoPE in the kernel, default launch), {KV} KV heads × "
-            f"group {G}, head dim {D}, rows at {args.context} positions of {args.cache_len} on average; µs a "
-            f"(GEMM, attention) pair in a CUDA graph of {CALLS} pairs, each on a cache of its own, median of "
-            f"{args.reps} replays; prefetch: positions of K and V each program asks L2 for first; PDL: "
-            f"programmatic dependent launch; copy bandwidth {bw / 1e9:.0f} GB/s (read+write)")
-    record_section("decode_attention overlap", machine(), desc, lines, args.results, save=not args.no_record)
 
 
 if __name__ == "__main__":

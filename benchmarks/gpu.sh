@@ -44,16 +44,15 @@ for part in "$@"; do
         engine-rollout) timeout 300 python3 benchmarks/engine.py --device cuda --preset 0.5b --workload rollout --no-hf ;;
         profile)  timeout 200 python3 benchmarks/profile_decode.py --device cuda 2>&1 | tail -45 ;;
         engine)   timeout 300 python3 benchmarks/engine.py --device cuda --preset 0.5b ;;
-        attention) # the decode attention, each call on its own cache: the overlap forms after a qkv GEMM,
-                  # the engine's cache (one chunk a row) and one over 1024 positions, where rows merge
-                  timeout 100 python3 benchmarks/decode_attention.py --overlap --batch 64 256 --caches bf16 fp8_e4m3 &&
+        attention) # the decode attention, each call on its own cache: the engine's cache (one chunk a
+                  # row) and one over 1024 positions, where rows merge (kernel or in-kernel merge)
                   timeout 150 python3 benchmarks/decode_attention.py --quick --rope --batch 64 256 --lengths uniform spread \
                       --caches bf16 fp8_e4m3 &&
                   timeout 150 python3 benchmarks/decode_attention.py --quick --rope --batch 64 256 --lengths uniform spread \
                       --caches bf16 --chunks 256 512 1024 --cache-len 2049 --context 1024 ;;
         engine-ab) # the engine's decode options side by side (ENGINE_SIDES: --side arguments, names without spaces)
                   timeout 400 python3 benchmarks/engine.py --device cuda --preset 0.5b --no-fp8-kv --no-torch-ops \
-                      --no-rope-outside ${ENGINE_SIDES:---side "without the overlapped attention start:decode_attention_overlap=false"} ;;
+                      --no-rope-outside ${ENGINE_SIDES:---side "512-position chunks:decode_attention_chunk=512"} ;;
         long-tail) timeout 300 python3 benchmarks/long_tail_decode.py --device cuda --preset 0.5b ;;
         trainer)  timeout 300 python3 benchmarks/trainer.py --device cuda --preset 0.5b --compile ${TRAINER_ARGS:-} ;;
         trainer-long-tail) timeout 300 python3 benchmarks/trainer_long_tail.py --device cuda ${TLT_ARGS:-} ;;

@@ -72,7 +72,7 @@ class Recorder:
 
 def signature(fn, args: tuple, kw: dict) -> tuple[dict, dict, dict, dict]:
     """triton's specialisation of one launch: (signature, constexprs, attrs, options)."""
-    options = {k: kw[k] for k in ("num_warps", "num_stages", "launch_pdl") if k in kw}
+    options = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
     constexprs = {k: v for k, v in kw.items() if k not in options}
     sig, attrs = {}, {}
     for i, (name, value) in enumerate(zip(fn.arg_names, args)):
@@ -148,7 +148,7 @@ def decode_attention_cases() -> list[tuple[str, object, tuple, dict]]:
                                    (2, torch.float8_e4m3fn, "wide"), (1, torch.bfloat16, "wide"),
                                    (8, torch.bfloat16, "wide")]:
         rows = ROWS if form == "wide" else 8
-        for merge_in, overlap in ((False, False), (True, False), (False, True)):
+        for merge_in in (False, True):
             qkv = torch.zeros(rows, KV * g_size + 2 * KV, D, dtype=torch.bfloat16)
             q, k, v = qkv.split((KV * g_size, KV, KV), dim=1)
             kc = torch.zeros(rows, KV, CACHE, D, dtype=kv_dtype)
@@ -163,14 +163,13 @@ def decode_attention_cases() -> list[tuple[str, object, tuple, dict]]:
             try:
                 kernel._launch(q.view(rows, KV, g_size, D), kc, kc.clone(), lengths, D ** -0.5, CACHE, 1, 0,
                                torch.empty(rows, KV, g_size, D, dtype=torch.bfloat16), (k, v), launch, rope,
-                               True, counters, kernel.PREFETCH if overlap else 0, overlap)
+                               True, counters)
             finally:
                 kernel._partial, kernel._merge = real
             name = (f"_partial, group {g_size}, {str(kv_dtype).removeprefix('torch.')} cache, {rows} rows, "
-                    f"launch {launch}, merge {'in the kernel' if merge_in else 'kernel'}"
-                    f"{', prefetch + PDL' if overlap else ''}")
+                    f"launch {launch}, merge {'in the kernel' if merge_in else 'kernel'}")
             cases.append((name, real[0], *partial.calls[0]))
-            if merge.calls and g_size == 2 and kv_dtype == torch.bfloat16 and form == "wide" and not overlap:
+            if merge.calls and g_size == 2 and kv_dtype == torch.bfloat16 and form == "wide":
                 cases.append((f"_merge, group {g_size}", real[1], *merge.calls[0]))
     return cases
 

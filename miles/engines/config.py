@@ -107,13 +107,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     decode_attention_chunk: int = 0
     # The Triton decode attention merges a row's chunks in its last partial program (per-row
     # counters) instead of a merge launch: ~1.6-2.3 µs a layer fewer at batch 64 wherever a row
-    # spans two chunks, by the merge kernel's own time on the H200. Off by default until timed
-    # on a GPU: its first form, inlined, cost an SM one program (miles.kernels.decode_attention).
+    # spans two chunks, by the merge kernel's own time on the H200. Off by default: timed on the
+    # H200 it was no faster than the merge launch (miles.kernels.decode_attention).
     decode_merge_in_kernel: bool = False
-    # The Triton decode attention's programs ask L2 for their first K/V tiles before anything else,
-    # and the kernel is a programmatic dependent launch (sm_90+): its start overlaps the qkv GEMM's
-    # end (miles.kernels.decode_attention, ``overlap``). False: neither (the A/B of benchmarks).
-    decode_attention_overlap: bool = True
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0
     # Batch-invariant numerics (the run's --deterministic): every decode step runs the full

@@ -127,13 +127,10 @@ class DecodeAttention:
 
     def __init__(self, cache: KVCache, positions: Tensor, length: int, mode: str = "matmul",
                  split: tuple[int, Tensor] | None = None, rope: bool = True,
-                 residual_gemm: bool = False, chunk: int = 0, merge_in_kernel: bool = False,
-                 overlap: bool = True) -> None:
+                 residual_gemm: bool = False, chunk: int = 0, merge_in_kernel: bool = False) -> None:
         self.cache, self.positions, self.length, self.mode = cache, positions, length, mode
-        # the Triton kernel's options: positions per program (0: its default), its rows merged in
-        # _partial, its prologue overlapped (prefetch + PDL; False: neither)
-        self.kernel = dict(chunk=chunk, counters=cache.merge_counters if merge_in_kernel else None,
-                           **({} if overlap else dict(prefetch=0, pdl=False)))
+        self.chunk = chunk  # the Triton kernel's positions per program (0: its default)
+        self.counters = cache.merge_counters if merge_in_kernel else None  # its rows merged in _partial
         # the layers may add the o / down projections into their residual stream in place
         # (``fused_layer_forward``): a decode step's own hidden states, which nothing else holds
         self.residual_gemm = residual_gemm
@@ -162,7 +159,8 @@ class DecodeAttention:
         qg = q.reshape(n, KV, H // KV, D)  # the GQA group becomes the query axis
         if self.mode == "triton":  # the kernel writes the new K/V itself (no launch of their own)
             out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length,
-                                                 new_kv=(k[:, :, 0], v[:, :, 0]), **self.kernel)
+                                                 new_kv=(k[:, :, 0], v[:, :, 0]), chunk=self.chunk,
+                                                 counters=self.counters)
             return out.reshape(n, H, 1, D)
         cache = self.cache
         kc[self.rows, :, self.positions] = cache.encode(k[:, :, 0])
@@ -189,7 +187,7 @@ class DecodeAttention:
         out = triton_decode.decode_attention(
             q.view(n, KV, H // KV, D), self.cache.k[layer_idx], self.cache.v[layer_idx], self.lengths,
             1.0 / math.sqrt(D), self.length, new_kv=(k, v), rope=triton_decode.Rope(cos, sin, q_norm, k_norm, eps),
-            **self.kernel)
+            chunk=self.chunk, counters=self.counters)
         return out.view(n, H, 1, D)
 
     def _long_rows(self, qg: Tensor, scores: Tensor, values: Tensor, kc: Tensor, vc: Tensor,
@@ -211,11 +209,9 @@ class VerifyAttention:
     """T query tokens per row at ``starts[b] + t``; rows ``0..n-1`` are slots ``0..n-1``."""
 
     def __init__(self, cache: KVCache, starts: Tensor, T: int, length: int, mode: str = "sdpa",
-                 chunk: int = 0, merge_in_kernel: bool = False, overlap: bool = True) -> None:
-        self.cache, self.length, self.mode = cache, length, mode
-        # the Triton kernel's options, as DecodeAttention's
-        self.kernel = dict(chunk=chunk, counters=cache.merge_counters if merge_in_kernel else None,
-                           **({} if overlap else dict(prefetch=0, pdl=False)))
+                 chunk: int = 0, merge_in_kernel: bool = False) -> None:
+        self.cache, self.length, self.mode, self.chunk = cache, length, mode, chunk
+        self.counters = cache.merge_counters if merge_in_kernel else None
         n = starts.shape[0]
         dev = starts.device
         self.positions = starts[:, None] + torch.arange(T, device=dev)[None, :]  # [n, T]
@@ -237,7 +233,7 @@ class VerifyAttention:
         qg = q.reshape(n, KV, G * T, D)  # (group, token) rows per KV head
         if self.mode == "triton":
             out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length, tokens=T,
-                                                 **self.kernel)
+                                                 chunk=self.chunk, counters=self.counters)
             return out.reshape(n, H, T, D)
         keys = cache.decode(kc[:n, :, : self.length])  # views: [n, KV, L, D] (copies when 8-bit)
         values = cache.decode(vc[:n, :, : self.length])

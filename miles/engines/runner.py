@@ -239,8 +239,7 @@ class ModelRunner:
                                   rope=self.config.decode_fuse_rope,
                                   residual_gemm=self.config.decode_residual_gemm,
                                   chunk=self.config.decode_attention_chunk,
-                                  merge_in_kernel=self.config.decode_merge_in_kernel,
-                                  overlap=self.config.decode_attention_overlap)
+                                  merge_in_kernel=self.config.decode_merge_in_kernel)
         with self._blas(tokens.shape[0]):
             out = self.model(tokens[:, None], positions[:, None], kv_cache=backend, return_hidden=True,
                              return_routing=self.is_moe, return_logits=logits, check_inputs=False)
@@ -269,8 +268,7 @@ class ModelRunner:
                      logits: bool = True) -> StepOut:
         T = tokens.shape[1]
         backend = VerifyAttention(self.cache, starts, T, L, self.attention, chunk=self.config.decode_attention_chunk,
-                                  merge_in_kernel=self.config.decode_merge_in_kernel,
-                                  overlap=self.config.decode_attention_overlap)
+                                  merge_in_kernel=self.config.decode_merge_in_kernel)
         with self._blas(tokens.shape[0] * T):
             out = self.model(tokens, backend.positions, kv_cache=backend, return_hidden=True,
                              return_logits=logits, logits_index=logits_index,

@@ -45,20 +45,13 @@ Two launches per layer:
    512-position chunks over a 2049-position cache, rows at 1024): 76.1 against 76.3 µs at batch
    64, 288.1 against 283.5 at 256, so it stays off.
 
-``overlap`` (the default on CUDA: ``EngineConfig.decode_attention_overlap``) shortens the
-start of each program, which a one-wave grid (batch 64: 512 programs, ~4 an SM) cannot hide
-behind other programs. A layer's time grows by 0.24 µs a MB of K/V on the H200 (4.2 TB/s),
-but starts from ~7 µs (2026-12-02 00:10, 384- and 1024-position rows): the chain of
-dependent loads (length, q, its norm and rotation) runs before the first K/V tile is asked
-for. So each program first asks L2 for the first ``PREFETCH`` positions of its chunk's K and
-V (``prefetch.global.L2``: no registers held), and the kernel is launched as a programmatic
-dependent launch (PDL): it may start while the kernel before it (the qkv GEMM) finishes, and
-waits for that kernel (``griddepcontrol.wait``) only before it reads q and the new K/V, the
-GEMM's outputs. Before the wait a program reads only the lengths, the RoPE tables, the norm
-weights and positions of the cache before each row's new one, none of which the kernel
-launched just before it may write (the caller's contract; the engine's are written before
-the layer's qkv GEMM). Cache lines asked of L2 are a hint that reads nothing into registers,
-and every store comes after the wait.
+Tried on the H200 and not kept (benchmarks/RESULTS.md, decode_attention, 2026-12-02 00:24):
+a layer's time grows by 0.24 µs a MB of K/V (4.2 TB/s) but starts from ~7 µs, so its start
+looked worth overlapping. Neither of two ways paid, timed after the qkv GEMM as in the
+engine: each program asking L2 for its first 64-256 positions of K and V before its prologue
+(``prefetch.global.L2``) made a (GEMM, attention) pair 1-11% slower at batch 64 and 0.3-13% at
+256, and a programmatic dependent launch (the kernel waiting for the GEMM only before it reads
+q) was within 1% of the plain launch for a bf16 cache (0.99x / 1.00x), 1.01-1.03x for fp8.
 
 The same kernel serves a speculative verify step (several new tokens per row, causal among
 them): each query row's own limit masks the keys it may not see. A step with more than
@@ -88,7 +81,6 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_wait
 except ImportError:  # the CPU install has no triton; available() says so
     triton = None
 
@@ -113,7 +105,6 @@ WIDE = 128
 LAUNCH = {2: (1024, 64, 4, 2), 1: (1024, 32, 4, 3)}
 NARROW = {2: (CHUNK, BLOCK_N, 4, 3), 1: (CHUNK, 32, 4, 3)}
 MAX_ROWS = 64  # query rows per KV head in one launch (G × tokens; wider steps launch in slices)
-PREFETCH = 128  # positions of K and V a program asks L2 for before its first loads (``overlap``)
 
 
 def available(device: torch.device | str) -> bool:
@@ -178,8 +169,7 @@ def _probe(device: str, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float,
                      max_len: int, tokens: int = 1, new_kv: tuple[Tensor, Tensor] | None = None,
                      launch: tuple[int, int, int, int] | None = None, rope: Rope | None = None,
-                     direct: bool = True, counters: Tensor | None = None, chunk: int = 0,
-                     prefetch: int | None = None, pdl: bool | None = None) -> Tensor:
+                     direct: bool = True, counters: Tensor | None = None, chunk: int = 0) -> Tensor:
     """Attention of ``tokens`` new queries per row over the row's cache, causal among them:
     query t of row b sees positions ``[0, lengths[b] - tokens + t]`` (one token: a decode
     step; several: a speculative verify step, the new tokens' K/V already written).
@@ -200,9 +190,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     benchmarks/decode_attention.py). ``counters``: int32, contiguous, at least n × KV
     elements, all zero (the kernel leaves them zero): the last partial program of each row
     merges it, and no merge kernel launches. Calls that share a buffer must not run
-    concurrently (one stream). ``prefetch`` (positions a program asks L2 for first, a power of
-    two or 0; default ``PREFETCH`` on CUDA) and ``pdl`` (a programmatic dependent launch;
-    default on sm_90 and later): the module docstring's ``overlap``, with its contract.
+    concurrently (one stream).
     Returns q's shape and dtype (contiguous)."""
     n, KV, _, D = q.shape
     if counters is not None and (counters.dtype != torch.int32 or not counters.is_contiguous()
@@ -215,25 +203,14 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
                              f"{[tuple(t.shape) for t in new_kv]} for tokens={tokens}")
     if rope is not None:
         rope.check(n, D, new_kv is not None, q.shape[2])
-    if prefetch is not None and (prefetch < 0 or prefetch & (prefetch - 1)):
-        raise ValueError(f"prefetch: 0 or a power of two (positions), got {prefetch}")
-    gpu = q.device.type == "cuda"  # the interpreter has neither (inline PTX)
-    prefetch = (PREFETCH if prefetch is None else prefetch) if gpu else 0
-    pdl = gpu and (_hopper(q.device) if pdl is None else pdl)
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     for row0 in range(0, q.shape[2], MAX_ROWS):  # a verify step of a wide GQA group: in slices
         rows = slice(row0, row0 + MAX_ROWS)
         _launch(q[:, :, rows], k_cache, v_cache, lengths, scale, max_len, tokens, row0, out[:, :, rows],
                 new_kv if row0 == 0 else None,
                 launch or default_launch(q.shape[0] * q.shape[1], k_cache.dtype, chunk),
-                rope, direct, counters, prefetch, pdl)
+                rope, direct, counters)
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol) needs sm_90 or later."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 class Rope(NamedTuple):
@@ -286,7 +263,7 @@ def default_launch(programs: int, kv_dtype: torch.dtype, chunk: int = 0) -> tupl
 def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float, max_len: int,
             tokens: int, row0: int, out: Tensor, new_kv: tuple[Tensor, Tensor] | None,
             launch: tuple[int, int, int, int], rope: Rope | None = None, direct: bool = True,
-            counters: Tensor | None = None, prefetch: int = 0, pdl: bool = False) -> None:
+            counters: Tensor | None = None) -> None:
     n, KV, G, D = q.shape  # G: query rows per KV head in this slice, from row ``row0``
     chunk, block_n, warps, stages = launch
     chunks = triton.cdiv(max_len, chunk)
@@ -306,13 +283,12 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
         *k_new.stride()[:3], *v_new.stride()[:3],
         cos, sin, cos.stride(0), q_norm, k_norm, rope.eps if rope is not None else 0.0, out, *out.stride(),
         counters if counters is not None else lengths,  # unread without MERGE_IN
-        PREFETCH=min(prefetch, chunk), LINES=max(1, D * k_cache.element_size() // 128),
-        PDL=pdl, G_PAD=G_PAD, G_M=G_M, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None,
+        G_PAD=G_PAD, G_M=G_M, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None,
         KV_MAX=kv_max, DIRECT=direct, MERGE_IN=counters is not None and chunks > 1,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm is not None,
         # float32 tiles are twice the size: unpipelined they fit any GPU's shared memory
         # (3 stages took 143-230 KB on sm80/sm90; an A100 has 164 KB)
-        num_stages=1 if exact else stages, num_warps=warps, **({"launch_pdl": True} if pdl else {}),
+        num_stages=1 if exact else stages, num_warps=warps,
     )
     if direct and chunks == 1:  # every row is one chunk, stored by its program: nothing to merge
         return  # (a launch saved: ~1.6 µs a layer, 28 a 0.5B step, whenever the context fits a chunk)
@@ -355,22 +331,13 @@ if triton is not None:
                  cos_ptr, sin_ptr, sc_b, qw_ptr, kw_ptr, eps, out_ptr, so_b, so_h, so_g, so_d, cnt_ptr,
                  G_PAD: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                  BLOCK_N: tl.constexpr, EXACT: tl.constexpr, WRITE: tl.constexpr, KV_MAX: tl.constexpr,
-                 ROPE: tl.constexpr, QK_NORM: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN: tl.constexpr,
-                 PREFETCH: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr):
+                 ROPE: tl.constexpr, QK_NORM: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
         length = tl.load(len_ptr + b)
         start = c * CHUNK
         end = tl.minimum(start + CHUNK, length)
-        k_base = k_ptr + b * sk_b + h * sk_h
-        v_base = v_ptr + b * sv_b + h * sv_h
-        if PREFETCH > 0:  # before anything else: the first tiles' DRAM latency under the prologue
-            if start < end:
-                _prefetch_l2(k_base, start, end, sk_t, PREFETCH, LINES, D // LINES)
-                _prefetch_l2(v_base, start, end, sv_t, PREFETCH, LINES, D // LINES)
-        if PDL:  # q and the new K/V are the previous kernel's outputs (``overlap``)
-            gdc_wait()
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         q_rows = q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g
@@ -385,6 +352,8 @@ if triton is not None:
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         den = tl.zeros((G_PAD,), tl.float32)
         acc = tl.zeros((G_PAD, D), tl.float32)
+        k_base = k_ptr + b * sk_b + h * sk_h
+        v_base = v_ptr + b * sv_b + h * sv_h
         pos = length - 1  # the new token's position (WRITE: one token a row)
         if WRITE:
             end = tl.minimum(end, pos)  # the loop reads the cache before it; the tail adds it
@@ -456,15 +425,6 @@ if triton is not None:
                         _merge_row(acc_ptr, st_ptr, out_ptr, b, h, G, tl.cdiv(length, CHUNK), sa_b, sa_h, sa_c,
                                    sa_g, ss_w, ss_b, ss_h, ss_c, ss_g, so_b, so_h, so_g, so_d, G_M, D)
                         tl.atomic_xchg(cnt, 0)  # ready for the next call
-
-    @triton.jit
-    def _prefetch_l2(base, start, end, stride, N: tl.constexpr, LINES: tl.constexpr, STEP: tl.constexpr):
-        """Ask L2 for positions [start, min(start + N, end)) of one (row, KV head)'s K or V:
-        LINES cache lines of STEP elements a position (``prefetch.global.L2``)."""
-        t = tl.minimum(start + tl.arange(0, N), end - 1)
-        lines = base + t[:, None] * stride + (tl.arange(0, LINES) * STEP)[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l", [lines], dtype=tl.int32,
-                                  is_pure=False, pack=1)
 
     # not inlined by triton: inlined into ``_partial`` its code raised the kernel's registers
     # (ptxas, sm_90) from 106 to 142-144 a thread in most forms, one program fewer an SM; as a

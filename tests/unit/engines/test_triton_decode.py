@@ -211,53 +211,6 @@ def test_kernel_applies_qk_norm_and_rope_to_raw_projections(dtype: torch.dtype, 
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="prefetch and PDL are inline PTX: the interpreter runs without them")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prefetch,pdl", [(kernel.PREFETCH, True), (64, False), (0, True)])
-def test_overlapped_launch_is_bitwise_the_plain_one(dtype: torch.dtype, prefetch: int, pdl: bool) -> None:
-    """``overlap`` (prefetch into L2, programmatic dependent launch) changes when loads are
-    issued, not what is computed: the same output and the same cache bit for bit, also inside
-    a CUDA graph where the kernel follows the GEMM that makes its q/k/v (its wait must hold)."""
-    q, k, v, kc, vc, lens, cos, sin, (qn, kn) = _rope_case(dtype, True)
-    n, H, D = q.shape
-    KV = k.shape[1]
-    rope = kernel.Rope(cos, sin, qn, kn, 1e-6)
-    qkv = q._base  # the [n, H + 2·KV, D] buffer the three are views of
-
-    def step(k_cache, v_cache, **kw):
-        return kernel.decode_attention(q.view(n, KV, H // KV, D), k_cache, v_cache, lens, D ** -0.5, kc.shape[2],
-                                       new_kv=(k, v), rope=rope, chunk=64, **kw)
-
-    want_k, want_v = kc.clone(), vc.clone()
-    want = step(want_k, want_v, prefetch=0, pdl=False)
-    got_k, got_v = kc.clone(), vc.clone()
-    got = step(got_k, got_v, prefetch=prefetch, pdl=pdl)
-    assert torch.equal(got, want) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-
-    x = torch.randn(n, 64, device=DEVICE, dtype=dtype)
-    w = torch.randn(64, qkv[0].numel(), device=DEVICE, dtype=dtype) / 8
-    plain_k, plain_v = kc.clone(), vc.clone()
-    torch.matmul(x, w, out=qkv.view(n, -1))
-    plain = step(plain_k, plain_v, prefetch=0, pdl=False)
-    qkv.zero_()
-    graph_k, graph_v = kc.clone(), vc.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.matmul(x, w, out=qkv.view(n, -1))  # q/k/v written just before the kernel reads them
-        out = step(graph_k, graph_v, prefetch=prefetch, pdl=pdl)
-    graph_k.copy_(kc), graph_v.copy_(vc), qkv.zero_()  # the capture ran nothing: start from the same state
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, plain) and torch.equal(graph_k, plain_k) and torch.equal(graph_v, plain_v)
-
-
-def test_prefetch_must_be_a_power_of_two() -> None:
-    q, kc, vc, lens, new_kv = _attention_case([5, 300], 1, 300, seed=1)
-    for bad in (-1, 3, 100):
-        with pytest.raises(ValueError, match="prefetch"):
-            kernel.decode_attention(q, kc, vc, lens, 0.1, 300, new_kv=new_kv, prefetch=bad)
-
-
 def test_rope_is_refused_where_the_kernel_cannot_apply_it() -> None:
     q, k, v, kc, vc, lens, cos, sin, (qn, kn) = _rope_case(torch.float32, True)
     n, H, D = q.shape
