@@ -424,6 +424,11 @@ def report(args, rows: list[dict], info: dict) -> None:
     for r in rows:
         if r["system"] != "embedded" or "step_s" not in r:
             continue
+        if r.get("roofline", 0) > 1.0:  # faster than copying its bytes: the measurement, not the engine
+            verdicts.append(f"batch {r['batch']}: NOT a valid measurement: {100 * r['roofline']:.0f}% of the copy "
+                            "bandwidth. The decode time is the N-token run less the 1-token run (prefill and one "
+                            "step), so a stall in the latter shrinks it; run again with more --repeats")
+            continue
         if "vs_hf" in r:
             ok = r["vs_hf"] >= goal_x
             verdicts.append(f"batch {r['batch']}: {r['vs_hf']:.2f}× HF decode (goal ≥ {goal_x:g}×: "
