@@ -28,6 +28,7 @@ Appends a section to benchmarks/RESULTS.md (``--no-record`` to skip).
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import subprocess
@@ -102,6 +103,18 @@ def loop_instructions(sass: str, marker: str = "MMA") -> int | None:
     """SASS instructions in the body of the innermost loop that holds a ``marker`` instruction
     (the tensor-core dots; a backward branch's span), or None: per loop trip, the figure an
     issue-bound kernel's time follows."""
+    body = loop_body(sass, marker)
+    return len(body) if body is not None else None
+
+
+def loop_mix(sass: str, marker: str = "MMA") -> collections.Counter:
+    """``loop_body``'s instructions by opcode (predicates dropped): where an issue-bound loop's
+    instructions go."""
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in loop_body(sass, marker) or [])
+
+
+def loop_body(sass: str, marker: str = "MMA") -> list[str] | None:
+    """The instructions of the innermost loop that holds a ``marker`` instruction, or None."""
     lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
     index = {address: i for i, (address, _) in enumerate(lines)}
     labels = {m.group(1): int(m.group(2), 16)
@@ -110,10 +123,10 @@ def loop_instructions(sass: str, marker: str = "MMA") -> int | None:
     for i, (address, text) in enumerate(lines):
         m = re.search(r"BRA\s+(?:`\()?\.?(L_x_\d+)", text)
         if m and labels.get(m.group(1), address) < address:
-            body = lines[index[labels[m.group(1)]] : i + 1]
-            if any(marker in t for _, t in body):
-                bodies.append(len(body))
-    return min(bodies) if bodies else None
+            body = [t for _, t in lines[index[labels[m.group(1)]] : i + 1]]
+            if any(marker in t for t in body):
+                bodies.append(body)
+    return min(bodies, key=len) if bodies else None
 
 
 def usage(fn, args: tuple, kw: dict, arch: int) -> dict:
@@ -136,7 +149,7 @@ def usage(fn, args: tuple, kw: dict, arch: int) -> dict:
     per_warp = -(-regs * 32 // unit) * unit
     fits = min(reg_file // (per_warp * warps), smem // max(shared, 1), max_warps // warps, max_programs)
     return dict(regs=regs, spill=stack, shared=shared, programs=fits, loop=loop_instructions(sass),
-                exp_loop=loop_instructions(sass, "MUFU"))
+                exp_loop=loop_instructions(sass, "MUFU"), mix=loop_mix(sass))
 
 
 def decode_attention_cases() -> list[tuple[str, object, tuple, dict]]:
@@ -209,6 +222,8 @@ def main() -> None:
         sys.exit("kernel_registers needs triton (pip install triton): it compiles the kernels offline")
     lines = ["| kernel variant | registers a thread | spilled bytes | shared memory B | programs an SM | "
              "loop instructions a position |", "|---|---|---|---|---|---|"]
+    mixes = ["", "| _partial variant | its loop's instructions (a warp, one trip) | positions a trip | "
+             "the largest opcode classes |", "|---|---|---|---|"]
     for name, fn, call_args, call_kw in decode_attention_cases() + sampler_cases():
         u = usage(fn, call_args, call_kw, args.arch)
         if "BLOCK_N" in call_kw:  # the attention: a warp's loop instructions over its BLOCK_N positions
@@ -220,13 +235,17 @@ def main() -> None:
             per = ""
         lines.append(f"| {name} | {u['regs']} | {u['spill']} | {u['shared']} | {u['programs']} | {per} |")
         print(lines[-1])
+        if "BLOCK_N" in call_kw and u["loop"] and "merge kernel" in name:
+            top = ", ".join(f"{op} {n}" for op, n in u["mix"].most_common(8))
+            mixes.append(f"| {name.removesuffix(', merge kernel')} | {u['loop']} | {call_kw['BLOCK_N']} | {top} |")
     desc = (f"registers, spills (local stack) and shared memory of the Triton decode attention's and sampler's "
             f"variants, compiled offline for sm_{args.arch} by triton {triton.__version__} and its ptxas (no GPU), "
             f"with the arguments of the engine's decode step (Qwen3-0.6B attention: {KV} KV heads, head dim {D}, "
             f"a {CACHE}-position cache; group 8 and 1 for other models' GQA); programs an SM by the register, "
             "shared-memory and warp limits; loop instructions a position: a warp's SASS in the inner loop / BLOCK_N "
             f"(the sampler: a thread's loop SASS / its entries, {VOCAB}-entry vocabulary)")
-    record_section("kernel_registers", machine(), desc, lines, args.results, save=not args.no_record)
+    print("\n".join(mixes))
+    record_section("kernel_registers", machine(), desc, lines + mixes, args.results, save=not args.no_record)
 
 
 if __name__ == "__main__":
