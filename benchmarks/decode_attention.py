@@ -59,8 +59,10 @@ def row_lengths(rows: int, context: int, cache_len: int, kind: str) -> torch.Ten
     return spread[torch.randperm(rows, generator=torch.Generator().manual_seed(0))].cuda()
 
 
-def sweep(rows: int, lengths: torch.Tensor, cache_len: int, kv_dtype: torch.dtype, launches: list, reps: int,
-          rope: bool = False, shared_cache: bool = False, in_kernel: bool = False) -> list[dict]:
+def sweep(rows: int, lengths: torch.Tensor, cache_len: int, kv_dtype: torch.dtype, forms: list, reps: int,
+          rope: bool = False, shared_cache: bool = False) -> list[dict]:
+    """Each ``(launch, merged)`` of ``forms`` timed on the same caches (``merged``: the rows merged
+    in the kernel, by merge counters). A launch that does not fit is left out."""
     g = torch.Generator(device="cuda").manual_seed(0)
     # each call of a graph reads a cache of its own, as each layer of a step does: with one
     # cache for all calls, a batch-64 layer's ~100 MB was read partly from L2 (50 MB), and the
@@ -77,18 +79,19 @@ def sweep(rows: int, lengths: torch.Tensor, cache_len: int, kv_dtype: torch.dtyp
         norms = (1 + 0.1 * torch.randn(2, D, device="cuda", generator=g)).to(torch.bfloat16)
         tables = kernel.Rope(cos, sin, norms[0], norms[1], 1e-6)
     nbytes = 2 * KV * int(lengths.sum()) * D * caches[0][0].element_size()
-    counters = torch.zeros(rows * KV, device="cuda", dtype=torch.int32) if in_kernel else None
+    counters = torch.zeros(rows * KV, device="cuda", dtype=torch.int32)
     found = []
-    for launch in launches:
+    for launch, merged in forms:
         calls = [lambda kc=kc, vc=vc: kernel.decode_attention(q, kc, vc, lengths, D ** -0.5, cache_len, new_kv=(k, v),
-                                                               launch=launch, rope=tables, counters=counters)
+                                                               launch=launch, rope=tables,
+                                                               counters=counters if merged else None)
                  for kc, vc in (caches[i % len(caches)] for i in range(CALLS))]
         try:
             us = graph_us(calls, reps)
         except Exception as exc:  # noqa: BLE001 - a launch that does not fit (shared memory) is skipped
             print(f"  {launch}: {type(exc).__name__}")
             continue
-        found.append(dict(launch=launch, us=us, gbs=nbytes / us / 1e3))
+        found.append(dict(launch=launch, merged=merged, us=us, gbs=nbytes / us / 1e3))
     return found
 
 
@@ -127,12 +130,13 @@ def main() -> None:
         lengths = row_lengths(rows, args.context, args.cache_len, kind)
         default = kernel.default_launch(rows * KV, dtype)
         former = kernel.default_launch(rows * KV, dtype, chunk=512)  # the wide grids' launch before 2026-12-02
-        found = sweep(rows, lengths, args.cache_len, dtype, sorted({default, former, *launches}), args.reps,
-                      rope=args.rope, shared_cache=args.shared_cache)
+        forms = [(launch, False) for launch in sorted({default, former, *launches})] + [(default, True)]
+        timed = sweep(rows, lengths, args.cache_len, dtype, forms, args.reps, rope=args.rope,
+                      shared_cache=args.shared_cache)
+        in_kernel = next(r for r in timed if r["merged"])
+        found = [r for r in timed if not r["merged"]]
         base = next(r for r in found if r["launch"] == default)
         width_rule = next(r for r in found if r["launch"] == former)
-        in_kernel = sweep(rows, lengths, args.cache_len, dtype, [default], args.reps, rope=args.rope,
-                          shared_cache=args.shared_cache, in_kernel=True)[0]
         best = min(found, key=lambda r: r["us"])
         best_of[f"{rows}/{kind}/{name}"] = best
         lines.append(f"| {rows} | {kind} | {name} | {default} | {base['us']:.1f} | {base['gbs']:.0f} | "

@@ -107,10 +107,10 @@ def loop_instructions(sass: str, marker: str = "MMA") -> int | None:
     return len(body) if body is not None else None
 
 
-def loop_mix(sass: str, marker: str = "MMA") -> collections.Counter:
-    """``loop_body``'s instructions by opcode (predicates dropped): where an issue-bound loop's
+def loop_mix(body: list[str] | None) -> collections.Counter:
+    """A ``loop_body``'s instructions by opcode (predicates dropped): where an issue-bound loop's
     instructions go."""
-    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in loop_body(sass, marker) or [])
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body or [])
 
 
 def loop_body(sass: str, marker: str = "MMA") -> list[str] | None:
@@ -148,8 +148,9 @@ def usage(fn, args: tuple, kw: dict, arch: int) -> dict:
     reg_file, unit, smem, max_warps, max_programs = ARCH[arch]
     per_warp = -(-regs * 32 // unit) * unit
     fits = min(reg_file // (per_warp * warps), smem // max(shared, 1), max_warps // warps, max_programs)
-    return dict(regs=regs, spill=stack, shared=shared, programs=fits, loop=loop_instructions(sass),
-                exp_loop=loop_instructions(sass, "MUFU"), mix=loop_mix(sass))
+    body = loop_body(sass)
+    return dict(regs=regs, spill=stack, shared=shared, programs=fits, loop=len(body) if body else None,
+                exp_loop=loop_instructions(sass, "MUFU"), mix=loop_mix(body))
 
 
 def decode_attention_cases() -> list[tuple[str, object, tuple, dict]]:
@@ -244,7 +245,6 @@ def main() -> None:
             f"a {CACHE}-position cache; group 8 and 1 for other models' GQA); programs an SM by the register, "
             "shared-memory and warp limits; loop instructions a position: a warp's SASS in the inner loop / BLOCK_N "
             f"(the sampler: a thread's loop SASS / its entries, {VOCAB}-entry vocabulary)")
-    print("\n".join(mixes))
     record_section("kernel_registers", machine(), desc, lines + mixes, args.results, save=not args.no_record)
 
 

@@ -106,9 +106,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # A/B runs (benchmarks/engine.py --side) and tuning; a power of two ≥ 64.
     decode_attention_chunk: int = 0
     # The Triton decode attention merges a row's chunks in its last partial program (per-row
-    # counters) instead of a merge launch: ~1.6-2.3 µs a layer fewer at batch 64 wherever a row
-    # spans two chunks, by the merge kernel's own time on the H200. Off by default: timed on the
-    # H200 it was no faster than the merge launch (miles.kernels.decode_attention).
+    # counters) instead of a merge launch, meant to save that launch (~1.6-2.3 µs a layer at batch
+    # 64 wherever a row spans two chunks). Off by default: timed on the H200, a layer was no
+    # faster than with the merge launch (miles.kernels.decode_attention).
     decode_merge_in_kernel: bool = False
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0
