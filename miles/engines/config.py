@@ -110,6 +110,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # 64 wherever a row spans two chunks). Off by default: timed on the H200, a layer was no
     # faster than with the merge launch (miles.kernels.decode_attention).
     decode_merge_in_kernel: bool = False
+    # Decode graphs of at least this many rows run the batch as two halves on two CUDA streams
+    # (0 = off): at decode sizes each GEMM costs ~4 µs of launch, ramp and tail whatever its
+    # bytes (benchmarks/RESULTS.md, decode_gemm), so one half's GEMMs may fill the time the other
+    # half's attention leaves the GPU idle, for reading each layer's weights twice (from L2 when
+    # the halves keep close). The LM head and sampler still run once, on the whole batch.
+    decode_halves_min_batch: int = 0
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0
     # Batch-invariant numerics (the run's --deterministic): every decode step runs the full
@@ -199,6 +205,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         problem = chunk_problem(self.decode_attention_chunk)
         if problem is not None:
             raise ValueError(f"decode_attention_chunk must be {problem}, got {self.decode_attention_chunk}")
+        if self.decode_halves_min_batch < 0:
+            raise ValueError(f"decode_halves_min_batch must be >= 0 (0 = off), got {self.decode_halves_min_batch}")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
         if self.admit_min is not None and self.admit_min < 1:

@@ -45,6 +45,7 @@ decode step reads half the bytes. Prefill attends over its own K/V before they a
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -75,6 +76,15 @@ class KVCache:
         # the Triton decode attention's per-(row, KV head) merge counters (decode_merge_in_kernel):
         # one buffer per cache, as the calls that use it run one after another on one stream
         self.merge_counters = torch.zeros(num_slots * config.num_key_value_heads, device=device, dtype=torch.int32)
+
+    def rows_from(self, start: int) -> KVCache:
+        """This cache from slot ``start`` on, as views (slot ``start`` becomes slot 0): a
+        backend for rows ``start..`` of a batch reads and writes the same memory."""
+        view = copy.copy(self)
+        view.k, view.v = self.k[:, start:], self.v[:, start:]
+        view.merge_counters = self.merge_counters[start * self.k.shape[2]:]
+        view.num_slots = self.num_slots - start
+        return view
 
     def encode(self, x: Tensor) -> Tensor:
         """K or V as the cache stores them."""

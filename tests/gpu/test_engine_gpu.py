@@ -57,6 +57,18 @@ def test_decode_with_residual_adds_in_the_gemms_matches_full_forward(in_gemm: bo
     _check_against_full_forward(ref, engine, _prompts(7, seed=4), 60, graphs=True)
 
 
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
+def test_decode_graphs_in_two_halves_on_two_streams_match_full_forward(attention: str) -> None:
+    """``decode_halves_min_batch``: a captured decode step runs rows [0, nb/2) and [nb/2, nb) as
+    two branches on two streams (the second half's backend on a view of the cache from slot
+    nb/2). Seven rows pad to a bucket of 8, so the second half holds the padding row; float32
+    log-probs still match a full forward."""
+    ref = _model()
+    engine = _engine(copy.deepcopy(ref), decode_attention=attention, decode_halves_min_batch=2)
+    _check_against_full_forward(ref, engine, _prompts(7, seed=5), 60, graphs=True)
+    assert engine.runner.graphs.side is not None  # the halves ran
+
+
 def _check_against_full_forward(ref: CausalLM, engine: EmbeddedEngine, ps: list[list[int]], new: int, *,
                                 graphs: bool) -> None:
     """``new`` seeded tokens for each prompt, at once; each one's float32 log-prob within 1e-4
