@@ -121,32 +121,43 @@ class Rotary:
         self.default_length = min(config.max_position_embeddings, 8192)
         self._cos: Tensor | None = None
         self._sin: Tensor | None = None
+        self._packed: dict[torch.dtype, Tensor] = {}  # reserve(dtype=...)'s tables
 
     @property
     def length(self) -> int:
         return 0 if self._cos is None else self._cos.shape[0]
 
-    def reserve(self, length: int, device: torch.device | str) -> None:
+    def reserve(self, length: int, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
+        """Tables for positions ``[0, length)`` on ``device``; with ``dtype``, also cos and sin
+        packed in that dtype (``[L, 2, D]``), which ``__call__`` then gathers in one kernel instead
+        of two gathers and two casts: four launches a decode step in the engine's graphs became
+        one (the engine reserves its dtype before it captures them)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if self._cos is not None and self._cos.device == device and self.length >= length:
-            return
-        pos = torch.arange(max(length, self.length), device=device, dtype=torch.int64).float()
-        freqs = pos[:, None] * self.inv_freq.to(device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        # sin with its first half negated: rotate_half(x) * sin == roll(x, D/2) * signed_sin
-        # exactly (only signs move), in 2 ops instead of 4 (see fused.rope_qk).
-        half = emb.shape[-1] // 2
-        self._cos, self._sin = emb.cos(), torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1)
-        if self.scale != 1.0:
-            self._cos, self._sin = self._cos * self.scale, self._sin * self.scale
+        if self._cos is None or self._cos.device != device or self.length < length:
+            pos = torch.arange(max(length, self.length), device=device, dtype=torch.int64).float()
+            freqs = pos[:, None] * self.inv_freq.to(device)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            # sin with its first half negated: rotate_half(x) * sin == roll(x, D/2) * signed_sin
+            # exactly (only signs move), in 2 ops instead of 4 (see fused.rope_qk).
+            half = emb.shape[-1] // 2
+            self._cos, self._sin = emb.cos(), torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1)
+            if self.scale != 1.0:
+                self._cos, self._sin = self._cos * self.scale, self._sin * self.scale
+            self._packed = {}
+        if dtype is not None and dtype not in self._packed:
+            self._packed[dtype] = torch.stack((self._cos, self._sin), dim=1).to(dtype)  # the same values, cast
 
     def __call__(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, signed sin of shape [B, 1, T, D] in ``dtype`` for position_ids [B, T]."""
         if self._cos is None or self._cos.device != position_ids.device:
             self.reserve(self.default_length, position_ids.device)
         assert self._cos is not None and self._sin is not None
+        packed = self._packed.get(dtype)
+        if packed is not None:
+            both = packed[position_ids].unsqueeze(1)  # [B, 1, T, 2, D]
+            return both[..., 0, :], both[..., 1, :]
         cos = self._cos[position_ids].to(dtype).unsqueeze(1)
         sin = self._sin[position_ids].to(dtype).unsqueeze(1)
         return cos, sin

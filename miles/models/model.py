@@ -59,6 +59,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config)
         self.moe_layers = config.moe_layers
+        self.fast: FastPath | None = None  # set by fuse_projections (inference only)
         self.reset_parameters()
         self.tie_weights()
 
@@ -93,6 +94,7 @@ class CausalLM(nn.Module):
             ):
                 module.fuse()
         fast = fast or FastPath()
+        self.fast = fast  # the final norm too: compiled, one kernel where eager ran ~7 (bf16 on CUDA)
         for layer in self.model.layers:
             layer.fast_args = layer_args(layer)
             layer.fast = fast
@@ -160,7 +162,8 @@ class CausalLM(nn.Module):
             h, idx = layer(h, cos, sin, backend, layer_routing)
             if idx is not None:
                 routes.append(idx)
-        h = self.model.norm(h)
+        norm = self.model.norm
+        h = norm(h) if self.fast is None else self.fast.rms_norm(h, norm.weight, norm.eps)
         logits = None
         if return_logits:
             rows = h if logits_index is None else h[torch.arange(B, device=h.device), logits_index][:, None]

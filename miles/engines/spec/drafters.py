@@ -183,7 +183,7 @@ class EagleDrafter(Drafter):
         self.policy = policy  # borrowed: embed_tokens and lm_head (updated in place with the policy)
         self.cache = KVCache(model.config, config.max_batch_size, config.max_seq_len, self.device,
                              self.dtype, headroom=self.headroom, kv_dtype=config.kv_torch_dtype())
-        self.model.rotary.reserve(self.cache.length, self.device)
+        self.model.rotary.reserve(self.cache.length, self.device, self.dtype)
         self.attention = config.attention_mode(model.config.head_dim)
         self.length_aware = self.attention == "triton"
         self.pending_hidden = torch.zeros(config.max_batch_size, CAPACITY + MAX_STEPS + 1,
