@@ -31,7 +31,7 @@ async def main() -> None:
     ap.add_argument("--decode-attention", default="auto")
     ap.add_argument("--rows", type=int, default=18)
     ap.add_argument("--config", default="", metavar="FIELD=VALUE[,FIELD=VALUE]",
-                    help="EngineConfig fields of the engine profiled (e.g. decode_halves_min_batch=32)")
+                    help="EngineConfig fields of the engine profiled (e.g. decode_fused_mlp=false)")
     args = ap.parse_args()
     fields = parse_side(f"profiled:{args.config}")[1] if args.config else {}
     model = build_model(args.preset)

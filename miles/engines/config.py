@@ -101,6 +101,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # GEMMs at batch 64 / 256 (benchmarks/RESULTS.md, engine, 2026-12-01 19:33). The sum is
     # rounded once, not twice (engines/CONSISTENCY.md). False: a GEMM, then an add.
     decode_residual_gemm: bool = True
+    # With decode_residual_gemm, the MLP's gate/up GEMM and SiLU·up run as one Triton kernel
+    # (miles.kernels.gate_up) instead of cuBLAS and a SiLU·up kernel: one launch a layer fewer.
+    # On the H200 the pair took 6.8 against 8.5 µs at batch 64, 8.1 against 9.0 at 128, 11.6
+    # against 11.9 at 256 (benchmarks/RESULTS.md, decode_mlp, 2026-12-02 02:14). Used on CUDA
+    # where its probe launch matches torch's GEMMs; False: the two launches (the A/B of
+    # benchmarks/engine.py).
+    decode_fused_mlp: bool = True
     # Positions per program of the Triton decode attention (its CHUNK; 0 = auto: 256 in grids of
     # fewer than 128 rows × KV heads, else 1024; miles.kernels.decode_attention.default_launch). For
     # A/B runs (benchmarks/engine.py --side) and tuning; a power of two ≥ 64.
@@ -110,12 +117,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # 64 wherever a row spans two chunks). Off by default: timed on the H200, a layer was no
     # faster than with the merge launch (miles.kernels.decode_attention).
     decode_merge_in_kernel: bool = False
-    # Decode graphs of at least this many rows run the batch as two halves on two CUDA streams
-    # (0 = off): at decode sizes each GEMM costs ~4 µs of launch, ramp and tail whatever its
-    # bytes (benchmarks/RESULTS.md, decode_gemm), so one half's GEMMs may fill the time the other
-    # half's attention leaves the GPU idle, for reading each layer's weights twice (from L2 when
-    # the halves keep close). The LM head and sampler still run once, on the whole batch.
-    decode_halves_min_batch: int = 0
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0
     # Batch-invariant numerics (the run's --deterministic): every decode step runs the full
@@ -205,8 +206,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         problem = chunk_problem(self.decode_attention_chunk)
         if problem is not None:
             raise ValueError(f"decode_attention_chunk must be {problem}, got {self.decode_attention_chunk}")
-        if self.decode_halves_min_batch < 0:
-            raise ValueError(f"decode_halves_min_batch must be >= 0 (0 = off), got {self.decode_halves_min_batch}")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
         if self.admit_min is not None and self.admit_min < 1:

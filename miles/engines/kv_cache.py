@@ -45,7 +45,6 @@ decode step reads half the bytes. Prefill attends over its own K/V before they a
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
@@ -76,15 +75,6 @@ class KVCache:
         # the Triton decode attention's per-(row, KV head) merge counters (decode_merge_in_kernel):
         # one buffer per cache, as the calls that use it run one after another on one stream
         self.merge_counters = torch.zeros(num_slots * config.num_key_value_heads, device=device, dtype=torch.int32)
-
-    def rows_from(self, start: int) -> KVCache:
-        """This cache from slot ``start`` on, as views (slot ``start`` becomes slot 0): a
-        backend for rows ``start..`` of a batch reads and writes the same memory."""
-        view = copy.copy(self)
-        view.k, view.v = self.k[:, start:], self.v[:, start:]
-        view.merge_counters = self.merge_counters[start * self.k.shape[2]:]
-        view.num_slots = self.num_slots - start
-        return view
 
     def encode(self, x: Tensor) -> Tensor:
         """K or V as the cache stores them."""
@@ -137,13 +127,15 @@ class DecodeAttention:
 
     def __init__(self, cache: KVCache, positions: Tensor, length: int, mode: str = "matmul",
                  split: tuple[int, Tensor] | None = None, rope: bool = True,
-                 residual_gemm: bool = False, chunk: int = 0, merge_in_kernel: bool = False) -> None:
+                 residual_gemm: bool = False, chunk: int = 0, merge_in_kernel: bool = False,
+                 fused_mlp: bool = False) -> None:
         self.cache, self.positions, self.length, self.mode = cache, positions, length, mode
         self.chunk = chunk  # the Triton kernel's positions per program (0: its default)
         self.counters = cache.merge_counters if merge_in_kernel else None  # its rows merged in _partial
         # the layers may add the o / down projections into their residual stream in place
         # (``fused_layer_forward``): a decode step's own hidden states, which nothing else holds
         self.residual_gemm = residual_gemm
+        self.fused_mlp = fused_mlp  # and their gate/up GEMM and SiLU·up in one kernel (miles.kernels.gate_up)
         n = positions.shape[0]
         dev = positions.device
         self.rows = torch.arange(n, device=dev)

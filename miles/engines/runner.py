@@ -94,6 +94,7 @@ class ModelRunner:
         # the triton kernel reads each row only up to its own length, so decode passes the
         # whole cache length as the context: one CUDA graph per batch bucket, no padding read
         self.length_aware = self.attention == "triton"
+        self.fused_mlp = self._fused_mlp()
         self.graphs = DecodeGraphs(self) if use_graphs else None
         self.prefill_graphs = PrefillGraphs(self) if prefill_graphs else None
         # The CPU's decode step in one C call (miles.kernels.cpu_decode): dense float32 models,
@@ -116,6 +117,18 @@ class ModelRunner:
         cfg = model.config
         self.gemm_width = cfg.hidden_size * max((cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
                                                 * cfg.head_dim, 2 * cfg.intermediate_size, cfg.vocab_size)
+
+    def _fused_mlp(self) -> bool:
+        """Whether decode steps run the gate/up GEMM and SiLU·up as one kernel
+        (``EngineConfig.decode_fused_mlp``; dense layers with the residual adds in the GEMMs)."""
+        if not (self.config.decode_fused_mlp and self.config.decode_residual_gemm and self.device.type == "cuda"):
+            return False
+        from miles.kernels import gate_up
+
+        reason = gate_up.failure(str(self.device), self.dtype)
+        if reason is not None:
+            log.warning("decode_fused_mlp: the gate/up kernel %s; decode keeps the GEMM and SiLU·up apart", reason)
+        return reason is None
 
     def _blas(self, rows: int) -> contextlib.AbstractContextManager[None]:
         """One BLAS thread for a CPU step of ``rows`` rows whose GEMMs are all small."""
@@ -233,13 +246,11 @@ class ModelRunner:
         return self.decode_eager(tokens, positions, L)
 
     def decode_eager(self, tokens: Tensor, positions: Tensor, L: int, *,
-                     split: tuple[int, Tensor] | None = None, logits: bool = True, first_slot: int = 0) -> StepOut:
-        """One decode step run op by op (``logits=False``: the final hidden states only); row i
-        is slot ``first_slot + i``."""
-        cache = self.cache if first_slot == 0 else self.cache.rows_from(first_slot)
-        backend = DecodeAttention(cache, positions, L, self.attention, split=split,
+                     split: tuple[int, Tensor] | None = None, logits: bool = True) -> StepOut:
+        """One decode step run op by op (``logits=False``: the final hidden states only)."""
+        backend = DecodeAttention(self.cache, positions, L, self.attention, split=split,
                                   rope=self.config.decode_fuse_rope,
-                                  residual_gemm=self.config.decode_residual_gemm,
+                                  residual_gemm=self.config.decode_residual_gemm, fused_mlp=self.fused_mlp,
                                   chunk=self.config.decode_attention_chunk,
                                   merge_in_kernel=self.config.decode_merge_in_kernel)
         with self._blas(tokens.shape[0]):
@@ -364,34 +375,11 @@ class DecodeGraphs(GraphCache):
         # (a sampler that reads them directly asks for them so: ``run(native_logits=True)``).
         self.logits = torch.zeros(cap, cfg.vocab_size, dtype=runner.dtype, device=dev)
         self.hidden = torch.zeros(cap, cfg.hidden_size, dtype=runner.dtype, device=dev)
-        self.side: Any = None  # the second half's stream (decode_halves_min_batch)
 
     def _step(self, nb: int, L: int) -> None:
-        runner = self.runner
-        halves = runner.config.decode_halves_min_batch
-        if halves and nb >= max(halves, 2):
-            self._halves(nb, L)
-            torch.mm(self.hidden[:nb], runner.model.lm_head.weight.t(), out=self.logits[:nb])
-            return
-        out = runner.decode_eager(self.tokens[:nb], self.positions[:nb], L, logits=False)
-        torch.mm(out.hidden, runner.model.lm_head.weight.t(), out=self.logits[:nb])
+        out = self.runner.decode_eager(self.tokens[:nb], self.positions[:nb], L, logits=False)
+        torch.mm(out.hidden, self.runner.model.lm_head.weight.t(), out=self.logits[:nb])
         self.hidden[:nb].copy_(out.hidden)
-
-    def _halves(self, nb: int, L: int) -> None:
-        """The layers of rows ``[0, nb/2)`` on the current stream and of ``[nb/2, nb)`` on a side
-        stream (``EngineConfig.decode_halves_min_batch``); captured, the two chains are branches
-        of one graph that the GPU runs side by side. The hidden states meet in ``self.hidden``."""
-        runner, h = self.runner, nb // 2
-        main = torch.cuda.current_stream()
-        if self.side is None:
-            self.side = torch.cuda.Stream()
-        self.side.wait_stream(main)
-        first = runner.decode_eager(self.tokens[:h], self.positions[:h], L, logits=False)
-        self.hidden[:h].copy_(first.hidden)
-        with torch.cuda.stream(self.side):
-            second = runner.decode_eager(self.tokens[h:nb], self.positions[h:nb], L, logits=False, first_slot=h)
-            self.hidden[h:nb].copy_(second.hidden)
-        main.wait_stream(self.side)
 
     def run(self, tokens: Tensor | list[int], positions: list[int] | Tensor, L: int, *,
             native_logits: bool = False) -> StepOut | None:

@@ -220,12 +220,12 @@ def fused_layer_forward(layer: Any, fast: FastPath, h: Tensor, cos: Tensor, sin:
         y, idx = layer.mlp(layer.post_attention_layernorm(h), routing)
         return h + y, idx
     if getattr(backend, "residual_gemm", False) and second[1] is None:
-        return residual_gemm_mlp(fast, h, a, *second), None
+        return residual_gemm_mlp(fast, h, a, *second, fused_mlp=getattr(backend, "fused_mlp", False)), None
     return fast.attention_output_mlp(h, a, *second), None
 
 
 def residual_gemm_mlp(fast: FastPath, h: Tensor, attn: Tensor, o_w: Tensor, o_b: None, norm_w: Tensor,
-                      eps: float, gate_up_w: Tensor, down_w: Tensor) -> Tensor:
+                      eps: float, gate_up_w: Tensor, down_w: Tensor, *, fused_mlp: bool = False) -> Tensor:
     """``attention_output_mlp`` with its two residual adds inside the o / down GEMMs:
     ``h.addmm_(x, wᵀ)`` is one cuBLAS call with beta = 1, where ``h + linear(x, w)`` is the
     GEMM and then an add kernel. Why: at decode sizes a kernel's cost is mostly fixed (a 4-13
@@ -235,10 +235,19 @@ def residual_gemm_mlp(fast: FastPath, h: Tensor, attn: Tensor, o_w: Tensor, o_b:
     ``h`` is updated in place and returned: the decode step's own residual stream (each
     layer's input is the previous layer's output, the first a fresh embedding), which the
     backend vouches for with ``residual_gemm``. The sum is rounded once (GEMM accumulator +
-    h in float32) where the unfused path rounds the projection first: CONSISTENCY.md."""
+    h in float32) where the unfused path rounds the projection first: CONSISTENCY.md.
+
+    ``fused_mlp``: the gate/up GEMM and SiLU·up in one Triton kernel (``miles.kernels.gate_up``,
+    the backend's ``fused_mlp``), one launch a layer fewer."""
     B = h.shape[0]
     h2 = h.view(B, -1)
     h2.addmm_(attn.reshape(B, -1), o_w.t())
     x = fast.rms_norm(h, norm_w, eps)
-    h2.addmm_(fast.silu_mul(F.linear(x, gate_up_w)).view(B, -1), down_w.t())
+    if fused_mlp:
+        from miles.kernels.gate_up import gate_up_silu
+
+        act = gate_up_silu(x.view(B, -1), gate_up_w)
+    else:
+        act = fast.silu_mul(F.linear(x, gate_up_w)).view(B, -1)
+    h2.addmm_(act, down_w.t())
     return h

@@ -47,26 +47,17 @@ def test_engine_float32_logprobs_match_cpu_full_forward(moe: bool, attention: st
                                 graphs=not moe)
 
 
-@pytest.mark.parametrize("in_gemm", [True, False])
-def test_decode_with_residual_adds_in_the_gemms_matches_full_forward(in_gemm: bool) -> None:
+@pytest.mark.parametrize("in_gemm,fused_mlp", [(True, True), (True, False), (False, False)])
+def test_decode_with_residual_adds_in_the_gemms_matches_full_forward(in_gemm: bool, fused_mlp: bool) -> None:
     """``decode_residual_gemm``: the o / down projections added into the residual stream
-    by cuBLAS (beta = 1) in captured decode graphs, or by an add after them: float32 log-probs
-    match a full forward either way."""
+    by cuBLAS (beta = 1) in captured decode graphs, or by an add after them; with
+    ``decode_fused_mlp`` the gate/up GEMM and SiLU·up in one Triton kernel: float32 log-probs
+    match a full forward every way."""
     ref = _model()
-    engine = _engine(copy.deepcopy(ref), decode_attention="triton", decode_residual_gemm=in_gemm)
+    engine = _engine(copy.deepcopy(ref), decode_attention="triton", decode_residual_gemm=in_gemm,
+                     decode_fused_mlp=fused_mlp)
+    assert engine.runner.fused_mlp == fused_mlp  # the kernel's probe passed where it was asked for
     _check_against_full_forward(ref, engine, _prompts(7, seed=4), 60, graphs=True)
-
-
-@pytest.mark.parametrize("attention", ["triton", "sdpa"])
-def test_decode_graphs_in_two_halves_on_two_streams_match_full_forward(attention: str) -> None:
-    """``decode_halves_min_batch``: a captured decode step runs rows [0, nb/2) and [nb/2, nb) as
-    two branches on two streams (the second half's backend on a view of the cache from slot
-    nb/2). Seven rows pad to a bucket of 8, so the second half holds the padding row; float32
-    log-probs still match a full forward."""
-    ref = _model()
-    engine = _engine(copy.deepcopy(ref), decode_attention=attention, decode_halves_min_batch=2)
-    _check_against_full_forward(ref, engine, _prompts(7, seed=5), 60, graphs=True)
-    assert engine.runner.graphs.side is not None  # the halves ran
 
 
 def _check_against_full_forward(ref: CausalLM, engine: EmbeddedEngine, ps: list[list[int]], new: int, *,

@@ -115,8 +115,7 @@ def test_bad_engine_config() -> None:
     for kw, msg in [(dict(max_seq_len=4096), "max_seq_len 4096"), (dict(max_batch_size=0), "max_batch_size"),
                     (dict(dtype="int8"), "dtype 'int8'"), (dict(decode_attention="flash"), "decode_attention"),
                     (dict(decode_attention_chunk=100), "decode_attention_chunk"),
-                    (dict(decode_attention_chunk=32), "power of two >= 64"),
-                    (dict(decode_halves_min_batch=-1), "decode_halves_min_batch")]:
+                    (dict(decode_attention_chunk=32), "power of two >= 64")]:
         with pytest.raises(ValueError, match=msg):
             make_engine(model, **kw)
     assert EngineConfig().torch_dtype() == torch.float32
