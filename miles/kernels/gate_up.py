@@ -27,7 +27,7 @@ except ImportError:  # the CPU install has no triton
 
 from miles.kernels.decode_attention import available  # the same rule: CUDA, or the interpreter
 
-__all__ = ["available", "default_launch", "failure", "gate_up_silu"]
+__all__ = ["MIN_ROWS", "available", "default_launch", "failure", "gate_up_silu"]
 
 # (BM, BN, BK, warps, stages) by the batch's rows, from benchmarks/decode_mlp.py on the H200
 # (2026-12-02 02:14; a Qwen3-0.6B MLP, 20 calls in a CUDA graph each on its own weights): at
@@ -35,6 +35,9 @@ __all__ = ["available", "default_launch", "failure", "gate_up_silu"]
 # (1.25x); at 32 7.0 against 7.3; at 128 (64, 64, 64, 4, 5) 8.1 against 9.0; at 256
 # (64, 64, 64, 4, 4) 11.6 against 11.9.
 LAUNCHES = ((64, (64, 32, 128, 4, 4)), (128, (64, 64, 64, 4, 5)), (1 << 62, (64, 64, 64, 4, 4)))
+# Decode steps of fewer rows keep cuBLAS and the SiLU·up kernel: at batch 1 the fused kernel lost
+# (7.3 against 6.9 µs), at 8 and 16 it won (7.0 against 7.8 / 7.9; decode_mlp, 2026-12-02 02:33).
+MIN_ROWS = 8
 
 
 def default_launch(rows: int) -> tuple[int, int, int, int, int]:
