@@ -93,8 +93,9 @@ def main() -> None:
     desc = (f"a Qwen3-0.6B MLP's gate/up projection ({2 * INTER}×{HIDDEN}, bf16, 12.6 MB) and SiLU·up; µs a call in a "
             f"CUDA graph of {COPIES} calls each on its own weight copy, median of 10 replays; 'engine now' = cuBLAS, "
             "then the compiled SiLU·up kernel; 'fused' = miles.kernels.gate_up (one Triton GEMM)")
-    section = [f"\n## decode_mlp — {stamp}", "", f"Command: `python benchmarks/decode_mlp.py {' '.join(sys.argv[1:])}`  ",
-               f"Machine: {machine()}  ", desc, "", text, ""] + [f"- {v}" for v in verdicts] + [""]
+    command = f"Command: `python benchmarks/decode_mlp.py {' '.join(sys.argv[1:])}`  "
+    section = [f"\n## decode_mlp — {stamp}", "", command, f"Machine: {machine()}  ", desc, "", text, ""]
+    section += [f"- {v}" for v in verdicts] + [""]
     with open(args.results, "a", encoding="utf-8") as fh:
         fh.write("\n".join(section))
     print(f"appended to {args.results}")

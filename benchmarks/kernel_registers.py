@@ -213,6 +213,26 @@ def sampler_cases() -> list[tuple[str, object, tuple, dict]]:
     return cases
 
 
+def gate_up_cases() -> list[tuple[str, object, tuple, dict]]:
+    """The decode MLP's gate/up + SiLU·up kernel (``miles.kernels.gate_up``) at each of its
+    default launches, on a Qwen3-0.6B MLP (hidden 1024, intermediate 3072)."""
+    from miles.kernels import gate_up
+
+    cases = []
+    for rows in sorted({top for top, _ in gate_up.LAUNCHES if top < 1 << 32} | {256}):
+        recorder, real = Recorder(gate_up._gate_up_silu), gate_up._gate_up_silu
+        gate_up._gate_up_silu = recorder
+        try:
+            gate_up.gate_up_silu(torch.zeros(rows, 1024, dtype=torch.bfloat16),
+                                 torch.zeros(6144, 1024, dtype=torch.bfloat16))
+        finally:
+            gate_up._gate_up_silu = real
+        args, kw = recorder.calls[0]
+        launch = (kw["BM"], kw["BN"], kw["BK"], kw.get("num_warps", 4), kw.get("num_stages", 3))
+        cases.append((f"_gate_up_silu, {rows} rows, launch (BM, BN, BK, warps, stages) {launch}", real, args, kw))
+    return cases
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, choices=sorted(ARCH))
@@ -225,13 +245,15 @@ def main() -> None:
              "loop instructions a position |", "|---|---|---|---|---|---|"]
     mixes = ["", "| _partial variant | its loop's instructions (a warp, one trip) | positions a trip | "
              "the largest opcode classes |", "|---|---|---|---|"]
-    for name, fn, call_args, call_kw in decode_attention_cases() + sampler_cases():
+    for name, fn, call_args, call_kw in decode_attention_cases() + sampler_cases() + gate_up_cases():
         u = usage(fn, call_args, call_kw, args.arch)
         if "BLOCK_N" in call_kw:  # the attention: a warp's loop instructions over its BLOCK_N positions
             per = f"{u['loop'] / call_kw['BLOCK_N']:.1f}" if u["loop"] else ""
         elif "BLOCK" in call_kw:  # the sampler: a thread's loop instructions over its BLOCK / threads entries
             threads = 32 * call_kw.get("num_warps", 4)
             per = f"{u['exp_loop'] * threads / call_kw['BLOCK']:.1f} an entry" if u["exp_loop"] else "(unrolled)"
+        elif "BK" in call_kw:  # the gate/up GEMM: a warp's loop instructions a K tile
+            per = f"{u['loop']} a K tile of {call_kw['BK']}" if u["loop"] else ""
         else:
             per = ""
         lines.append(f"| {name} | {u['regs']} | {u['spill']} | {u['shared']} | {u['programs']} | {per} |")
@@ -239,8 +261,9 @@ def main() -> None:
         if "BLOCK_N" in call_kw and u["loop"] and "merge kernel" in name:
             top = ", ".join(f"{op} {n}" for op, n in u["mix"].most_common(8))
             mixes.append(f"| {name.removesuffix(', merge kernel')} | {u['loop']} | {call_kw['BLOCK_N']} | {top} |")
-    desc = (f"registers, spills (local stack) and shared memory of the Triton decode attention's and sampler's "
-            f"variants, compiled offline for sm_{args.arch} by triton {triton.__version__} and its ptxas (no GPU), "
+    desc = (f"registers, spills (local stack) and shared memory of the Triton decode attention's, sampler's and "
+            f"gate/up GEMM's variants, compiled offline for sm_{args.arch} by triton {triton.__version__} and its "
+            "ptxas (no GPU), "
             f"with the arguments of the engine's decode step (Qwen3-0.6B attention: {KV} KV heads, head dim {D}, "
             f"a {CACHE}-position cache; group 8 and 1 for other models' GQA); programs an SM by the register, "
             "shared-memory and warp limits; loop instructions a position: a warp's SASS in the inner loop / BLOCK_N "

@@ -87,7 +87,7 @@ class ModelRunner:
         # with prefill graphs, one scratch slot past the requests' for their padding rows
         self.cache = KVCache(model.config, config.max_batch_size + int(prefill_graphs), config.max_seq_len,
                              self.device, self.dtype, headroom=headroom, kv_dtype=config.kv_torch_dtype())
-        model.rotary.reserve(self.cache.length, self.device, self.dtype)  # and its tables in the engine dtype
+        model.rotary.reserve(self.cache.length, self.device, self.dtype)  # with tables in the engine dtype
         self.verify_graphs: Any = None  # set by the speculative decoder on CUDA
         self.block = config.block()
         self.attention = config.attention_mode(model.config.head_dim)

@@ -121,7 +121,7 @@ class Rotary:
         self.default_length = min(config.max_position_embeddings, 8192)
         self._cos: Tensor | None = None
         self._sin: Tensor | None = None
-        self._packed: dict[torch.dtype, Tensor] = {}  # reserve(dtype=...)'s tables
+        self._packed: dict[torch.dtype, Tensor | None] = {}  # reserve(dtype=...)'s tables
 
     @property
     def length(self) -> int:
@@ -145,9 +145,12 @@ class Rotary:
             self._cos, self._sin = emb.cos(), torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1)
             if self.scale != 1.0:
                 self._cos, self._sin = self._cos * self.scale, self._sin * self.scale
-            self._packed = {}
-        if dtype is not None and dtype not in self._packed:
-            self._packed[dtype] = torch.stack((self._cos, self._sin), dim=1).to(dtype)  # the same values, cast
+            self._packed = dict.fromkeys(self._packed)  # rebuilt below from the new tables
+        if dtype is not None:
+            self._packed.setdefault(dtype, None)
+        for dt, table in self._packed.items():
+            if table is None:
+                self._packed[dt] = torch.stack((self._cos, self._sin), dim=1).to(dt)  # the same values, cast
 
     def __call__(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, signed sin of shape [B, 1, T, D] in ``dtype`` for position_ids [B, T]."""

@@ -118,6 +118,26 @@ def test_token_major_rope_is_the_same_arithmetic(dtype: torch.dtype) -> None:
     assert torch.equal(q2.transpose(1, 2), q1) and torch.equal(k2.transpose(1, 2), k1)
 
 
+def test_rope_tables_packed_in_a_dtype_are_the_same_values() -> None:
+    """``Rotary.reserve(dtype=...)``: cos and sin gathered from one table packed in that dtype
+    (the engine's, one kernel) equal the float32 tables' gathers cast, bitwise, and the packed
+    table survives the tables growing."""
+    from miles.models.layers import Rotary
+
+    cfg = tiny_config()
+    pos = torch.tensor([[0, 5, 17], [3, 3, 90]])
+    plain = Rotary(cfg)
+    packed = Rotary(cfg)
+    packed.reserve(64, "cpu", torch.bfloat16)
+    for length in (64, 200):  # the second call grows the tables past position 90
+        packed.reserve(length, "cpu")
+        cos, sin = packed(pos.clamp(max=length - 1), torch.bfloat16)
+        want_cos, want_sin = plain(pos.clamp(max=length - 1), torch.bfloat16)
+        assert cos.shape == want_cos.shape == (2, 1, 3, cfg.head_dim)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+        assert packed._packed[torch.bfloat16] is not None and packed._packed[torch.bfloat16].shape[0] >= length
+
+
 def test_token_logprobs_matches_log_softmax() -> None:
     logits = torch.randn(3, 5, 11)
     toks = torch.randint(0, 11, (3, 5))
