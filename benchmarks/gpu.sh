@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/RESULTS.md's H200 sections, one part per argument:
 #   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command; parts:
-#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing engine-matmul engine-attn engine-rollout profile engine engine-ab attention long-tail trainer trainer-long-tail spec spec-overhead megatron weights async async-x2 bg-start bg-wait)
+#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing engine-matmul engine-attn engine-rollout profile engine engine-ab mlp attention long-tail trainer trainer-long-tail spec spec-overhead megatron weights async async-x2 bg-start bg-wait)
 # A run longer than one call: `BG_PARTS=async-x2 ... gpu.sh bg-start` in one call, then at once
 # `gpu.sh bg-wait [more parts]` in the next (the machine is given back ~30 s after a call).
 # On a machine without ray/msgspec/megatron-core, a .whl folder built by the project's
@@ -25,7 +25,7 @@ for part in "$@"; do
     case "$part" in
         tests-engine|tests-trainer|tests-one)
                   case "$part" in  # the whole suite outgrew one 10-minute call: two halves
-                      tests-engine)  files="tests/gpu/test_engine_gpu.py tests/gpu/test_model_gpu.py tests/gpu/test_spec_gpu.py tests/unit/engines/test_triton_decode.py" ;;
+                      tests-engine)  files="tests/gpu/test_engine_gpu.py tests/gpu/test_model_gpu.py tests/gpu/test_spec_gpu.py tests/unit/engines/test_triton_decode.py tests/unit/engines/test_gate_up.py" ;;
                       tests-trainer) files="tests/gpu/test_trainer_gpu.py tests/gpu/test_runs_gpu.py tests/gpu/test_multi_gpu.py tests/gpu/test_megatron_gpu.py tests/gpu/test_weights_gpu.py tests/gpu/test_serve_gpu.py" ;;
                       *)             files="${TESTS:-tests/gpu tests/unit/engines/test_triton_decode.py}" ;;
                   esac
@@ -44,6 +44,7 @@ for part in "$@"; do
         engine-rollout) timeout 300 python3 benchmarks/engine.py --device cuda --preset 0.5b --workload rollout --no-hf ;;
         profile)  timeout 200 python3 benchmarks/profile_decode.py --device cuda 2>&1 | tail -45 ;;
         engine)   timeout 300 python3 benchmarks/engine.py --device cuda --preset 0.5b ;;
+        mlp)      timeout 280 python3 benchmarks/decode_mlp.py --batch 8 16 32 64 128 256 ;;
         attention) # the decode attention, each call on its own cache: the engine's cache (one chunk a
                   # row) and one over 1024 positions, where rows merge (kernel or in-kernel merge)
                   timeout 150 python3 benchmarks/decode_attention.py --quick --rope --batch 64 256 --lengths uniform spread \
