@@ -16,7 +16,6 @@ the fused output is checked against the two-launch path.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine import graph_us, machine  # noqa: E402
+from benchmarks.trainer import record_section  # noqa: E402
 from miles.kernels import gate_up as kernel  # noqa: E402
 from miles.models.fused import compile_fast_path  # noqa: E402
 
@@ -84,21 +84,11 @@ def main() -> None:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for batch, gemm, now, default, best, us, err in rows:
         lines.append(f"| {batch} | {gemm:.1f} | {now:.1f} | {default:.1f} | {best} | {us:.1f} | {err:.4f} |")
-    text = "\n".join(lines)
-    print(text)
-    print("\n".join(verdicts))
-    if args.no_record:
-        return
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     desc = (f"a Qwen3-0.6B MLP's gate/up projection ({2 * INTER}×{HIDDEN}, bf16, 12.6 MB) and SiLU·up; µs a call in a "
             f"CUDA graph of {COPIES} calls each on its own weight copy, median of 10 replays; 'engine now' = cuBLAS, "
             "then the compiled SiLU·up kernel; 'fused' = miles.kernels.gate_up (one Triton GEMM)")
-    command = f"Command: `python benchmarks/decode_mlp.py {' '.join(sys.argv[1:])}`  "
-    section = [f"\n## decode_mlp — {stamp}", "", command, f"Machine: {machine()}  ", desc, "", text, ""]
-    section += [f"- {v}" for v in verdicts] + [""]
-    with open(args.results, "a", encoding="utf-8") as fh:
-        fh.write("\n".join(section))
-    print(f"appended to {args.results}")
+    record_section("decode_mlp", machine(), desc, lines + [""] + [f"- {v}" for v in verdicts], args.results,
+                   save=not args.no_record)
 
 
 if __name__ == "__main__":
