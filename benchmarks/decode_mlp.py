@@ -35,12 +35,14 @@ COPIES = 20
 
 
 def launches(quick: bool) -> list[tuple[int, int, int, int, int]]:
+    """The kernel's default launches, with one more (``quick``) or the whole sweep."""
+    defaults = {launch for _, launch in kernel.LAUNCHES}
     if quick:
-        return sorted({launch for _, launch in kernel.LAUNCHES} | {(64, 16, 128, 4, 4)})
+        return sorted(defaults | {(64, 16, 128, 4, 4)})
     sweep = [(bm, bn, bk, w, s) for bm, bn, bk, w, s in itertools.product((16, 32, 64), (16, 32, 64), (64, 128, 256),
                                                                         (4, 8), (3, 4, 5))
              if not (w == 8 and bm * bn < 64 * 32) and bk * (bm + 2 * bn) * 2 * s <= 200_000]
-    return sorted(set(sweep) | {launch for _, launch in kernel.LAUNCHES})
+    return sorted(defaults | set(sweep))
 
 
 def main() -> None:

@@ -7,14 +7,15 @@ import torch
 
 DECODE_ATTENTION = ("auto", "matmul", "sdpa", "triton")  # --decode-attention's choices
 
+# --kv-cache-dtype's choices (SGLang's names): the model's dtype, or 8-bit floats.
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
 
 def chunk_problem(chunk: int) -> str | None:
     """What is wrong with a ``decode_attention_chunk`` value (completing "must be ..."), or None."""
     if chunk != 0 and (chunk < 64 or chunk & (chunk - 1)):
         return "0 (auto) or a power of two >= 64"
     return None
-# --kv-cache-dtype's choices (SGLang's names): the model's dtype, or 8-bit floats.
-KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

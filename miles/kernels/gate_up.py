@@ -35,7 +35,7 @@ __all__ = ["MIN_ROWS", "available", "default_launch", "failure", "gate_up_silu"]
 # (1.25x); at 32 7.0 against 7.3; at 128 (64, 64, 64, 4, 5) 8.1 against 9.0; at 256
 # (64, 64, 64, 4, 4) 11.6 against 11.9.
 LAUNCHES = ((64, (64, 32, 128, 4, 4)), (128, (64, 64, 64, 4, 5)), (1 << 62, (64, 64, 64, 4, 4)))
-# Decode steps of fewer rows keep cuBLAS and the SiLU·up kernel: at batch 1 the fused kernel lost
+# Decode steps of fewer rows keep cuBLAS and the SiLU·up kernel (the runner's rule): at batch 1 the fused kernel lost
 # (7.3 against 6.9 µs), at 8 and 16 it won (7.0 against 7.8 / 7.9; decode_mlp, 2026-12-02 02:33).
 MIN_ROWS = 8
 

@@ -238,19 +238,17 @@ def residual_gemm_mlp(fast: FastPath, h: Tensor, attn: Tensor, o_w: Tensor, o_b:
     h in float32) where the unfused path rounds the projection first: CONSISTENCY.md.
 
     ``fused_mlp``: the gate/up GEMM and SiLU·up in one Triton kernel (``miles.kernels.gate_up``,
-    the backend's ``fused_mlp``), one launch a layer fewer, for steps of at least
-    ``gate_up.MIN_ROWS`` rows."""
+    the backend's ``fused_mlp``, which the runner sets for steps of at least ``gate_up.MIN_ROWS``
+    rows), one launch a layer fewer."""
     B = h.shape[0]
     h2 = h.view(B, -1)
     h2.addmm_(attn.reshape(B, -1), o_w.t())
     x = fast.rms_norm(h, norm_w, eps)
-    act = None
     if fused_mlp:
-        from miles.kernels import gate_up
+        from miles.kernels.gate_up import gate_up_silu
 
-        if B >= gate_up.MIN_ROWS:  # where it measured faster than the two launches
-            act = gate_up.gate_up_silu(x.view(B, -1), gate_up_w)
-    if act is None:
+        act = gate_up_silu(x.view(B, -1), gate_up_w)
+    else:
         act = fast.silu_mul(F.linear(x, gate_up_w)).view(B, -1)
     h2.addmm_(act, down_w.t())
     return h

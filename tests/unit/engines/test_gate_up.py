@@ -51,3 +51,34 @@ def test_bad_shapes_and_no_cuda_are_clear() -> None:
         with pytest.raises(ValueError, match=r"w must be \[2I, 8\]"):
             kernel.gate_up_silu(torch.zeros(2, 8), torch.zeros(5, 8))
     assert "CUDA" in kernel.failure("cpu", torch.float32)
+
+
+def test_decode_steps_take_the_kernel_from_min_rows_on(monkeypatch) -> None:
+    """The runner's rule (``gate_up.MIN_ROWS``): with ``fused_mlp`` on, a decode step of at least
+    MIN_ROWS rows computes its MLP through ``gate_up_silu`` (here a torch stand-in, so this runs
+    on the CPU), a smaller one through the two launches, with the same logits either way."""
+    from miles.engines import EngineConfig
+    from miles.engines.runner import ModelRunner
+
+    from .helpers import make_model
+
+    rows_seen = []
+
+    def stand_in(x: torch.Tensor, w: torch.Tensor, launch=None) -> torch.Tensor:
+        rows_seen.append(x.shape[0])
+        return _reference(x, w)
+
+    monkeypatch.setattr(kernel, "gate_up_silu", stand_in)
+    model = make_model().eval().requires_grad_(False)
+    model.fuse_projections()  # the fast path, as the engine runs it
+    runner = ModelRunner(model, EngineConfig(max_batch_size=16, max_seq_len=64, kv_block=16))
+    layers = runner.model.config.num_hidden_layers
+    for n in (kernel.MIN_ROWS - 1, kernel.MIN_ROWS):
+        tokens, positions = torch.arange(5, 5 + n), torch.arange(n)
+        with torch.no_grad():
+            runner.fused_mlp = False
+            want = runner.decode_eager(tokens, positions, 16).logits
+            runner.fused_mlp = True
+            got = runner.decode_eager(tokens, positions, 16).logits
+        assert (got - want).abs().max().item() < 1e-5
+    assert rows_seen == [kernel.MIN_ROWS] * layers  # the smaller step kept the two launches
