@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine import copy_bandwidth, graph_us, machine  # noqa: E402
 from benchmarks.trainer import record_section  # noqa: E402
+from miles.engines.kv_cache import positions_last  # noqa: E402
 from miles.kernels import decode_attention as kernel  # noqa: E402
 
 KV, G, D = 8, 2, 128  # Qwen3-0.6B: 8 KV heads, 16 query heads, head dim 128
@@ -59,16 +60,32 @@ def row_lengths(rows: int, context: int, cache_len: int, kind: str) -> torch.Ten
     return spread[torch.randperm(rows, generator=torch.Generator().manual_seed(0))].cuda()
 
 
-def sweep(rows: int, lengths: torch.Tensor, cache_len: int, kv_dtype: torch.dtype, forms: list, reps: int,
+# a cache form: (storage dtype, V stored transposed as KVCache stores an 8-bit V, float16 dots)
+CACHES = {"bf16": (torch.bfloat16, False, False), "fp8_e4m3": (torch.float8_e4m3fn, True, True),
+          "fp8_e4m3/v-rows": (torch.float8_e4m3fn, False, True),
+          "fp8_e4m3/bf16-dots": (torch.float8_e4m3fn, True, False),
+          "fp8_e4m3/v-rows/bf16-dots": (torch.float8_e4m3fn, False, False)}
+
+
+def layer_cache(rows: int, cache_len: int, form: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's random K and V caches in the layout of ``form`` (``CACHES``)."""
+    dtype, transposed, _ = CACHES[form]
+    k, v = (torch.randn(rows, KV, cache_len, D, device="cuda", generator=g).to(dtype) for _ in range(2))
+    if transposed:
+        v = positions_last(tuple(v.shape), v.device, dtype).copy_(v)
+    return k, v
+
+
+def sweep(rows: int, lengths: torch.Tensor, cache_len: int, form: str, forms: list, reps: int,
           rope: bool = False, shared_cache: bool = False) -> list[dict]:
-    """Each ``(launch, merged)`` of ``forms`` timed on the same caches (``merged``: the rows merged
-    in the kernel, by merge counters). A launch that does not fit is left out."""
+    """Each ``(launch, merged)`` of ``forms`` timed on the same caches of ``form`` (``merged``:
+    the rows merged in the kernel, by merge counters). A launch that does not fit is left out."""
     g = torch.Generator(device="cuda").manual_seed(0)
     # each call of a graph reads a cache of its own, as each layer of a step does: with one
     # cache for all calls, a batch-64 layer's ~100 MB was read partly from L2 (50 MB), and the
     # kernel measured 2.7-3.3 TB/s where the engine's profile found 2.5 (2026-12-01 21:14)
-    caches = [tuple(torch.randn(rows, KV, cache_len, D, device="cuda", generator=g).to(kv_dtype) for _ in range(2))
-              for _ in range(1 if shared_cache else CALLS)]
+    caches = [layer_cache(rows, cache_len, form, g) for _ in range(1 if shared_cache else CALLS)]
+    f16 = CACHES[form][2]
     # q, k, v as the engine's decode step hands them over: views of one qkv projection
     qkv = torch.randn(rows, KV * G + 2 * KV, D, device="cuda", generator=g, dtype=torch.bfloat16)
     q, k, v = qkv.split((KV * G, KV, KV), dim=1)
@@ -83,7 +100,7 @@ def sweep(rows: int, lengths: torch.Tensor, cache_len: int, kv_dtype: torch.dtyp
     found = []
     for launch, merged in forms:
         calls = [lambda kc=kc, vc=vc: kernel.decode_attention(q, kc, vc, lengths, D ** -0.5, cache_len, new_kv=(k, v),
-                                                               launch=launch, rope=tables,
+                                                               launch=launch, rope=tables, f16_dots=f16,
                                                                counters=counters if merged else None)
                  for kc, vc in (caches[i % len(caches)] for i in range(CALLS))]
         try:
@@ -105,7 +122,9 @@ def main() -> None:
                     help="fewer launches: each chunk with BLOCK_N 32/64, 4 warps, 2/3 stages")
     ap.add_argument("--rope", action="store_true",
                     help="the engine's decode form: raw q/k projections, q/k-norm + RoPE in the kernel")
-    ap.add_argument("--caches", nargs="+", default=["bf16", "fp8_e4m3"], choices=["bf16", "fp8_e4m3"])
+    ap.add_argument("--caches", nargs="+", default=["bf16", "fp8_e4m3"], choices=list(CACHES),
+                    help="fp8_e4m3: as the engine stores it (V transposed, float16 dots); /v-rows: V "
+                         "position-major (before 2026-12-02 04:00); /bf16-dots: bfloat16 dots")
     ap.add_argument("--chunks", type=int, nargs="+", default=[128, 256, 512, 1024],
                     help="the sweep's CHUNK values (with every BLOCK_N, warps and stages)")
     ap.add_argument("--lengths", nargs="+", default=["uniform"], choices=["uniform", "spread"])
@@ -124,14 +143,13 @@ def main() -> None:
              "512-position chunks | its µs | best launch (CHUNK, BLOCK_N, warps, stages) | its µs | its GB/s | "
              "× default |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     best_of: dict[str, dict] = {}
-    caches = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
     for rows, kind, name in itertools.product(args.batch, args.lengths, args.caches):
-        dtype = caches[name]
+        dtype = CACHES[name][0]
         lengths = row_lengths(rows, args.context, args.cache_len, kind)
         default = kernel.default_launch(rows * KV, dtype)
         former = kernel.default_launch(rows * KV, dtype, chunk=512)  # the wide grids' launch before 2026-12-02
         forms = [(launch, False) for launch in sorted({default, former, *launches})] + [(default, True)]
-        timed = sweep(rows, lengths, args.cache_len, dtype, forms, args.reps, rope=args.rope,
+        timed = sweep(rows, lengths, args.cache_len, name, forms, args.reps, rope=args.rope,
                       shared_cache=args.shared_cache)
         in_kernel = next(r for r in timed if r["merged"])
         found = [r for r in timed if not r["merged"]]
@@ -145,10 +163,10 @@ def main() -> None:
                      f"{best['gbs']:.0f} | {base['us'] / best['us']:.2f}× |")
         top = sorted(found, key=lambda r: r["us"])[:5]
         print(f"batch {rows} {kind} {name}: " + ", ".join(f"{r['launch']} {r['us']:.1f} µs" for r in top))
-    for rows, kind in itertools.product(args.batch, args.lengths):
-        a, b = best_of.get(f"{rows}/{kind}/bf16"), best_of.get(f"{rows}/{kind}/fp8_e4m3")
-        if a and b:
-            lines.append(f"\nbatch {rows} ({kind}): fp8 cache at its best launch {a['us'] / b['us']:.2f}× "
+    for rows, kind, name in itertools.product(args.batch, args.lengths, args.caches):
+        a, b = best_of.get(f"{rows}/{kind}/bf16"), best_of.get(f"{rows}/{kind}/{name}")
+        if a and b and name != "bf16":
+            lines.append(f"\nbatch {rows} ({kind}): {name} cache at its best launch {a['us'] / b['us']:.2f}× "
                          "the bf16 cache's best")
     form = ", q/k-norm + RoPE applied by the kernel to the raw projections" if args.rope else ""
     spread = " (spread: evenly over the cache, same mean)" if "spread" in args.lengths else ""

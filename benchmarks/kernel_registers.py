@@ -155,17 +155,25 @@ def usage(fn, args: tuple, kw: dict, arch: int) -> dict:
 
 def decode_attention_cases() -> list[tuple[str, object, tuple, dict]]:
     """The decode step's ``_partial`` (and ``_merge``) as the engine launches them."""
+    from miles.engines.kv_cache import positions_last
     from miles.kernels import decode_attention as kernel
 
     cases = []
-    for g_size, kv_dtype, form in [(2, torch.bfloat16, "wide"), (2, torch.bfloat16, "narrow"),
-                                   (2, torch.float8_e4m3fn, "wide"), (1, torch.bfloat16, "wide"),
-                                   (8, torch.bfloat16, "wide")]:
+    fp8 = torch.float8_e4m3fn
+    # (group, cache dtype, grid, V transposed, float16 dots): an 8-bit cache as KVCache stores it
+    # (V transposed) with the kernel's default dots, then its former forms
+    for g_size, kv_dtype, form, v_t, f16 in [(2, torch.bfloat16, "wide", False, False),
+                                             (2, torch.bfloat16, "narrow", False, False),
+                                             (2, fp8, "wide", True, kernel.F16_DOTS), (2, fp8, "wide", False, True),
+                                             (2, fp8, "wide", True, False), (2, fp8, "wide", False, False),
+                                             (1, torch.bfloat16, "wide", False, False),
+                                             (8, torch.bfloat16, "wide", False, False)]:
         rows = ROWS if form == "wide" else 8
-        for merge_in in (False, True):
+        for merge_in in (False, True) if kv_dtype != fp8 or v_t else (False,):
             qkv = torch.zeros(rows, KV * g_size + 2 * KV, D, dtype=torch.bfloat16)
             q, k, v = qkv.split((KV * g_size, KV, KV), dim=1)
             kc = torch.zeros(rows, KV, CACHE, D, dtype=kv_dtype)
+            vc = positions_last(tuple(kc.shape), kc.device, kv_dtype) if v_t else kc.clone()
             rope = kernel.Rope(torch.zeros(rows, D, dtype=torch.bfloat16), torch.zeros(rows, D, dtype=torch.bfloat16),
                                torch.ones(D, dtype=torch.bfloat16), torch.ones(D, dtype=torch.bfloat16), 1e-6)
             counters = torch.zeros(rows * KV, dtype=torch.int32) if merge_in else None
@@ -175,12 +183,14 @@ def decode_attention_cases() -> list[tuple[str, object, tuple, dict]]:
             real = kernel._partial, kernel._merge
             kernel._partial, kernel._merge = partial, merge
             try:
-                kernel._launch(q.view(rows, KV, g_size, D), kc, kc.clone(), lengths, D ** -0.5, CACHE, 1, 0,
+                kernel._launch(q.view(rows, KV, g_size, D), kc, vc, lengths, D ** -0.5, CACHE, 1, 0,
                                torch.empty(rows, KV, g_size, D, dtype=torch.bfloat16), (k, v), launch, rope,
-                               True, counters)
+                               True, counters, f16)
             finally:
                 kernel._partial, kernel._merge = real
-            name = (f"_partial, group {g_size}, {str(kv_dtype).removeprefix('torch.')} cache, {rows} rows, "
+            layout = "" if kv_dtype != fp8 else (" (V transposed" if v_t else " (V position-major") + (
+                ", float16 dots)" if f16 else ", bfloat16 dots)")
+            name = (f"_partial, group {g_size}, {str(kv_dtype).removeprefix('torch.')} cache{layout}, {rows} rows, "
                     f"launch {launch}, merge {'in the kernel' if merge_in else 'kernel'}")
             cases.append((name, real[0], *partial.calls[0]))
             if merge.calls and g_size == 2 and kv_dtype == torch.bfloat16 and form == "wide":

@@ -40,7 +40,8 @@ tokens of a row near the end of its context still have somewhere to go.
 An 8-bit cache (``kv_dtype`` float8, the engine's ``kv_cache_dtype``) stores K/V clamped to
 the format's range with no scale (``encode``) and every backend reads them back into the
 compute dtype (``decode``; the Triton kernel converts its tiles as it loads them), so a
-decode step reads half the bytes. Prefill attends over its own K/V before they are rounded.
+decode step reads half the bytes. Its V is stored transposed (``positions_last``), and NaN is
+stored as 0. Prefill attends over its own K/V before they are rounded.
 """
 
 from __future__ import annotations
@@ -65,10 +66,11 @@ class KVCache:
         shape = (config.num_hidden_layers, num_slots, config.num_key_value_heads, max_seq_len + headroom,
                  config.head_dim)
         kv_dtype = kv_dtype or dtype
-        self.k = torch.zeros(shape, device=device, dtype=kv_dtype)
-        self.v = torch.zeros(shape, device=device, dtype=kv_dtype)
         self.dtype = dtype
         self.quantized = kv_dtype != dtype
+        self.k = torch.zeros(shape, device=device, dtype=kv_dtype)
+        self.v = positions_last(shape, device, kv_dtype) if self.quantized else torch.zeros(shape, device=device,
+                                                                                             dtype=kv_dtype)
         self.limit = torch.finfo(kv_dtype).max  # float8 overflows to NaN (e4m3fn) or inf (e5m2): clamp
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.length = max_seq_len + headroom  # positions per slot
@@ -80,7 +82,8 @@ class KVCache:
         """K or V as the cache stores them."""
         if not self.quantized:
             return x
-        return x.clamp(-self.limit, self.limit).to(self.k.dtype)
+        # NaN to 0, not kept: the Triton kernel reads a few positions past each row, weighted by zero
+        return torch.nan_to_num(x, nan=0.0).clamp(-self.limit, self.limit).to(self.k.dtype)
 
     def decode(self, x: Tensor) -> Tensor:
         """Cache contents in the compute dtype (a copy when the cache is 8-bit)."""
@@ -88,7 +91,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return self.k.numel() * self.k.element_size() + self.v.untyped_storage().nbytes()  # V's padding too
 
     def bytes_per_token(self) -> int:
         """K+V bytes of one token over all layers (for the roofline)."""
@@ -103,6 +106,24 @@ class KVCache:
         if src != dst and length > 0:
             self.k[:, dst, :, :length] = self.k[:, src, :, :length]
             self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+
+POSITION_PAD = 128  # a transposed V's positions (the Triton decode attention's largest BLOCK_N)
+
+
+def positions_last(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A zeroed ``[..., positions, D]`` tensor stored as ``[..., D, positions]``: its transposed
+    view. The positions are padded to a multiple of ``POSITION_PAD``, so every head-dim row
+    starts aligned and the Triton kernel's unmasked tile loads stay inside the row.
+
+    Why: an 8-bit cache's V is the Triton decode attention's PV-dot operand along the positions,
+    and Hopper has no transposing shared-memory load for 8-bit tiles; stored position-major it
+    went through shared memory a byte at a time (32 ``LDS.U8`` + 32 ``PRMT`` of the loop's 504
+    instructions a trip, benchmarks/kernel_registers.py), and the kernel was bound by issuing
+    them. Stored this way V loads like K. Every torch reader and writer takes the view as it is."""
+    *lead, positions, head_dim = shape
+    store = torch.zeros((*lead, head_dim, -(-positions // POSITION_PAD) * POSITION_PAD), device=device, dtype=dtype)
+    return store[..., :positions].transpose(-1, -2)
 
 
 class PrefillAttention:

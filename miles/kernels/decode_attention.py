@@ -102,9 +102,16 @@ WIDE = 128
 # chunks, so a few rows still spread over the SMs. Tried there and slower at every setting:
 # the dots transposed (the K/V tile on the instruction's M side) and CUDA-core products in
 # place of tensor-core dots.
-LAUNCH = {2: (1024, 64, 4, 2), 1: (1024, 32, 4, 3)}
+# 8-bit (V transposed, float16 dots, 2026-12-02 04:03): 24.5 / 81.3 µs at batch 64 / 256 over 641 positions,
+# against 23.7 / 88.3 at 2 stages and 26+ / 78.9 at 4.
+LAUNCH = {2: (1024, 64, 4, 2), 1: (1024, 64, 4, 3)}
 NARROW = {2: (CHUNK, BLOCK_N, 4, 3), 1: (CHUNK, 32, 4, 3)}
 MAX_ROWS = 64  # query rows per KV head in one launch (G × tokens; wider steps launch in slices)
+# Dots over an 8-bit cache in float16 where q is bfloat16: the cache's values convert to float16
+# exactly (``F2FP`` unpacks two a time), where bfloat16 tiles cost one more conversion an element
+# (64 ``F2F.BF16.F16`` of the loop's 504 instructions a trip, benchmarks/kernel_registers.py). q
+# saturates to float16's range (±65504) and P (in [0, 1]) keeps 3 more bits than in bfloat16.
+F16_DOTS = True
 
 
 def available(device: torch.device | str) -> bool:
@@ -169,7 +176,8 @@ def _probe(device: str, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float,
                      max_len: int, tokens: int = 1, new_kv: tuple[Tensor, Tensor] | None = None,
                      launch: tuple[int, int, int, int] | None = None, rope: Rope | None = None,
-                     direct: bool = True, counters: Tensor | None = None, chunk: int = 0) -> Tensor:
+                     direct: bool = True, counters: Tensor | None = None, chunk: int = 0,
+                     f16_dots: bool | None = None) -> Tensor:
     """Attention of ``tokens`` new queries per row over the row's cache, causal among them:
     query t of row b sees positions ``[0, lengths[b] - tokens + t]`` (one token: a decode
     step; several: a speculative verify step, the new tokens' K/V already written).
@@ -190,9 +198,16 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     benchmarks/decode_attention.py). ``counters``: int32, contiguous, at least n × KV
     elements, all zero (the kernel leaves them zero): the last partial program of each row
     merges it, and no merge kernel launches. Calls that share a buffer must not run
-    concurrently (one stream).
+    concurrently (one stream). ``v_cache`` may be a transposed view (positions contiguous,
+    ``KVCache``'s 8-bit V); K's head dim must be contiguous. ``f16_dots``: over an 8-bit cache
+    with bfloat16 q, the dots in float16 (``F16_DOTS`` by default; see there).
     Returns q's shape and dtype (contiguous)."""
     n, KV, _, D = q.shape
+    if k_cache.stride(-1) != 1 or 1 not in (v_cache.stride(-1), v_cache.stride(-2)):
+        raise ValueError(f"k_cache needs a contiguous head dim and v_cache a contiguous head dim or position axis, "
+                         f"got strides {k_cache.stride()} and {v_cache.stride()}")
+    f16 = F16_DOTS if f16_dots is None else f16_dots
+    f16 = f16 and q.dtype == torch.bfloat16 and k_cache.element_size() == 1
     if counters is not None and (counters.dtype != torch.int32 or not counters.is_contiguous()
                                  or counters.numel() < n * KV or counters.device != q.device):
         raise ValueError(f"counters: a contiguous int32 buffer of at least {n * KV} elements on {q.device}, got "
@@ -209,7 +224,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
         _launch(q[:, :, rows], k_cache, v_cache, lengths, scale, max_len, tokens, row0, out[:, :, rows],
                 new_kv if row0 == 0 else None,
                 launch or default_launch(q.shape[0] * q.shape[1], k_cache.dtype, chunk),
-                rope, direct, counters)
+                rope, direct, counters, f16)
     return out
 
 
@@ -263,7 +278,7 @@ def default_launch(programs: int, kv_dtype: torch.dtype, chunk: int = 0) -> tupl
 def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float, max_len: int,
             tokens: int, row0: int, out: Tensor, new_kv: tuple[Tensor, Tensor] | None,
             launch: tuple[int, int, int, int], rope: Rope | None = None, direct: bool = True,
-            counters: Tensor | None = None) -> None:
+            counters: Tensor | None = None, f16: bool = False) -> None:
     n, KV, G, D = q.shape  # G: query rows per KV head in this slice, from row ``row0``
     chunk, block_n, warps, stages = launch
     chunks = triton.cdiv(max_len, chunk)
@@ -273,18 +288,27 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
     G_M = triton.next_power_of_2(G)  # the merge's tile: no dot, so no padding to 16 rows
     exact = q.dtype == torch.float32  # fp32 dots stay fp32 (tl.dot would use tf32)
     k_new, v_new = new_kv if new_kv is not None else (k_cache, v_cache)  # unread without WRITE
+    # V stored transposed (positions contiguous, KVCache.positions_last): its tiles are loaded
+    # unmasked, as a mask along the contiguous axis would split the loads into bytes (LDG.E.U8
+    # in ptxas' output). So a program reads up to BLOCK_N - 1 positions past its row's length,
+    # weighted by zero: they must be finite (KVCache's are: zeroed when allocated, every write
+    # clamped to the format's range and NaN-free), and inside the row's storage (checked here).
+    v_t = v_cache.stride(-2) == 1 and v_cache.stride(-1) != 1
+    if v_t and v_cache.stride(-1) < triton.cdiv(v_cache.shape[-2], block_n) * block_n:
+        raise ValueError(f"a transposed v_cache needs its positions padded to a multiple of {block_n} "
+                         f"(row stride {v_cache.stride(-1)} for {v_cache.shape[-2]} positions)")
     kv_max = torch.finfo(k_cache.dtype).max if k_cache.dtype != q.dtype else 0.0  # 0: no clamp
     cos, sin = (rope.cos, rope.sin) if rope is not None else (q, q)  # unread without ROPE
     q_norm = rope.q_norm if rope is not None and rope.q_norm is not None else q
     k_norm = rope.k_norm if rope is not None and rope.k_norm is not None else q
     _partial[(n, KV, chunks)](
         q, k_cache, v_cache, lengths, acc, stats, k_new, v_new, scale, G, tokens, row0,
-        *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3], *acc.stride()[:4], *stats.stride()[:5],
+        *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:4], *acc.stride()[:4], *stats.stride()[:5],
         *k_new.stride()[:3], *v_new.stride()[:3],
         cos, sin, cos.stride(0), q_norm, k_norm, rope.eps if rope is not None else 0.0, out, *out.stride(),
         counters if counters is not None else lengths,  # unread without MERGE_IN
         G_PAD=G_PAD, G_M=G_M, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None,
-        KV_MAX=kv_max, DIRECT=direct, MERGE_IN=counters is not None and chunks > 1,
+        KV_MAX=kv_max, DIRECT=direct, MERGE_IN=counters is not None and chunks > 1, F16=f16, V_T=v_t,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm is not None,
         # float32 tiles are twice the size: unpipelined they fit any GPU's shared memory
         # (3 stages took 143-230 KB on sm80/sm90; an A100 has 164 KB)
@@ -325,13 +349,14 @@ if triton is not None:
     # (and the statistics' strides, which follow n × G, are not specialised either).
     @triton.jit(do_not_specialize=["G", "T", "row0", "ss_w", "ss_b", "ss_h", "ss_c"])
     def _partial(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, st_ptr, kn_ptr, vn_ptr, scale, G, T, row0,
-                 sq_b, sq_h, sq_g, sq_d, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                 sq_b, sq_h, sq_g, sq_d, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sv_d,
                  sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
                  skn_b, skn_h, skn_d, svn_b, svn_h, svn_d,
                  cos_ptr, sin_ptr, sc_b, qw_ptr, kw_ptr, eps, out_ptr, so_b, so_h, so_g, so_d, cnt_ptr,
                  G_PAD: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                  BLOCK_N: tl.constexpr, EXACT: tl.constexpr, WRITE: tl.constexpr, KV_MAX: tl.constexpr,
-                 ROPE: tl.constexpr, QK_NORM: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN: tl.constexpr):
+                 ROPE: tl.constexpr, QK_NORM: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN: tl.constexpr,
+                 F16: tl.constexpr, V_T: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
@@ -348,6 +373,8 @@ if triton is not None:
             sin = tl.load(sin_ptr + b * sc_b + d).to(tl.float32)
             q_r = tl.load(q_rows + half[None, :] * sq_d, mask=g[:, None] < G, other=0.0)
             q = _norm_rope(q, q_r, qw_ptr, d, half, cos, sin, eps, QK_NORM, D).to(q_ptr.dtype.element_ty)
+        if F16:  # float16 dots over an 8-bit cache: its values convert exactly; q saturates to the range
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         limit = length - (T - 1) + (row0 + g) % T  # keys each query row sees (causal among new tokens)
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         den = tl.zeros((G_PAD,), tl.float32)
@@ -362,7 +389,7 @@ if triton is not None:
             t = lo + tl.arange(0, BLOCK_N)
             live = t < end
             k = tl.load(k_base + t[:, None] * sk_t + d[None, :], mask=live[:, None], other=0.0)
-            k = k.to(q_ptr.dtype.element_ty)  # a no-op unless the cache is 8-bit
+            k = k.to(q.dtype)  # a no-op unless the cache is 8-bit
             if EXACT:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -373,8 +400,11 @@ if triton is not None:
             alpha = tl.exp(m - m_use)
             p = tl.exp(s - m_use[:, None])
             den = den * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)
-            v = v.to(q_ptr.dtype.element_ty)
+            if V_T:  # positions contiguous, read unmasked to the next BLOCK_N (times zero weights): see _launch
+                v = tl.load(v_base + t[:, None] + d[None, :] * sv_d)
+            else:
+                v = tl.load(v_base + t[:, None] * sv_t + d[None, :], mask=live[:, None], other=0.0)
+            v = v.to(q.dtype)
             if EXACT:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
@@ -395,7 +425,7 @@ if triton is not None:
                 k_new = k_new.to(k_ptr.dtype.element_ty)
                 v_new = v_new.to(v_ptr.dtype.element_ty)
                 tl.store(k_base + pos * sk_t + d, k_new)
-                tl.store(v_base + pos * sv_t + d, v_new)
+                tl.store(v_base + pos * sv_t + d * sv_d, v_new)  # sv_d 1 unless V_T
                 s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale  # every row sees it
                 m_new = tl.maximum(m, s_new)
                 alpha = tl.exp(m - m_new)

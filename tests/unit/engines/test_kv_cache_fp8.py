@@ -33,6 +33,29 @@ def test_encode_saturates_instead_of_overflowing(name: str) -> None:
     assert cache.decode(got).tolist() == [top, -top, x[2].to(FP8[name]).item(), -3.0]
     plain = KVCache(make_model().config, 2, 8, torch.device("cpu"), torch.float32)
     assert not plain.quantized and plain.encode(x) is x and plain.decode(x) is x
+    # NaN is stored as 0: the Triton kernel reads a few positions past each row (zero weight)
+    assert cache.decode(cache.encode(torch.tensor([float("nan"), 2.0]))).tolist() == [0.0, 2.0]
+
+
+@pytest.mark.parametrize("name", sorted(FP8))
+def test_an_8bit_cache_stores_v_transposed_and_padded(name: str) -> None:
+    """An 8-bit cache's V is a ``[layers, slots, heads, positions, D]`` view of storage whose
+    positions are contiguous and padded (``positions_last``); K, and a 16/32-bit cache's V, are
+    contiguous. Writes through the view land where a contiguous cache's would."""
+    from miles.engines.kv_cache import POSITION_PAD
+
+    cfg = make_model().config
+    cache = KVCache(cfg, 3, 20, torch.device("cpu"), torch.float32, kv_dtype=FP8[name], headroom=3)
+    assert cache.v.shape == cache.k.shape == (cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 23, cfg.head_dim)
+    assert cache.k.is_contiguous() and cache.v.stride(-2) == 1 and cache.v.stride(-1) == POSITION_PAD
+    assert (cache.v == 0).all()
+    x = torch.randn(cfg.num_key_value_heads, 5, cfg.head_dim)
+    cache.v[1, 2, :, 4:9] = cache.encode(x)
+    assert torch.equal(cache.decode(cache.v[1, 2, :, 4:9]), cache.decode(cache.encode(x)))
+    cache.move_slot(2, 0, 9)
+    assert torch.equal(cache.v[1, 0, :, :9], cache.v[1, 2, :, :9])
+    plain = KVCache(cfg, 3, 20, torch.device("cpu"), torch.float32)
+    assert plain.v.is_contiguous()
 
 
 @pytest.mark.parametrize("name,tol", [("fp8_e4m3", 0.05), ("fp8_e5m2", 0.1)])

@@ -301,6 +301,64 @@ def test_kernel_reads_and_writes_an_8bit_cache(dtype: torch.dtype, kv_dtype: tor
         torch.testing.assert_close(out.float(), _reference(q, want_k, want_v, lengths), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_and_writes_a_transposed_v_cache(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    """V stored with its positions contiguous (``KVCache.positions_last``, how an 8-bit cache
+    stores it): the kernel writes the new V where the position-major cache gets it and returns
+    the same output, though it reads V unmasked up to the next BLOCK_N past each row (the
+    values there, finite, take zero weight). A transposed cache whose positions are not padded
+    to the launch's BLOCK_N is refused."""
+    from miles.engines.kv_cache import positions_last
+
+    g = torch.Generator().manual_seed(11)
+    KV, G, D, T = 2, 3, 32, 2 * kernel.CHUNK + 5  # positions not a multiple of BLOCK_N
+    lengths = [1, 2, kernel.BLOCK_N + 1, kernel.CHUNK, kernel.CHUNK + 1, T]
+    n = len(lengths)
+    kc = torch.randn(n + 1, KV, T, D, generator=g).to(DEVICE, kv_dtype)
+    vc = (3 * torch.randn(n + 1, KV, T, D, generator=g)).to(DEVICE, kv_dtype)
+    vt = positions_last(tuple(vc.shape), torch.device(DEVICE), kv_dtype).copy_(vc)
+    assert vt.stride(-2) == 1 and torch.equal(vt.float(), vc.float())
+    q = torch.randn(n, KV, G, D, generator=g).to(DEVICE, dtype)
+    k_new, v_new = (torch.randn(n, KV, D, generator=g).to(kv_dtype).to(DEVICE, dtype) for _ in range(2))
+    lens = torch.tensor(lengths, device=DEVICE)
+    kc2 = kc.clone()
+    want = kernel.decode_attention(q, kc, vc, lens, 1 / math.sqrt(D), T, new_kv=(k_new, v_new))
+    out = kernel.decode_attention(q, kc2, vt, lens, 1 / math.sqrt(D), T, new_kv=(k_new, v_new))
+    bits = torch.uint8 if kv_dtype != torch.float32 else torch.int32
+    assert torch.equal(vt.view(bits), vc.view(bits)) and torch.equal(kc2.view(bits), kc.view(bits))
+    if dtype == torch.float32 or DEVICE == "cuda":  # the interpreter's bf16 dots are not the GPU's
+        tol = 1e-6 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(out.float(), _reference(q, kc, vc, lengths), atol=max(tol, 2e-5), rtol=tol)
+    store = torch.zeros(n + 1, KV, D, T, device=DEVICE, dtype=kv_dtype)  # positions unpadded
+    with pytest.raises(ValueError, match="padded to a multiple"):
+        kernel.decode_attention(q, kc, store.transpose(-1, -2), lens, 1 / math.sqrt(D), T)
+    with pytest.raises(ValueError, match="contiguous head dim"):
+        kernel.decode_attention(q, kc.transpose(-1, -2).contiguous().transpose(-1, -2), vc, lens, 0.2, T)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 and fp16 dots on the GPU")
+def test_float16_dots_over_an_8bit_cache_are_as_close_as_bfloat16_ones() -> None:
+    """``F16_DOTS``: over an fp8 cache (V transposed, as KVCache stores it) with bfloat16 q, the
+    float16 dots land at least as close to a float32 softmax over the same 8-bit values as the
+    bfloat16 dots do (P keeps 3 more bits), at the engine's shape and launch."""
+    from miles.engines.kv_cache import positions_last
+
+    g = torch.Generator().manual_seed(8)
+    n, KV, G, D, T = 64, 8, 2, 128, 1100
+    fp8 = torch.float8_e4m3fn
+    lengths = torch.randint(1, T + 1, (n,), generator=g)
+    kc = (2 * torch.randn(n, KV, T, D, generator=g)).to(fp8).cuda()
+    vc = torch.randn(n, KV, T, D, generator=g).to(fp8).cuda()
+    vt = positions_last(tuple(vc.shape), torch.device("cuda"), fp8).copy_(vc)
+    q = torch.randn(n, KV, G, D, generator=g).cuda().bfloat16()
+    ref = _reference(q, kc, vc, lengths.tolist())
+    errs = {f16: (kernel.decode_attention(q, kc, vt, lengths.cuda(), D ** -0.5, T, f16_dots=f16).float() - ref)
+            .abs().max().item() for f16 in (True, False)}
+    assert errs[True] <= errs[False] and errs[True] < 2e-2, errs
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="triton's interpreter rounds some values into float8 unlike the GPU")
 def test_engine_with_triton_decode_on_an_fp8_cache_matches_matmul() -> None:
     """The kernel's 8-bit cache writes and reads are the torch path's: the same tokens."""
