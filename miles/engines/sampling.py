@@ -71,6 +71,14 @@ def _lsr(x: Tensor, s: int) -> Tensor:
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
+# u = (k + 0.5) / 2^23 from the hash's top 23 bits k: exact in float32 and strictly inside
+# (0, 1). With 24 bits, k + 0.5 needs 25 bits of mantissa: float32 rounded it to an even
+# integer, and k = 2^24 - 1 gave u = 1.0, so -log(-log u) = +inf and that vocabulary entry won
+# the draw whatever its logit — in ~0.9% of the draws of a 152k vocabulary (V / 2^24).
+UNIFORM_BITS = 23
+UNIFORM_SHIFT = 64 - UNIFORM_BITS
+
+
 def counter_uniform(keys: Tensor, vocab: int) -> Tensor:
     """u[b, v] in (0, 1), float32, a pure function of (keys[b], v): splitmix64's finaliser on
     ``key + v * golden`` (int64 arithmetic wraps, as on every torch backend)."""
@@ -92,7 +100,12 @@ def _mix(keys: Tensor, offsets: Tensor) -> Tensor:
     z = (z ^ _lsr(z, 30)) * _C1
     z = (z ^ _lsr(z, 27)) * _C2
     z = z ^ _lsr(z, 31)
-    return (_lsr(z, 40).float() + 0.5) * (1.0 / (1 << 24))
+    return unit(_lsr(z, UNIFORM_SHIFT))
+
+
+def unit(k: Tensor) -> Tensor:
+    """u in (0, 1) from the hash's top ``UNIFORM_BITS`` bits ``k`` (int64, 0 ≤ k < 2^23)."""
+    return (k.float() + 0.5) * (1.0 / (1 << UNIFORM_BITS))
 
 
 _fast_uniform: Any = None  # a torch.compile'd _mix, once ``compile_counter_uniform`` vouched for it

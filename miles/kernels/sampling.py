@@ -35,7 +35,8 @@ try:
 except ImportError:  # the CPU install has no triton
     triton = None
 
-from miles.engines.sampling import _GOLDEN, _MIX1, _MIX2, GREEDY_EPS  # the torch draw's: bitwise the same u
+# the torch draw's constants: bitwise the same u
+from miles.engines.sampling import _GOLDEN, _MIX1, _MIX2, GREEDY_EPS, UNIFORM_SHIFT
 from miles.kernels.decode_attention import available  # the same rule: CUDA, or the interpreter
 
 __all__ = ["BLOCK", "CHUNK", "WARPS", "available", "sample"]
@@ -78,7 +79,7 @@ def sample(logits: Tensor, temperature: Tensor, keys: Tensor, *, block: int | No
         return tokens, out
     _chunk[(n, chunks)](logits, temperature, keys, part, part_idx, V, logits.stride(0), n * chunks, chunks,
                         _GOLDEN, _MIX1, _MIX2, GREEDY_EPS, CHUNK=chunk, BLOCK=block, PRECISE=precise, LANES=lanes,
-                        num_warps=warps)
+                        SHIFT=UNIFORM_SHIFT, num_warps=warps)
     _finish[(n,)](logits, temperature, part, part_idx, tokens, out, logits.stride(0), n * chunks, chunks, n,
                   GREEDY_EPS, C_PAD=max(16, triton.next_power_of_2(chunks)), PRECISE=precise)
     return tokens, out
@@ -97,7 +98,8 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["V", "sx", "plane", "chunks"])
     def _chunk(x_ptr, t_ptr, key_ptr, part_ptr, idx_ptr, V, sx, plane, chunks, golden, c1, c2, eps,
-               CHUNK: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr, LANES: tl.constexpr):
+               CHUNK: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr, LANES: tl.constexpr,
+               SHIFT: tl.constexpr):
         b = tl.program_id(0)
         c = tl.program_id(1)
         temp = tl.load(t_ptr + b).to(tl.float32)
@@ -131,7 +133,7 @@ if triton is not None:
                 z = (z ^ (z >> 30)) * c1
                 z = (z ^ (z >> 27)) * c2
                 z = z ^ (z >> 31)
-                u = ((z >> 40).to(tl.int32).to(tl.float32) + 0.5) * (1.0 / 16777216)  # 24 bits: exact
+                u = ((z >> SHIFT).to(tl.int32).to(tl.float32) + 0.5) * (1.0 / (1 << (64 - SHIFT)))  # exact, < 1
                 score = scaled - _log(-_log(u, PRECISE), PRECISE)
             score = tl.where(live, score, float("-inf"))
             # the log-sum-exp with the fast exp: its error (~2 ulp a term) is below the

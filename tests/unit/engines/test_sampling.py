@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from miles.engines.sampling import SamplingBatch, counter_uniform, row_key, sample, truncate
+from miles.engines.sampling import UNIFORM_BITS, SamplingBatch, counter_uniform, row_key, sample, truncate, unit
 from miles.types import SamplingParams
 
 
@@ -62,6 +62,31 @@ def test_counter_uniform_is_a_pure_function_of_key_and_index() -> None:
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
     assert 0 < u.min() and u.max() < 1
     assert abs(u.mean().item() - 0.5) < 0.02  # roughly uniform
+
+
+def test_hashed_uniforms_are_exact_and_inside_0_1_at_both_ends() -> None:
+    """Every value of the hash's top bits maps to (k + 0.5) / 2^bits exactly, strictly inside
+    (0, 1). A 24-bit form rounded k + 0.5 in float32, and the top k gave u = 1.0 exactly:
+    an infinite Gumbel score."""
+    top = (1 << UNIFORM_BITS) - 1
+    k = torch.tensor([0, 1, (1 << (UNIFORM_BITS - 1)) + 1, top - 1, top])
+    u = unit(k)
+    assert u.dtype == torch.float32 and torch.equal(u.double(), (k.double() + 0.5) / (1 << UNIFORM_BITS))
+    assert 0 < u.min() and u.max() < 1 and torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+def test_a_near_certain_token_is_always_drawn_from_a_large_vocabulary() -> None:
+    """One token 40 nats above the rest of a 152k vocabulary: every seeded draw takes it (any
+    other has probability ~6e-13 a draw). With uniforms that could reach 1.0, ~0.9% of such draws
+    (152k / 2^24) took a random token: ~11 of these 1200."""
+    V, rows = 151936, 300
+    logits = torch.zeros(rows, V)
+    logits[:, 7] = 40.0
+    for chunk in range(4):
+        params = [SamplingParams(seed=chunk)] * rows
+        tok, logprob = sample(logits, _batch(params, list(range(rows))), None)
+        assert (tok == 7).all(), tok[tok != 7].tolist()
+        assert logprob.abs().max() < 1e-6
 
 
 def test_seeded_draw_depends_only_on_seed_and_position() -> None:
