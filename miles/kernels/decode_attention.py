@@ -360,7 +360,7 @@ if triton is not None:
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
-        length = tl.load(len_ptr + b)
+        length = tl.load(len_ptr + b).to(tl.int32)  # int32 positions: the loop's masks compare 32 bits, not 64
         start = c * CHUNK
         end = tl.minimum(start + CHUNK, length)
         g = tl.arange(0, G_PAD)
