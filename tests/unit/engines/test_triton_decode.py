@@ -331,6 +331,12 @@ def test_kernel_reads_and_writes_a_transposed_v_cache(dtype: torch.dtype, kv_dty
         tol = 1e-6 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
         torch.testing.assert_close(out.float(), _reference(q, kc, vc, lengths), atol=max(tol, 2e-5), rtol=tol)
+        # a verify step's form (two new tokens a row, already written): the same on both layouts
+        q2 = torch.randn(n, KV, 2 * G, D, generator=g).to(DEVICE, dtype)
+        lens2 = lens.clamp(min=2)
+        torch.testing.assert_close(kernel.decode_attention(q2, kc, vt, lens2, 0.2, T, tokens=2).float(),
+                                   kernel.decode_attention(q2, kc, vc, lens2, 0.2, T, tokens=2).float(),
+                                   atol=tol, rtol=tol)
     store = torch.zeros(n + 1, KV, D, T, device=DEVICE, dtype=kv_dtype)  # positions unpadded
     with pytest.raises(ValueError, match="padded to a multiple"):
         kernel.decode_attention(q, kc, store.transpose(-1, -2), lens, 1 / math.sqrt(D), T)
