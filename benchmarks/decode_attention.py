@@ -13,6 +13,10 @@ Found (H200, 2026-12-01 03:06-03:11): the bf16 cache's layer runs at 3.1 / 3.7 T
 at each one's best launch). Its step is bound by something other than the bytes it reads;
 neither transposed dots nor CUDA-core products (both tried as launch modes) changed that.
 
+Since 2026-12-02 04:03 an 8-bit cache stores V transposed and its dots run in float16. The
+`--caches` forms `fp8_e4m3/v-rows` and `/bf16-dots` time the layouts and dots before that
+(1.16-1.29x slower a layer).
+
 Beside the sweep, two more forms are timed:
 - the default launch with its rows merged in the kernel (merge counters:
   ``decode_merge_in_kernel``). Where every row is one chunk it is the default itself; a cache

@@ -63,6 +63,13 @@ Measured on an H200 (benchmarks/RESULTS.md, long_tail_decode and engine, 2026-11
 long-tailed batches 2.2-3.1x faster than the padded sdpa CUDA graphs; on uniform lengths
 1.25-1.32x faster per step.
 
+An 8-bit cache's V comes stored transposed (``KVCache.positions_last``), and its dots run in
+float16 (``F16_DOTS``). Why: position-major 8-bit V is the PV dot's operand along its
+positions, and sm_90 has no transposing shared-memory load for 8-bit tiles, so it was
+gathered a byte at a time. Issue-bound, the fp8 layer was no faster than bf16's (29.7 against
+31.0 µs at batch 64, 101.9 against 107.1 at 256); transposed, with float16 dots, it takes
+24.4 / 82.0 (benchmarks/RESULTS.md, decode_attention, 2026-12-02 04:03 and 04:15).
+
 Each row's result depends only on its own query and cache (fixed chunking, fixed order):
 the kernel is batch-invariant. Used by ``DecodeAttention`` when ``decode_attention`` is
 ``"triton"`` (CUDA; on the CPU only under ``TRITON_INTERPRET=1``, which the tests use).
