@@ -43,6 +43,20 @@ def test_matches_the_torch_draw(V: int) -> None:
     assert out[2].tolist() == [1.0] * len(temps)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="a 152k vocabulary a row is slow in triton's interpreter")
+def test_a_near_certain_token_is_always_drawn_from_a_large_vocabulary() -> None:
+    """test_sampling's check of the hashed uniforms, through the kernel: one token 40 nats above
+    the rest of a 152k vocabulary wins every draw, seeded or not (uniforms that reached 1.0
+    gave ~0.9% of such draws to a random token)."""
+    V, rows = 151936, 1200
+    logits = torch.zeros(rows, V, device=DEVICE)
+    logits[:, 7] = 40.0
+    for seeds in (list(range(rows)), [None] * rows):
+        tok, out = fused_sample(logits, _batch([1.0] * rows, seeds), torch.Generator(DEVICE).manual_seed(3))
+        assert (tok == 7).all(), tok[tok != 7].tolist()
+        assert out[1].abs().max() < 1e-6
+
+
 def test_reads_bf16_logits_as_their_float32_upcast() -> None:
     g = torch.Generator().manual_seed(1)
     logits = (torch.randn(4, 3000, generator=g) * 3).to(DEVICE, torch.bfloat16)
