@@ -195,9 +195,10 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     grid. ``new_kv`` (one token only): the step's new K and V, [n, KV, D] each, written into
     the cache at ``lengths[b] - 1`` by the kernel itself (not written before the call).
     The caches may be float8 (``KVCache``'s 8-bit storage): tiles are converted to q's
-    dtype as they load, and the new K/V clamped to the format's range before they are
-    rounded into it. ``launch``: (CHUNK, BLOCK_N, num_warps, num_stages) instead of
-    ``default_launch``'s (for tuning); ``chunk`` > 0: ``default_launch``'s with that CHUNK.
+    dtype as they load (float16 under ``f16_dots``), and the new K/V stored as
+    ``KVCache.encode`` stores them (NaN as 0, clamped to the format's range, rounded).
+    ``launch``: (CHUNK, BLOCK_N, num_warps, num_stages) instead of ``default_launch``'s (for
+    tuning); ``chunk`` > 0: ``default_launch``'s with that CHUNK.
     ``rope`` (with ``new_kv`` only): q and the new K are the raw projections, and the kernel
     applies the q/k RMSNorms and RoPE to them itself (``Rope``). A row of one chunk gets its
     output from its one program, and a grid of one chunk (``max_len`` ≤ CHUNK) runs no merge at
@@ -426,9 +427,11 @@ if triton is not None:
                     k_r = tl.load(kn_ptr + b * skn_b + h * skn_h + half * skn_d)
                     k_new = _norm_rope(k_new[None, :], k_r[None, :], kw_ptr, d, half, cos, sin, eps, QK_NORM, D)
                     k_new = tl.reshape(k_new, (D,)).to(kn_ptr.dtype.element_ty)
-                if KV_MAX > 0:  # an 8-bit cache: saturate, as KVCache.encode does
-                    k_new = tl.minimum(tl.maximum(k_new.to(tl.float32), -KV_MAX), KV_MAX)
-                    v_new = tl.minimum(tl.maximum(v_new.to(tl.float32), -KV_MAX), KV_MAX)
+                if KV_MAX > 0:  # an 8-bit cache: NaN to 0, then saturate, as KVCache.encode does
+                    k_new = k_new.to(tl.float32)  # (tl.minimum / maximum leave NaN handling unspecified)
+                    v_new = v_new.to(tl.float32)
+                    k_new = tl.minimum(tl.maximum(tl.where(k_new != k_new, 0.0, k_new), -KV_MAX), KV_MAX)
+                    v_new = tl.minimum(tl.maximum(tl.where(v_new != v_new, 0.0, v_new), -KV_MAX), KV_MAX)
                 k_new = k_new.to(k_ptr.dtype.element_ty)
                 v_new = v_new.to(v_ptr.dtype.element_ty)
                 tl.store(k_base + pos * sk_t + d, k_new)

@@ -272,7 +272,7 @@ def test_kernel_writes_the_new_kv_and_attends_to_it(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_reads_and_writes_an_8bit_cache(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     """An 8-bit cache: tiles convert to q's dtype as they load, and the new K/V land as
-    ``KVCache.encode`` stores them (clamped to the format's range, rounded). Off the GPU the
+    ``KVCache.encode`` stores them (NaN as 0, clamped to the format's range, rounded). Off the GPU the
     new values are ones the format holds exactly, plus out-of-range ones: triton's
     interpreter rounds some in-between values to a neighbour of the GPU's."""
     g = torch.Generator().manual_seed(5)
@@ -286,12 +286,14 @@ def test_kernel_reads_and_writes_an_8bit_cache(dtype: torch.dtype, kv_dtype: tor
     if DEVICE != "cuda":
         k_new, v_new = (x.to(kv_dtype).float() for x in (k_new, v_new))
     k_new[0, 0, :3] = torch.tensor([1e6, -1e6, 0.0])  # saturate, never overflow to NaN / inf
+    nan_at = (0, 1, 5)
+    k_new[nan_at] = v_new[nan_at] = float("nan")  # stored as 0, as KVCache.encode stores it
     k_new, v_new = k_new.to(DEVICE, dtype), v_new.to(DEVICE, dtype)
     top = torch.finfo(kv_dtype).max
     want_k, want_v = kc.clone(), vc.clone()
     rows, pos = torch.arange(n, device=DEVICE), torch.tensor(lengths, device=DEVICE) - 1
-    want_k[rows, :, pos] = k_new.clamp(-top, top).to(kv_dtype)
-    want_v[rows, :, pos] = v_new.clamp(-top, top).to(kv_dtype)
+    want_k[rows, :, pos] = torch.nan_to_num(k_new, nan=0.0).clamp(-top, top).to(kv_dtype)
+    want_v[rows, :, pos] = torch.nan_to_num(v_new, nan=0.0).clamp(-top, top).to(kv_dtype)
     out = kernel.decode_attention(q, kc, vc, pos + 1, 1 / math.sqrt(D), T, new_kv=(k_new, v_new))
     assert torch.equal(kc.view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
