@@ -92,6 +92,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True):
 
 def _sections() -> dict[str, type[Any]]:
     # Imported here so that the registry is the one place that knows every component.
+    from miles.agent.config import AgentConfig
     from miles.algorithms import AlgorithmConfig
     from miles.buffers import BufferConfig
     from miles.engines import EngineConfig
@@ -115,6 +116,7 @@ def _sections() -> dict[str, type[Any]]:
         "algorithm": AlgorithmConfig,
         "sglang": SGLangConfig,
         "env": EnvConfig,
+        "agent": AgentConfig,
         "speculative": SpeculativeConfig,
         "weights": WeightsConfig,
     }

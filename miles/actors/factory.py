@@ -160,7 +160,12 @@ def sampling_params(cfg: MilesConfig, tokenizer: Any) -> SamplingParams:
 
 
 def build_generate_fn(cfg: MilesConfig, tokenizer: Any) -> Any:
-    """``--env-path``: the multi-turn Env rollout; else the default or custom function."""
+    """``--env-path``: the multi-turn Env rollout; ``--custom-agent-function-path``: the
+    user's OpenAI-client agent; else the default or custom function."""
+    if cfg.agent.custom_agent_function_path:
+        from miles.agent import build_agent_rollout
+
+        return build_agent_rollout(cfg)
     if cfg.env.env_path:
         from miles.envs import build_env_rollout
 
