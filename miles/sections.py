@@ -99,6 +99,7 @@ def _sections() -> dict[str, type[Any]]:
     from miles.engines.sglang import SGLangConfig
     from miles.envs.config import EnvConfig
     from miles.engines.spec import SpeculativeConfig
+    from miles.models.quant import QuantConfig
     from miles.scheduler import SchedulerConfig
     from miles.trainers import TrainerConfig
     from miles.trainers.megatron.config import MegatronConfig
@@ -119,6 +120,7 @@ def _sections() -> dict[str, type[Any]]:
         "agent": AgentConfig,
         "speculative": SpeculativeConfig,
         "weights": WeightsConfig,
+        "quant": QuantConfig,
     }
 
 

@@ -160,6 +160,7 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
     yield from _env_problems(cfg)
     yield from _megatron_problems(cfg)
     yield from transport_problems(cfg)
+    yield from _quant_problems(cfg)
     spec = getattr(cfg, "speculative", None)
     if spec is not None and spec.draft_model_path and not (Path(spec.draft_model_path) / "config.json").is_file():
         yield f"--draft-model-path {spec.draft_model_path}: no config.json there"
@@ -173,6 +174,43 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
     if sched.mode == "sync" and sched.over_sampling_batch_size and not rollout.partial_rollout:
         # Over-sampled groups would finish on old weights and be dropped as stale.
         yield "--mode sync with --over-sampling-batch-size needs --partial-rollout (or a non-sync mode)"
+
+
+def _quant_problems(cfg: Any):
+    """Low precision (miles.models.quant): what each mode needs, checked against the checkpoint's
+    shapes (a meta model, no weights read) and the device, before any actor starts."""
+    q, run = cfg.quant, cfg.run
+    if q.quantization == "none" and q.rollout_quantization == "none":
+        return
+    if q.quantization != "none" and q.rollout_quantization != "none":
+        yield (f"--quantization {q.quantization} already quantizes the engines: drop --rollout-quantization "
+               f"(it is the bf16-training mode)")
+    if run.rollout_backend != "embedded":
+        yield "--quantization/--rollout-quantization need --rollout-backend embedded (SGLang takes its own --quantization)"
+    if q.quantization != "none" and run.train_backend != "embedded":
+        yield f"--quantization {q.quantization} needs --train-backend embedded"
+    if q.quantization != "none" and cfg.weights.weight_update_changed_only:
+        yield "--weight-update-changed-only cannot ship quantized weights (a weight and its scales travel together)"
+    path = cfg.rollout.hf_checkpoint
+    if not path or not (Path(path) / "config.json").is_file():
+        return
+    import torch
+
+    from miles.models import CausalLM, load_config
+    from miles.models.quant import apply_quantization, check_device
+
+    for spec, device in ((q.engine_spec(), cfg.engine.device), (q.trainer_spec(), cfg.trainer.device)):
+        if spec is None:
+            continue
+        try:
+            with torch.device("meta"):
+                apply_quantization(CausalLM(load_config(path)), spec)
+        except ValueError as exc:
+            yield str(exc)
+            return
+        problem = check_device(spec, device)
+        if problem:
+            yield problem
 
 
 def _megatron_problems(cfg: Any):

@@ -109,6 +109,9 @@ def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0) -> A
     tokenizer = load_tokenizer(cfg)
     engine_cfg = msgspec.structs.replace(cfg.engine, seed=cfg.run.seed + seed_offset, max_seq_len=context_len(cfg))
     model = load_pretrained(cfg.rollout.hf_checkpoint, device=engine_cfg.device)
+    from miles.models.quant import apply_quantization
+
+    apply_quantization(model, cfg.quant.engine_spec())
     draft = build_draft_model(cfg, model.config) if cfg.speculative.enabled else None
     engine = EmbeddedEngine(model, config=engine_cfg, tokenizer=tokenizer, draft=draft, speculative=cfg.speculative)
     engine.start()
@@ -243,6 +246,9 @@ def build_policy_trainer(cfg: MilesConfig) -> Any:
 
     trainer_cfg = msgspec.structs.replace(cfg.trainer, seed=cfg.run.seed)
     model = load_pretrained(cfg.rollout.hf_checkpoint, dtype=torch.float32, device=trainer_cfg.device)
+    from miles.models.quant import apply_quantization
+
+    apply_quantization(model, cfg.quant.trainer_spec())
     ref_model = None
     if cfg.algorithm.kl_coef > 0 or getattr(cfg.algorithm, "reward_kl_coef", 0) > 0:
         ref_model = load_pretrained(cfg.rollout.hf_checkpoint, dtype=torch.float32, device=trainer_cfg.device)

@@ -58,6 +58,8 @@ from miles.engines.sampling import compile_counter_uniform, fused_draw_classes
 from miles.engines.spec.config import MAX_STEPS, SpeculativeConfig
 from miles.engines.stepper import EngineStats, Stepper
 from miles.engines.weights import WeightStager
+from miles.models import quant
+from miles.models.quant_io import WireDecoder
 from miles.models.checkpoint import load_pretrained
 from miles.models.fused import compile_fast_path
 from miles.models.model import CausalLM
@@ -78,7 +80,9 @@ class EmbeddedEngine:
         config.validate(model.config.max_position_embeddings, model.config.head_dim)
         self.device, self.dtype = torch.device(config.device), config.torch_dtype()
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
-        self.model.fuse_projections(compile_fast_path() if config.use_compile() else None)
+        self.quant = quant.spec_of(self.model)  # set by apply_quantization before the engine is built
+        if self.quant is None:  # quantized layers run their own GEMMs: the fused fast path would bypass them
+            self.model.fuse_projections(compile_fast_path() if config.use_compile() else None)
         if config.use_compile():
             compile_counter_uniform(self.device)  # seeded draws: one fused kernel on CUDA
         self.tokenizer = tokenizer
@@ -86,6 +90,7 @@ class EmbeddedEngine:
         self.runner = ModelRunner(self.model, config, headroom=MAX_STEPS + 2 if spec_on else 0)
         self.spec = self._build_spec(draft, speculative, draft_version) if spec_on else None
         self.stager = WeightStager(self.model, self.device, self.dtype)
+        self.wire = WireDecoder(self.dtype)  # quantized weight updates -> the parameters' dtype
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
@@ -208,12 +213,14 @@ class EmbeddedEngine:
         ``borrow``: keep tensors that already have the engine's device and dtype by
         reference (the caller leaves them untouched until the commit) instead of copying."""
         with self._stage_lock:  # never held by a decode step: decoding goes on meanwhile
+            named_tensors = self.wire.decode(named_tensors)
             return self.stager.stage(named_tensors, borrow=borrow)
 
     def discard_staged(self) -> None:
         """Drop whatever is staged (an update that failed half-way never gets committed)."""
         with self._stage_lock:
             self.stager.clear()
+            self.wire.clear()
 
     async def commit_weights(self, version: int, *, keep_kv_cache: bool | None = None) -> None:
         """Swap the staged tensors in between two decode steps; ``version`` flips after all."""
@@ -453,6 +460,8 @@ class EmbeddedEngine:
         start = time.perf_counter()
         with self._stage_lock:
             self.stager.apply()  # waits for its copies on CUDA: the pause is all in here
+            if self.quant is not None:
+                quant.refresh(self.model)  # in place: captured graphs keep reading the same buffers
         self.swap_pauses.append(time.perf_counter() - start)
         self.stepper.version = version
         self.stats_.counters["weight_updates"] += 1

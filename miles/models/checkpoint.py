@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from miles.models.config import ModelConfig
 from miles.models.model import CausalLM
+from miles.models.quant_io import load_quantized_state, quantized_config
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # derived buffers some old checkpoints carry
 
@@ -154,12 +155,23 @@ def load_pretrained(
     config = load_config(path)
     dtype = dtype or default_dtype(device)
     model = _meta_model(config)
+    if quantized_config(path) is not None:  # a save_quantized export: dequantized on load
+        return _load_state(model, load_quantized_state(path, dtype), device)
     plan = _check_tensors(path, model)  # every name and shape, before any tensor is read
     state: dict[str, torch.Tensor] = {}
     for file, names in plan:
         with safe_open(str(file), framework="pt", device="cpu") as fh:
             for name in names:
                 state[name] = fh.get_tensor(name).to(device=device, dtype=dtype, copy=True)
+    return _load_state(model, state, device)
+
+
+def _load_state(model: CausalLM, state: dict[str, torch.Tensor], device: torch.device | str) -> CausalLM:
+    state = {k: v.to(device) for k, v in state.items()}
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    if set(state) != expected:
+        diff = sorted(set(state) ^ expected)
+        raise CheckpointError(f"tensors missing or unexpected: {diff[:5]}")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     model.rotary.reserve(model.rotary.default_length, device)

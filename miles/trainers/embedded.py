@@ -34,6 +34,8 @@ from torch import Tensor, nn
 from miles.algorithms import AlgorithmConfig, PolicyBatch, compute_advantages, compute_loss
 from miles.algorithms.losses import kl_estimate
 from miles.algorithms.masked import deferred_finite_checks
+from miles.models import quant
+from miles.models.quant_io import wire_tensors
 from miles.trainers import compilation
 from miles.trainers import state as ckpt
 from miles.trainers.batching import TokenBatch, build_batch, rewards_of, trajectories_of
@@ -186,7 +188,11 @@ class EmbeddedTrainer:
         as ``model.embed_tokens.weight``, as HF checkpoints store it."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-        yield from plan_buckets(ckpt.named_weights(self.model, dtype=dtype), bucket_bytes)
+        spec = quant.spec_of(self.model)
+        named = ckpt.named_weights(self.model, dtype=None if spec else dtype)
+        if spec is not None:  # unified low precision: quantized from the master weights, as the forward is
+            named = wire_tensors(named, spec, dtype)
+        yield from plan_buckets(named, bucket_bytes)
 
     def state_dict(self) -> dict[str, Any]:
         return ckpt.trainer_state(self)

@@ -1,0 +1,120 @@
+"""Low-precision GEMMs on CUDA for ``miles.models.quant.QuantLinear``.
+
+- FP8 (W8A8): activations quantized per 1 × 128 group, then ``torch._scaled_mm`` with the
+  block-wise recipe (1 × 128 activation scales, 128 × 128 weight scales; cuBLAS on SM90).
+  Where that recipe is refused (an older cuBLAS, a shape it does not take) the same
+  quantized operands are multiplied dequantized, so results keep the quantizer's semantics;
+  ``FP8_PATH`` says which path ran.
+- INT4 (W4A16): a Triton GEMM that reads the packed INT4 weight (two a byte), dequantizes a
+  tile with its group scales in registers and accumulates in float32; split-K over a few
+  programs when the output alone gives too few (decode). Deterministic: partial sums go to
+  a buffer summed in a fixed order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+FP8_PATH: dict[str, str] = {}  # "scaled_mm" or "dequantized", per (N, K) seen
+
+
+def linear(x: Tensor, stored: tuple[Tensor, ...], spec, bias: Tensor | None = None) -> Tensor:  # noqa: ANN001
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    if spec.kind == "fp8":
+        y = fp8_linear(flat, stored[0], stored[1], x.dtype)
+    else:
+        y = int4_linear(flat, stored[0], stored[1], spec.group_size)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], y.shape[-1])
+
+
+def fp8_linear(x: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype) -> Tensor:
+    from miles.models.quant import BLOCK, fp8_dequantize_weight, fp8_quantize_act
+
+    N, K = wq.shape
+    xq, xs = fp8_quantize_act(x)
+    key = f"{N}x{K}"
+    if FP8_PATH.get(key) != "dequantized" and K % BLOCK == 0 and N % BLOCK == 0:
+        try:
+            y = torch._scaled_mm(xq, wq.t(), scale_a=xs.t().contiguous().t(), scale_b=ws.t(), out_dtype=out_dtype)
+            FP8_PATH[key] = "scaled_mm"
+            return y
+        except (RuntimeError, ValueError, NotImplementedError):
+            FP8_PATH[key] = "dequantized"
+    FP8_PATH.setdefault(key, "dequantized")
+    xd = (xq.float() * xs.repeat_interleave(BLOCK, -1)[:, :K]).to(out_dtype)
+    return F.linear(xd, fp8_dequantize_weight(wq, ws, out_dtype))
+
+
+def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, group: int) -> Tensor:
+    """``x [M, K] @ dequant(W)ᵀ``: Triton on CUDA, dequantize-and-matmul elsewhere."""
+    if not x.is_cuda:
+        from miles.models.quant import int4_dequantize, unpack_int4
+
+        return F.linear(x, int4_dequantize(unpack_int4(packed), scale, x.dtype))
+    return _int4_triton(x, packed, scale, group)
+
+
+def _int4_triton(x: Tensor, packed: Tensor, scale: Tensor, group: int) -> Tensor:
+    import triton
+
+    M, K = x.shape
+    N = packed.shape[0]
+    BK = 128 if group % 128 == 0 else 64 if group % 64 == 0 else 32
+    if group % BK or K % BK:
+        raise ValueError(f"the INT4 kernel needs the group size ({group}) and K ({K}) to be multiples of 32")
+    BM = 16 if M <= 16 else 32 if M <= 32 else 64
+    BN = 64 if M <= 64 else 128
+    grid_m, grid_n = triton.cdiv(M, BM), triton.cdiv(N, BN)
+    tiles = K // BK
+    split = max(1, min(tiles, 264 // (grid_m * grid_n)))
+    while tiles % split:
+        split -= 1
+    x = x.contiguous()
+    part = torch.empty((split, M, N), device=x.device, dtype=torch.float32 if split > 1 else x.dtype)
+    _kernel()[(grid_m, grid_n, split)](
+        x, packed, scale, part, M, N, K, group, tiles // split,
+        x.stride(0), packed.stride(0), scale.stride(0), M * N, N,
+        BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3,
+    )
+    return part[0] if split == 1 else part.sum(0).to(x.dtype)
+
+
+_KERNEL = None
+
+
+def _kernel():  # noqa: ANN202
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def int4_gemm(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, G, tiles_per, sxm, swn, ssn, sys_, sym,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        rk2 = tl.arange(0, BK // 2)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for t in range(pid_k * tiles_per, (pid_k + 1) * tiles_per):
+            k0 = t * BK
+            x = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :], mask=rm[:, None] < M, other=0.0)
+            p = tl.load(w_ptr + rn[:, None] * swn + (k0 // 2 + rk2)[None, :], mask=rn[:, None] < N, other=0)
+            lo = (p & 0xF).to(tl.int32) - 8
+            hi = (p >> 4).to(tl.int32) - 8
+            w = tl.reshape(tl.join(lo, hi), (BN, BK))
+            s = tl.load(s_ptr + rn * ssn + k0 // G, mask=rn < N, other=0.0)
+            w = (w.to(tl.float32) * s[:, None]).to(x.dtype)
+            acc += tl.dot(x, tl.trans(w))
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(y_ptr + pid_k * sys_ + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+    _KERNEL = int4_gemm
+    return _KERNEL

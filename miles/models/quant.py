@@ -1,0 +1,277 @@
+"""The one quantizer of miles: FP8 (e4m3, block-scaled) and INT4 (group-wise, QAT), used by
+the trainer's forward, the engine's weights, the weight transport and checkpoint export.
+
+Formats (the DeepSeek-V3 / Transformer Engine block-scaling recipe for FP8):
+
+- FP8 weights: e4m3 values with one float32 scale per 128 × 128 block of ``[out, in]``
+  (``scale = max|w| / 448`` over the block); activations: one float32 scale per token and
+  128 input features (1 × 128). Edge blocks are partial; nothing needs to divide by 128.
+- INT4 weights (W4A16): symmetric, one float32 scale per row and ``group_size`` inputs,
+  ``scale = max|w| / 7``, values in [-7, 7]; stored two a byte (``pack_int4``: low nibble the
+  even column, each nibble ``q + 8``). The group size must divide the input dimension.
+
+``apply_quantization(model, spec)`` swaps the targeted ``nn.Linear`` modules' class to
+``QuantLinear`` (names and ``state_dict`` unchanged: master weights stay in their own dtype).
+Its forward is the fake-quantized one, ``linear(qdq(x), qdq(W))``, with a straight-through
+estimator: the gradient is the higher-precision gradient taken at the dequantized weights.
+The engine runs the same module, so on the CPU its forward *is* the trainer's; on CUDA
+(no grad) it caches the quantized weight once per weight update (the parameter's
+``_version`` moves on each in-place copy) and runs the low-precision GEMMs of
+``miles.kernels.lowp`` (FP8 ``torch._scaled_mm``, the Triton dequantizing INT4 GEMM).
+
+Targets: the decoder layers' projections; never the embedding, the LM head or a router
+(``mlp.gate``, ``shared_expert_gate``), which stay in high precision as in the references.
+INT4 targets MoE expert weights by default (``--int4-targets experts``), or every such
+linear weight (``all-linear``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+INT4_MAX = 7
+BLOCK = 128
+MODES = ("none", "fp8", "int4-qat")
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+class QuantConfig(msgspec.Struct, kw_only=True):
+    """Low-precision weights (and FP8 activations) of the engine and the trainer."""
+
+    quantization: Literal["none", "fp8", "int4-qat"] = "none"  # one quantizer for sampling and training (unified)
+    rollout_quantization: Literal["none", "fp8"] = "none"  # the engines alone sample in FP8 (bf16 training; TIS/MIS correct it)
+    int4_group_size: int = 128  # inputs per INT4 scale (must divide each quantized layer's input dimension)
+    int4_targets: Literal["experts", "all-linear"] = "experts"  # INT4 on MoE expert weights, or on every decoder linear
+
+    def engine_spec(self) -> "QuantSpec | None":
+        mode = self.quantization if self.quantization != "none" else self.rollout_quantization
+        return _spec(mode, self)
+
+    def trainer_spec(self) -> "QuantSpec | None":
+        return _spec(self.quantization, self)
+
+
+def _spec(mode: str, cfg: QuantConfig) -> "QuantSpec | None":
+    if mode == "none":
+        return None
+    return QuantSpec("fp8" if mode == "fp8" else "int4", cfg.int4_group_size, cfg.int4_targets)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    kind: Literal["fp8", "int4"]
+    group_size: int = 128  # INT4 only
+    targets: str = "experts"  # INT4 only; FP8 always quantizes every decoder linear
+
+    def targets_name(self, name: str) -> bool:
+        """Whether the linear module ``name`` (HF naming, no ``.weight``) is quantized: a
+        decoder layer's ``*_proj`` (routers, norms, embeddings and the head never are)."""
+        if ".layers." not in f".{name}" or not name.endswith("_proj"):
+            return False
+        return self.kind == "fp8" or self.targets == "all-linear" or bool(_EXPERT.search(f"{name}."))
+
+
+# ---- FP8 -------------------------------------------------------------------------------------
+def _blocks(t: Tensor, rows: int, cols: int) -> Tensor:
+    """``t`` [R, C] zero-padded to whole blocks, viewed as [R/rows, rows, C/cols, cols]."""
+    R, C = t.shape
+    pr, pc = -R % rows, -C % cols
+    if pr or pc:
+        t = F.pad(t, (0, pc, 0, pr))
+    return t.view(t.shape[0] // rows, rows, t.shape[1] // cols, cols)
+
+
+def _expand(scale: Tensor, rows: int, cols: int, shape: torch.Size) -> Tensor:
+    return scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[: shape[0], : shape[1]]
+
+
+def fp8_quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
+    """e4m3 values ``[N, K]`` and float32 scales ``[ceil(N/128), ceil(K/128)]``."""
+    b = _blocks(w.detach().float(), BLOCK, BLOCK)
+    scale = (b.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(1e-12)
+    q = (b / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = q.view(b.shape[0] * BLOCK, b.shape[2] * BLOCK)[: w.shape[0], : w.shape[1]].contiguous()
+    return q, scale
+
+
+def fp8_dequantize_weight(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    return (q.float() * _expand(scale, BLOCK, BLOCK, q.shape)).to(dtype)
+
+
+def fp8_quantize_act(x: Tensor) -> tuple[Tensor, Tensor]:
+    """e4m3 values of ``x`` [..., K] and float32 scales [..., ceil(K/128)] (1 × 128 groups)."""
+    K = x.shape[-1]
+    flat = x.detach().float().reshape(-1, K)
+    g = _blocks(flat, 1, BLOCK)  # [M, 1, G, 128]
+    scale = (g.abs().amax(dim=3) / FP8_MAX).clamp_min(1e-12)  # [M, 1, G]
+    q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(flat.shape[0], -1)[:, :K]
+    return q.reshape(x.shape), scale.view(*x.shape[:-1], -1)
+
+
+def fp8_qdq_act(x: Tensor) -> Tensor:
+    q, scale = fp8_quantize_act(x)
+    s = scale.repeat_interleave(BLOCK, -1)[..., : x.shape[-1]]
+    return (q.float() * s).to(x.dtype)
+
+
+# ---- INT4 ------------------------------------------------------------------------------------
+def _check_group(w: Tensor, group: int) -> None:
+    if group <= 0 or w.shape[-1] % group:
+        raise ValueError(f"--int4-group-size {group} does not divide the input dimension {w.shape[-1]}")
+
+
+def int4_quantize(w: Tensor, group: int = 128) -> tuple[Tensor, Tensor]:
+    """int8 values in [-7, 7] ``[N, K]`` and float32 scales ``[N, K / group]``."""
+    _check_group(w, group)
+    g = w.detach().float().reshape(w.shape[0], -1, group)
+    scale = (g.abs().amax(-1) / INT4_MAX).clamp_min(1e-12)
+    q = torch.round(g / scale[..., None]).clamp(-INT4_MAX, INT4_MAX).to(torch.int8)
+    return q.view(w.shape), scale
+
+
+def int4_dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    group = q.shape[-1] // scale.shape[-1]
+    return (q.float().view(q.shape[0], -1, group) * scale[..., None]).view(q.shape).to(dtype)
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """Two INT4 values a byte: ``[N, K]`` int8 in [-8, 7] → ``[N, K/2]`` uint8."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"packing INT4 needs an even input dimension, got {q.shape[-1]}")
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    lo = (packed & 0x0F).to(torch.int8) - 8
+    hi = (packed >> 4).to(torch.int8) - 8
+    return torch.stack((lo, hi), dim=-1).view(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+# ---- one entry per spec ------------------------------------------------------------------------
+def quantize_weight(w: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
+    """The stored form: (fp8 values, block scales) or (packed INT4 bytes, group scales)."""
+    if spec.kind == "fp8":
+        return fp8_quantize_weight(w)
+    q, scale = int4_quantize(w, spec.group_size)
+    return pack_int4(q), scale
+
+
+def dequantize_weight(q: Tensor, scale: Tensor, spec: QuantSpec, dtype: torch.dtype = torch.float32) -> Tensor:
+    if spec.kind == "fp8":
+        return fp8_dequantize_weight(q, scale, dtype)
+    return int4_dequantize(unpack_int4(q), scale, dtype)
+
+
+def qdq_weight(w: Tensor, spec: QuantSpec) -> Tensor:
+    """Quantize–dequantize, in ``w``'s dtype (no gradient)."""
+    if spec.kind == "fp8":
+        return fp8_dequantize_weight(*fp8_quantize_weight(w), w.dtype)
+    return int4_dequantize(*int4_quantize(w, spec.group_size), w.dtype)
+
+
+class _STE(torch.autograd.Function):
+    """Forward: the quantized–dequantized tensor; backward: the gradient as it comes."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, qdq: Tensor) -> Tensor:  # noqa: ANN001
+        return qdq
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: ANN001
+        return grad, None
+
+
+def fake_quant_weight(w: Tensor, spec: QuantSpec) -> Tensor:
+    return _STE.apply(w, qdq_weight(w, spec)) if w.requires_grad else qdq_weight(w, spec)
+
+
+def fake_quant_act(x: Tensor) -> Tensor:
+    return _STE.apply(x, fp8_qdq_act(x)) if x.requires_grad else fp8_qdq_act(x)
+
+
+class QuantLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward is quantized by ``self.quant`` (set by
+    ``apply_quantization``). Grad-free calls cache the quantized weight per weight version."""
+
+    quant: QuantSpec
+    _cache: tuple[tuple[int, int], tuple[Tensor, ...]] | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        spec, w = self.quant, self.weight
+        if torch.is_grad_enabled() and w.requires_grad:
+            xin = fake_quant_act(x) if spec.kind == "fp8" else x
+            return F.linear(xin, fake_quant_weight(w, spec), self.bias)
+        key = (w._version, w.data_ptr())
+        if self._cache is None or self._cache[0] != key:
+            self._cache = (key, self._stored(w))
+        stored = self._cache[1]
+        if x.is_cuda:
+            from miles.kernels import lowp
+
+            return lowp.linear(x, stored, spec, self.bias)
+        xin = fp8_qdq_act(x) if spec.kind == "fp8" else x
+        return F.linear(xin, stored[0], self.bias)
+
+    def _stored(self, w: Tensor) -> tuple[Tensor, ...]:
+        if w.is_cuda:
+            return quantize_weight(w, self.quant)
+        return (qdq_weight(w, self.quant),)  # the CPU's arithmetic: quantize–dequantize
+
+
+def apply_quantization(model: nn.Module, spec: QuantSpec | None) -> int:
+    """Quantize the targeted linear layers' forward in place; returns how many. ``None``: no-op."""
+    if spec is None:
+        return 0
+    n = 0
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and spec.targets_name(name):
+            if spec.kind == "int4":
+                _check_group(module.weight, spec.group_size)
+            module.__class__ = QuantLinear
+            module.quant = spec
+            n += 1
+    if n == 0:
+        raise ValueError(f"--quantization/--rollout-quantization {spec.kind}: no layer of this model is a target"
+                         + (" (a dense model: use --int4-targets all-linear)" if spec.kind == "int4" else ""))
+    model.quant_spec = spec
+    return n
+
+
+def spec_of(model: nn.Module) -> QuantSpec | None:
+    return getattr(model, "quant_spec", None)
+
+
+def check_device(spec: QuantSpec | None, device: torch.device | str) -> str | None:
+    """Why ``spec`` cannot run on ``device`` (None if it can)."""
+    device = torch.device(device)
+    if spec is None or device.type != "cuda" or spec.kind != "fp8":
+        return None
+    if not torch.cuda.is_available():
+        return None  # the device is not visible here; the engine checks again where it runs
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (f"FP8 GEMMs need compute capability 8.9 or newer (Ada, Hopper); this GPU has {major}.{minor}: "
+                f"use --quantization int4-qat or none")
+    return None
+
+
+@torch.no_grad()
+def refresh(model: nn.Module) -> None:
+    """Re-quantize every cached weight after a weight update, into the same buffers (a CUDA
+    graph captured over them reads the new values; the engine calls it after each commit)."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear) and module._cache is not None:
+            w = module.weight
+            for dst, src in zip(module._cache[1], module._stored(w)):
+                dst.copy_(src)
+            module._cache = ((w._version, w.data_ptr()), module._cache[1])

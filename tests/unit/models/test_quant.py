@@ -1,0 +1,144 @@
+"""The quantizer (miles.models.quant): error bounds, packing, STE gradients, bad inputs,
+quantized wire format and checkpoint export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from miles.models import CausalLM, load_pretrained, save_pretrained, tiny_config
+from miles.models import quant
+from miles.models.quant import QuantSpec, apply_quantization
+from miles.models.quant_io import WireDecoder, load_quantized_state, save_quantized, wire_bytes, wire_tensors
+
+FP8, INT4 = QuantSpec("fp8"), QuantSpec("int4", 32, "all-linear")
+
+
+def test_fp8_weight_round_trip_within_half_an_e4m3_step() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(300, 200) * torch.logspace(-3, 1, 200)  # partial edge blocks, wide range
+    q, scale = quant.fp8_quantize_weight(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 2) and scale.dtype == torch.float32
+    back = quant.fp8_dequantize_weight(q, scale)
+    s = quant._expand(scale, 128, 128, w.shape)
+    # e4m3 keeps 3 mantissa bits: relative error ≤ 2^-4 for normals, absolute ≤ 2^-10 · scale below
+    assert ((back - w).abs() <= torch.maximum(w.abs() / 16, s * 2**-9) + 1e-12).all()
+    assert back.abs().amax().item() == pytest.approx(w.abs().amax().item(), rel=1e-6)  # the maximum maps to 448
+
+
+def test_fp8_activation_groups_of_128() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 256)
+    x[0, 0, :128] *= 1000  # one group's outlier leaves the other group's scale alone
+    q, scale = quant.fp8_quantize_act(x)
+    assert scale.shape == (3, 5, 2)
+    assert scale[0, 0, 1] == pytest.approx(x[0, 0, 128:].abs().max().item() / 448)
+    err = (quant.fp8_qdq_act(x) - x).abs()
+    s = scale.repeat_interleave(128, -1)
+    assert (err <= torch.maximum(x.abs() / 16, s * 2**-9) + 1e-6).all()
+
+
+def test_int4_round_trip_and_packed_layout() -> None:
+    w = torch.randn(64, 256)
+    q, scale = quant.int4_quantize(w, 128)
+    assert scale.shape == (64, 2) and int(q.abs().max()) == 7
+    back = quant.int4_dequantize(q, scale)
+    assert ((back - w).abs() <= scale.repeat_interleave(128, 1) / 2 + 1e-6).all()  # half a step
+    packed = quant.pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (64, 128)
+    assert torch.equal(quant.unpack_int4(packed), q)
+    every = torch.arange(-8, 8, dtype=torch.int8).repeat(4, 2)
+    assert torch.equal(quant.unpack_int4(quant.pack_int4(every)), every)
+    assert int(packed[0, 0]) == (int(q[0, 0]) + 8) | ((int(q[0, 1]) + 8) << 4)  # low nibble first
+
+
+@pytest.mark.parametrize("spec", [FP8, INT4])
+def test_ste_gradients_are_the_gradients_at_the_dequantized_weights(spec: QuantSpec) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    ref_w = quant.qdq_weight(lin.weight.detach(), spec).requires_grad_(True)
+    x = torch.randn(7, 64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    apply_quantization(_Wrap(lin), spec)
+    y = lin(x)
+    xin = quant.fp8_qdq_act(x_ref) if spec.kind == "fp8" else x_ref
+    y_ref = F.linear(xin, ref_w, lin.bias)
+    assert torch.equal(y, y_ref)
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    (y_ref * g).sum().backward()
+    assert torch.equal(lin.weight.grad, ref_w.grad)
+    if spec.kind == "int4":
+        assert torch.equal(x.grad, x_ref.grad)
+    else:  # through the activation quantizer too, straight through
+        assert torch.allclose(x.grad, g @ ref_w.detach(), atol=1e-6)
+
+
+class _Wrap(nn.Module):
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.ModuleDict({"o_proj": lin})])
+
+
+def test_bad_inputs_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="does not divide the input dimension 64"):
+        apply_quantization(CausalLM(tiny_config()), QuantSpec("int4", 48, "all-linear"))
+    with pytest.raises(ValueError, match="dense model: use --int4-targets all-linear"):
+        apply_quantization(CausalLM(tiny_config()), QuantSpec("int4", 32, "experts"))
+    with pytest.raises(ValueError, match="even input dimension"):
+        quant.pack_int4(torch.zeros(2, 3, dtype=torch.int8))
+    assert quant.check_device(FP8, "cpu") is None
+
+
+def test_targets_skip_routers_embeddings_and_head() -> None:
+    model = CausalLM(tiny_config(moe=True, shared_expert_intermediate_size=32))
+    assert apply_quantization(model, QuantSpec("int4", 32, "experts")) == 2 * 8 * 3
+    names = {n for n, m in model.named_modules() if isinstance(m, quant.QuantLinear)}
+    assert all(".experts." in n for n in names)
+    dense = CausalLM(tiny_config())
+    apply_quantization(dense, FP8)
+    assert {n for n, m in dense.named_modules() if isinstance(m, quant.QuantLinear)} == {
+        f"model.layers.{i}.{p}" for i in range(2) for p in
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert type(dense.lm_head) is nn.Linear and "lm_head.weight" in dense.state_dict()
+
+
+@pytest.mark.parametrize("spec,ratio", [(FP8, 0.51), (QuantSpec("int4", 128, "all-linear"), 0.27)])
+def test_wire_ships_quantized_bytes_and_decodes_to_the_same_forward(spec: QuantSpec, ratio: float) -> None:
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64)
+    model = CausalLM(cfg)
+    apply_quantization(model, spec)
+    named = [(n, t.detach()) for n, t in model.state_dict().items()]
+    layer = [(n, t) for n, t in named if ".layers." in n and n.endswith("proj.weight")]
+    bf16 = wire_bytes((n, t.to(torch.bfloat16)) for n, t in layer)
+    wired = list(wire_tensors(layer, spec))
+    assert wire_bytes(wired) <= ratio * bf16
+    decoder = WireDecoder(torch.float32)
+    got = dict(decoder.decode(wired[1::2]))  # scales first: every pair waits for its values
+    assert not got
+    got = dict(decoder.decode(wired[0::2]))
+    assert set(got) == {n for n, _ in layer} and not decoder.values and not decoder.scales
+    for n, t in layer:  # the engine's quantizer gives back exactly what the trainer used
+        assert torch.equal(quant.qdq_weight(got[n], spec), quant.qdq_weight(t, spec))
+
+
+@pytest.mark.parametrize("spec", [FP8, QuantSpec("int4", 32, "experts")])
+def test_quantized_checkpoint_round_trips(tmp_path, spec: QuantSpec) -> None:
+    torch.manual_seed(0)
+    model = CausalLM(tiny_config(moe=True))
+    apply_quantization(model, spec)
+    save_pretrained(model, tmp_path / "bf16")
+    out = save_quantized(model, tmp_path / "q")
+    files = {k for k in __import__("safetensors").safe_open(str(out / "model.safetensors"), "pt").keys()}
+    name = "model.layers.0.mlp.experts.3.down_proj"
+    assert f"{name}.weight_scale" in files
+    assert (f"{name}.weight" if spec.kind == "fp8" else f"{name}.weight_packed") in files
+    back = load_pretrained(out, dtype=torch.float32)
+    for n, t in model.state_dict().items():
+        base = n[: -len(".weight")]
+        want = quant.qdq_weight(t, spec) if n.endswith(".weight") and spec.targets_name(base) else t
+        assert torch.equal(back.state_dict()[n], want), n
+    assert set(load_quantized_state(out, torch.float32)) == set(model.state_dict())
