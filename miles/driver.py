@@ -413,6 +413,11 @@ async def train(cfg: MilesConfig) -> dict[str, Any]:
         return await replay_debug_rollouts(cfg)
     check_functions(cfg)  # a bad --custom-*-path fails here, before Ray starts
     dataset, eval_data = load_datasets(cfg)  # bad data fails here, before any output exists
+    if cfg.env.env_path and cfg.env.env_turn_template == "auto":  # decided once, before any worker starts
+        from miles.actors.factory import load_tokenizer
+        from miles.envs.config import resolve_turn_template
+
+        cfg.env.env_turn_template = resolve_turn_template("auto", load_tokenizer(cfg))
     for data in (dataset, eval_data):
         if data is not None and data.skipped:  # the run goes on without them: say so once
             print(f"[miles] {data.path}: skipped {sum(data.skipped.values())} line(s): {data.skip_summary()}",

@@ -69,8 +69,10 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
             yield "--prompt-data is required (a JSONL file)"
         elif not Path(data.prompt_data).is_file():
             yield f"--prompt-data {data.prompt_data}: file not found"
-        if not (rollout.custom_rm_path or rollout.custom_generate_function_path or cfg.env.env_path):
-            yield "no reward: set --custom-rm-path (or an --env-path / --custom-generate-function-path that sets rewards)"
+        if not (rollout.custom_rm_path or rollout.custom_generate_function_path or cfg.env.env_path
+                or cfg.agent.custom_agent_function_path):
+            yield ("no reward: set --custom-rm-path (or an --env-path / --custom-generate-function-path / "
+                   "--custom-agent-function-path that sets rewards)")
     elif not Path(run.load_debug_rollout_data).is_dir():
         yield f"--load-debug-rollout-data {run.load_debug_rollout_data}: directory not found"
     if data.eval_prompt_data and not Path(data.eval_prompt_data).is_file():
@@ -158,6 +160,7 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
         yield ("--compile on the CPU needs a C++ compiler on PATH (c++, g++ or clang++) for torch's inductor; "
                "install one, or leave --compile off (the CPU default)")
     yield from _env_problems(cfg)
+    yield from _agent_problems(cfg)
     yield from _megatron_problems(cfg)
     yield from transport_problems(cfg)
     yield from _quant_problems(cfg)
@@ -251,6 +254,21 @@ def _env_problems(cfg: Any):
         yield f"--env-path {env.env_path}: file {module} not found"
 
 
+def _agent_problems(cfg: Any):
+    ref = cfg.agent.custom_agent_function_path
+    if not ref:
+        return
+    for flag, other in (("--env-path", cfg.env.env_path),
+                        ("--custom-generate-function-path", cfg.rollout.custom_generate_function_path)):
+        if other:
+            yield f"--custom-agent-function-path and {flag} both choose the generate function: set one"
+    if cfg.trainer.use_rollout_routing_replay:
+        yield "--use-rollout-routing-replay does not support --custom-agent-function-path: tool tokens have no routing"
+    module = ref.rsplit(":", 1)[0]
+    if (module.endswith(".py") or "/" in module) and not Path(module).is_file():
+        yield f"--custom-agent-function-path {ref}: file {module} not found"
+
+
 def check_functions(cfg: Any) -> None:
     """Resolve every user function path once, so a typo fails before anything starts."""
     from miles.utils.loading import load_function
@@ -260,6 +278,7 @@ def check_functions(cfg: Any) -> None:
         ("--custom-generate-function-path", cfg.rollout.custom_generate_function_path),
         ("--dynamic-sampling-filter-path", cfg.rollout.dynamic_sampling_filter_path),
         ("--env-path", cfg.env.env_path),
+        ("--custom-agent-function-path", cfg.agent.custom_agent_function_path),
     ):
         if ref:
             load_function(ref)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
-TEMPLATE_MODES = ("chat", "raw")
+TEMPLATE_MODES = ("auto", "chat", "raw")
 
 
 class EnvConfig(msgspec.Struct, kw_only=True):
@@ -39,9 +39,10 @@ class EnvConfig(msgspec.Struct, kw_only=True):
     env_stop: list[str] = []
     env_stop_token_ids: list[int] = []
     # How an observation is joined to the conversation: "chat" (the tokenizer's chat
-    # template, as a message of --env-observation-role), "raw" (the text as is), or a
-    # format string containing "{observation}" (e.g. "\n<obs>{observation}</obs>\n").
-    env_turn_template: str = "chat"
+    # template, as a message of --env-observation-role), "raw" (the text as is), "auto" (chat
+    # where the tokenizer has a chat template, else raw; decided once before the run starts),
+    # or a format string containing "{observation}" (e.g. "\n<obs>{observation}</obs>\n").
+    env_turn_template: str = "auto"
     env_observation_role: str = "user"
     # The episode's reward: the sum or the last of the step rewards, or "none" to leave it
     # to --custom-rm-path (which then scores the whole transcript).
@@ -65,8 +66,15 @@ class EnvConfig(msgspec.Struct, kw_only=True):
         t = self.env_turn_template
         if t not in TEMPLATE_MODES and "{observation}" not in t:
             raise ValueError(
-                f"env_turn_template must be 'chat', 'raw' or a format string containing "
+                f"env_turn_template must be 'auto', 'chat', 'raw' or a format string containing "
                 f"'{{observation}}', got {t!r}"
             )
         if not self.env_observation_role:
             raise ValueError("env_observation_role must not be empty")
+
+
+def resolve_turn_template(mode: str, tokenizer: Any) -> str:
+    """``auto`` → ``chat`` where the tokenizer has a chat template, else ``raw``; others as given."""
+    if mode != "auto":
+        return mode
+    return "chat" if getattr(tokenizer, "chat_template", None) is not None else "raw"

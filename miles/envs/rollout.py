@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from miles.envs.calls import EnvCaller, EnvFailure, check_reset, check_step
-from miles.envs.config import EnvConfig
+from miles.envs.config import EnvConfig, resolve_turn_template
 from miles.envs.episode import EpisodeState, TurnRecord, json_safe
 from miles.envs.templates import TurnTemplate, fingerprint, stop_text
 from miles.rollout import GenerateContext, apply_output
@@ -88,7 +88,8 @@ class EnvRollout:
         key = id(tokenizer)
         if key not in self._templates:
             cfg = self.config
-            self._templates[key] = TurnTemplate(cfg.env_turn_template, tokenizer=tokenizer, role=cfg.env_observation_role)
+            mode = resolve_turn_template(cfg.env_turn_template, tokenizer)
+            self._templates[key] = TurnTemplate(mode, tokenizer=tokenizer, role=cfg.env_observation_role)
         return self._templates[key]
 
     async def __call__(self, sample: Trajectory, ctx: GenerateContext) -> Trajectory:

@@ -26,7 +26,7 @@ def test_flags_parse_into_the_env_section() -> None:
     ({"max_turns": 0}, "max_turns must be >= 1"),
     ({"turn_timeout_s": 0}, "turn_timeout_s must be > 0"),
     ({"max_turn_tokens": 0}, "max_turn_tokens must be >= 1"),
-    ({"env_turn_template": "<obs>"}, "must be 'chat', 'raw' or a format string"),
+    ({"env_turn_template": "<obs>"}, "must be 'auto', 'chat', 'raw' or a format string"),
     ({"env_reward": "mean"}, "--env-reward"),
 ])
 def test_bad_values_are_config_errors(values, message) -> None:
@@ -58,3 +58,43 @@ def test_factory_picks_the_env_rollout() -> None:
     fn = build_generate_fn(default_config(env_path="tests.unit.envs.helpers:CountdownEnv", env_kwargs={"turns": 2}), tok)
     assert isinstance(fn, EnvRollout) and fn.make_env().turns == 2
     assert build_generate_fn(default_config(), tok) is generate_single_turn
+
+
+def test_turn_template_auto_follows_the_tokenizer() -> None:
+    from miles.envs.config import resolve_turn_template
+
+    tok = build_tiny_tokenizer()
+    assert EnvConfig().env_turn_template == "auto"
+    assert resolve_turn_template("auto", tok) == "chat"
+    tok.chat_template = None  # a base checkpoint
+    assert resolve_turn_template("auto", tok) == "raw" and resolve_turn_template("chat", tok) == "chat"
+
+    class Env:
+        def reset(self, sample):
+            return ""
+
+        def step(self, action):
+            return "", 0.0, True, {}
+
+    assert EnvRollout(Env, EnvConfig(), tokenizer=tok).template(tok).mode == "raw"  # no failure at build
+
+
+def test_agent_flags_and_rules(tmp_path) -> None:
+    from miles.agent import AgentConfig, AgentRollout
+
+    ns = build_parser().parse_args(["--custom-agent-function-path", "a.b:fn", "--agent-host", "0.0.0.0",
+                                    "--agent-port", "8123", "--agent-timeout-s", "5"])
+    c = resolve({k: v for k, v in vars(ns).items() if k != "config"}, check=False)
+    assert c.agent == AgentConfig(custom_agent_function_path="a.b:fn", agent_host="0.0.0.0", agent_port=8123,
+                                  agent_timeout_s=5.0)
+    assert AgentConfig().agent_host == "127.0.0.1"  # loopback unless asked
+    with pytest.raises(ConfigError, match="agent_timeout_s must be > 0"):
+        default_config(agent_timeout_s=0)
+    with pytest.raises(ConfigError, match="both choose the generate function"):
+        _checked(tmp_path, custom_agent_function_path="pkg.mod:fn", env_path="pkg.mod:Env")
+    with pytest.raises(ConfigError, match="file nope.py not found"):
+        _checked(tmp_path, custom_agent_function_path="nope.py:fn")
+    agent = tmp_path / "agent.py"
+    agent.write_text("async def fn(client, sample):\n    return 1.0\n")
+    cfg = _checked(tmp_path, custom_agent_function_path=f"{agent}:fn")
+    assert isinstance(build_generate_fn(cfg, build_tiny_tokenizer()), AgentRollout)
