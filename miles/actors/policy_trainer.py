@@ -178,17 +178,33 @@ class PolicyTrainer:
     def export_hf(self, path: str, base_checkpoint: str) -> str:
         """Write the current policy as a Hugging Face checkpoint: the HF-named tensors the
         broadcaster ships, plus config and tokenizer files copied from ``base_checkpoint``
-        (so ``--hf-checkpoint path`` and transformers both load it)."""
+        (so ``--hf-checkpoint path`` and transformers both load it). A quantized policy
+        (``--quantization``) also gets its quantized export beside it, ``PATH-fp8`` or
+        ``PATH-int4`` (``miles.models.quant_io``; ``load_pretrained`` reads it back)."""
         from safetensors.torch import save_file
+
+        from miles.models.quant import spec_of
+        from miles.models.quant_io import save_quantized
+        from miles.trainers.state import named_weights
 
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        tensors = {name: t.detach().to("cpu").contiguous().clone()
-                   for bucket in self.backend.export_weights(1 << 30) for name, t in bucket}
+        model = getattr(self.backend, "model", None)
+        spec = spec_of(model) if model is not None else None
+        if spec is not None:  # the master weights, not the quantized wire form
+            named = named_weights(model)
+        else:
+            named = (item for bucket in self.backend.export_weights(1 << 30) for item in bucket)
+        tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in named}
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "miles_version": str(self.version)})
+        dirs = [out]
+        if spec is not None:
+            dirs.append(save_quantized(model, f"{out}-{spec.kind}", spec))
         for f in Path(base_checkpoint).iterdir():
             if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
-                shutil.copy2(f, out / f.name)
+                for d in dirs:
+                    if not (d is not out and f.name == "config.json"):
+                        shutil.copy2(f, d / f.name)
         return str(out)
 
     def ping(self) -> dict[str, float]:

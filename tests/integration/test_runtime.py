@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from miles.config import resolve
 from miles.driver import train
@@ -166,3 +167,26 @@ def test_more_gpus_than_the_cluster_has_is_a_clear_error(ray_cluster, tiny_ckpt,
         asyncio.run(train(cfg))
     assert time.monotonic() - start < 60
     assert not (tmp_path / "gpus" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("flags", [  # FP8's engine/trainer agreement: tests/unit/trainers/test_quant_consistency.py
+    dict(quantization="int4-qat", int4_group_size=32, int4_targets="all-linear"),
+])
+def test_quantized_run_ships_quantized_weights_and_exports_beside_bf16(ray_cluster, tiny_ckpt, task, tmp_path,
+                                                                       flags) -> None:
+    """A whole run under --quantization: weights reach the engines in their quantized form,
+    and --save-hf writes the bf16 export with the quantized one beside it (loadable back)."""
+    from miles.models import load_pretrained
+    from miles.models.quant import QuantSpec, qdq_weight
+
+    out = tmp_path / "q"
+    cfg, summary = _run(tiny_ckpt, task, out, save_hf=str(tmp_path / "hf"), num_rollout=2, **flags)
+    assert summary["status"] == "completed" and summary["ledger_ok"]
+    kind = "fp8" if flags["quantization"] == "fp8" else "int4"
+    bf16 = load_pretrained(tmp_path / "hf")
+    quantized = load_pretrained(tmp_path / f"hf-{kind}")
+    spec = QuantSpec(kind, cfg.quant.int4_group_size, cfg.quant.int4_targets)
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(quantized.state_dict()[name], qdq_weight(bf16.state_dict()[name], spec))
+    rows = read_jsonl(out / "trajectories.jsonl")
+    assert max(v for r in rows for v in r["token_versions"]) >= 1  # quantized updates were applied
