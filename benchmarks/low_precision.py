@@ -1,0 +1,347 @@
+"""Low precision (miles.models.quant) in one process: weight bytes, decode speed, mismatch, MoE fit.
+
+Parts (each under its own time limit, ``--part-timeout``):
+
+- ``bytes``: weight bytes of a Qwen3-8B shape under FP8 (128 × 128 scales) and INT4 (all
+  decoder linears, group 128) against bf16, for the quantized linears and the whole model
+  (embedding and LM head stay bf16).
+- ``decode``: one decode step's GEMMs of a Qwen3-8B shape (36 layers of fused qkv, o,
+  fused gate/up, down, then the LM head) at each batch, bf16 ``F.linear`` against FP8
+  (``torch._scaled_mm`` block-wise, activations quantized 1 × 128 in the step) and INT4
+  (the Triton dequantizing GEMM), each step replayed as a CUDA graph. Attention is left
+  out: it reads the KV cache, which is the same in every mode. tok/s = batch / step time.
+- ``kl``: on a small random decoder, the mismatch KL(engine ‖ trainer) per token between the
+  engine's FP8 forward (the FP8 GEMMs) and the trainer's: unified FP8 (the trainer's
+  fake-quantized forward) against bf16 training with FP8 rollouts (the trainer in bf16).
+- ``moe``: a Qwen3-30B-A3B shape (48 layers, 128 experts of 768, top-8, hidden 2048) with
+  INT4 experts (random packed weights, group 128), decoding greedy tokens with a KV cache;
+  the memory it holds, beside what its bf16 form would need.
+
+``--tiny``: the same code on small shapes (the CPU check; on the CPU the FP8 and INT4 GEMMs
+are the quantize–dequantize arithmetic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from miles.kernels import lowp  # noqa: E402
+from miles.models.quant import QuantSpec, quantize_weight  # noqa: E402
+
+QWEN3_8B = dict(hidden=4096, inter=12288, layers=36, heads=32, kv=8, head_dim=128, vocab=151936)
+TINY_8B = dict(hidden=256, inter=512, layers=2, heads=4, kv=2, head_dim=64, vocab=1024)
+QWEN3_30B = dict(hidden=2048, moe_inter=768, layers=48, heads=32, kv=4, head_dim=128, vocab=151936,
+                 experts=128, top_k=8)
+TINY_30B = dict(hidden=256, moe_inter=128, layers=2, heads=4, kv=2, head_dim=64, vocab=1024, experts=8, top_k=2)
+FP8, INT4 = QuantSpec("fp8"), QuantSpec("int4", 128, "all-linear")
+
+
+class PartTimeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):  # noqa: ANN001, ANN202
+    raise PartTimeout()
+
+
+def shapes_8b(s: dict) -> list[tuple[int, int]]:
+    """(out, in) of one layer's fused GEMMs: qkv, o, gate/up, down."""
+    h, d = s["hidden"], s["head_dim"]
+    return [((s["heads"] + 2 * s["kv"]) * d, h), (h, s["heads"] * d), (2 * s["inter"], h), (h, s["inter"])]
+
+
+def stored_bytes(shape: tuple[int, int], spec: QuantSpec | None) -> int:
+    N, K = shape
+    if spec is None:
+        return N * K * 2
+    if spec.kind == "fp8":
+        return N * K + (-(-N // 128)) * (-(-K // 128)) * 4
+    return N * K // 2 + N * (K // spec.group_size) * 4
+
+
+def part_bytes(s: dict, out: dict) -> list[str]:
+    layer = {name: sum(stored_bytes(sh, spec) for sh in shapes_8b(s)) * s["layers"]
+             for name, spec in (("bf16", None), ("fp8", FP8), ("int4", INT4))}
+    # check the formula against the quantizer's own tensors for one GEMM
+    w = torch.randn(shapes_8b(s)[1], device=DEVICE, dtype=torch.bfloat16)
+    for name, spec in (("fp8", FP8), ("int4", INT4)):
+        q, scale = quantize_weight(w, spec)
+        assert q.numel() * q.element_size() + scale.numel() * 4 == stored_bytes(tuple(w.shape), spec)
+    rest = 2 * s["vocab"] * s["hidden"] * 2 + s["layers"] * 2 * s["hidden"] * 2  # embed, head, norms: bf16
+    lines = ["| form | linear weights GB | × bf16 | whole model GB | × bf16 |", "|---|---|---|---|---|"]
+    for name, b in layer.items():
+        lines.append(f"| {name} | {b / 1e9:.2f} | {b / layer['bf16']:.3f} | {(b + rest) / 1e9:.2f} | "
+                     f"{(b + rest) / (layer['bf16'] + rest):.3f} |")
+        out[f"bytes_{name}_linear"], out[f"bytes_{name}_model"] = b, b + rest
+    return lines
+
+
+def _time(fn, iters: int) -> float:  # noqa: ANN001
+    """Median seconds of ``fn`` (a CUDA graph replay where capture works)."""
+    if DEVICE == "cuda":
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                fn()
+            run = graph.replay
+        except Exception:  # noqa: BLE001 - eager then
+            run = fn
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def part_decode(s: dict, batches: list[int], out: dict, iters: int) -> list[str]:
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    head = torch.randn(s["vocab"], s["hidden"], device=DEVICE, dtype=DTYPE, generator=g) * 0.02
+    results: dict[str, dict[int, float]] = {}
+    for name, spec in (("bf16", None), ("fp8", FP8), ("int4", INT4)):
+        layers = []
+        for _ in range(s["layers"]):
+            mats = []
+            for N, K in shapes_8b(s):
+                w = torch.randn(N, K, device=DEVICE, dtype=DTYPE, generator=g) * 0.02
+                mats.append((w,) if spec is None else quantize_weight(w, spec))
+                del w
+            layers.append(mats)
+        results[name] = {}
+        for B in batches:
+            x = torch.randn(B, s["hidden"], device=DEVICE, dtype=DTYPE, generator=g)
+
+            def step(x=x, layers=layers, spec=spec):  # noqa: ANN001, ANN202
+                h = x
+                for qkv, o, gu, down in layers:
+                    a = _lin(h, qkv, spec)
+                    h = h + _lin(a[:, : s["heads"] * s["head_dim"]], o, spec)
+                    gate, up = _lin(h, gu, spec).chunk(2, dim=-1)
+                    h = h + _lin(F.silu(gate) * up, down, spec)
+                return F.linear(h, head)
+
+            results[name][B] = _time(step, iters)
+        del layers
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    lines = ["| batch | bf16 tok/s | fp8 tok/s | × bf16 | int4 tok/s | × bf16 |", "|---|---|---|---|---|---|"]
+    for B in batches:
+        tb, tf, ti = results["bf16"][B], results["fp8"][B], results["int4"][B]
+        lines.append(f"| {B} | {B / tb:.0f} | {B / tf:.0f} | {tb / tf:.2f} | {B / ti:.0f} | {tb / ti:.2f} |")
+        out[f"decode_{B}"] = {"bf16_s": tb, "fp8_s": tf, "int4_s": ti}
+    lines.append(f"FP8 GEMM path per shape: {json.dumps(lowp.FP8_PATH)}")
+    lines.append(_check_gemms(s))
+    return lines
+
+
+def _check_gemms(s: dict) -> str:
+    """The low-precision GEMMs against the quantizer's dequantized arithmetic (one shape)."""
+    from miles.models.quant import dequantize_weight, fp8_qdq_act
+
+    N, K = shapes_8b(s)[2]
+    w = torch.randn(N, K, device=DEVICE, dtype=DTYPE) * 0.02
+    x = torch.randn(16, K, device=DEVICE, dtype=DTYPE)
+    errs = []
+    for spec in (FP8, INT4):
+        stored = quantize_weight(w, spec)
+        xin = fp8_qdq_act(x) if spec.kind == "fp8" else x
+        ref = F.linear(xin.float(), dequantize_weight(stored[0], stored[1], spec, torch.float32))
+        got = _lin(x, stored, spec).float()
+        errs.append(f"{spec.kind} {float((got - ref).norm() / ref.norm()):.2e}")
+    return f"GEMM check at {N}x{K}, batch 16 (relative error against the dequantized float32 product): {', '.join(errs)}"
+
+
+def _lin(x: torch.Tensor, stored: tuple, spec: QuantSpec | None) -> torch.Tensor:
+    if spec is None:
+        return F.linear(x, stored[0])
+    return lowp.linear(x, stored, spec) if DEVICE == "cuda" else _cpu_lin(x, stored, spec)
+
+
+def _cpu_lin(x: torch.Tensor, stored: tuple, spec: QuantSpec) -> torch.Tensor:
+    from miles.models.quant import dequantize_weight, fp8_qdq_act
+
+    xin = fp8_qdq_act(x) if spec.kind == "fp8" else x
+    return F.linear(xin, dequantize_weight(stored[0], stored[1], spec, x.dtype))
+
+
+def part_kl(tiny: bool, out: dict) -> list[str]:
+    from miles.models import CausalLM, tiny_config
+    from miles.models.quant import apply_quantization
+
+    torch.manual_seed(0)
+    cfg = tiny_config(hidden_size=256 if tiny else 1024, intermediate_size=512 if tiny else 3072,
+                      num_hidden_layers=2 if tiny else 8, num_attention_heads=4 if tiny else 16,
+                      num_key_value_heads=2 if tiny else 8, head_dim=64 if tiny else 64,
+                      vocab_size=1024 if tiny else 32768, initializer_range=0.02)
+    bf16 = CausalLM(cfg).to(DEVICE, DTYPE)
+    fp8 = CausalLM(cfg).to(DEVICE, DTYPE)
+    fp8.load_state_dict(bf16.state_dict())
+    apply_quantization(fp8, FP8)
+    ids = torch.randint(3, cfg.vocab_size, (4, 64 if tiny else 256), device=DEVICE)
+    with torch.no_grad():
+        engine = F.log_softmax(fp8(ids).logits.float(), -1)  # the engine's path: FP8 GEMMs
+        train_bf16 = F.log_softmax(bf16(ids).logits.float(), -1)
+    fp8.requires_grad_(True)
+    with torch.enable_grad():  # the trainer's path: fake-quantized forward, straight-through
+        train_fp8 = F.log_softmax(fp8(ids).logits.float().detach(), -1)
+
+    def kl(p: torch.Tensor, q: torch.Tensor) -> float:
+        return float((p.exp() * (p - q)).sum(-1).mean())
+
+    unified, rollout_only = kl(engine, train_fp8), kl(engine, train_bf16)
+    out.update(kl_unified=unified, kl_rollout_only=rollout_only)
+    ratio = "exactly 0 unified" if unified == 0 else f"{rollout_only / unified:.0f}× lower unified"
+    return [f"decoder {cfg.num_hidden_layers}L h{cfg.hidden_size} V{cfg.vocab_size}, {tuple(ids.shape)} tokens, "
+            f"{DTYPE}: KL(engine fp8 ‖ trainer) per token: unified fp8 {unified:.3e}, "
+            f"bf16 train + fp8 rollout {rollout_only:.3e} ({ratio}; goal ≥ 10×)"]
+
+
+def part_moe(s: dict, steps: int, batch: int, out: dict) -> list[str]:
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    h, d, E, I, G = s["hidden"], s["head_dim"], s["experts"], s["moe_inter"], 128
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+
+    def rnd(*shape):  # noqa: ANN002, ANN202
+        return torch.randn(*shape, device=DEVICE, dtype=DTYPE, generator=g) * 0.02
+
+    def packed(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q = torch.randint(0, 256, (E, n, k // 2), device=DEVICE, dtype=torch.uint8, generator=g)
+        return q, torch.full((E, n, k // G), 0.02 / 7 * 3, device=DEVICE)
+
+    layers = []
+    for _ in range(s["layers"]):
+        layers.append(dict(qkv=rnd((s["heads"] + 2 * s["kv"]) * d, h), o=rnd(h, s["heads"] * d),
+                           router=rnd(E, h), gu=packed(2 * I, h), down=packed(h, I)))
+    embed, head = rnd(s["vocab"], h), rnd(s["vocab"], h)
+    ctx = steps + 1
+    caches = [(torch.zeros(batch, s["kv"], ctx, d, device=DEVICE, dtype=DTYPE),
+               torch.zeros(batch, s["kv"], ctx, d, device=DEVICE, dtype=DTYPE)) for _ in layers]
+    held = (torch.cuda.memory_allocated() - base) if DEVICE == "cuda" else 0
+    expert_params = s["layers"] * E * 3 * h * I
+    dense_params = s["layers"] * (h * (s["heads"] + 2 * s["kv"]) * d + s["heads"] * d * h + E * h) + 2 * s["vocab"] * h
+    bf16_bytes = (expert_params + dense_params) * 2
+    int4_bytes = expert_params // 2 + s["layers"] * E * (2 * I * h // G + h * I // G) * 4 + dense_params * 2
+
+    def expert_mlp(x: torch.Tensor, L: dict, e: int) -> torch.Tensor:
+        gu = lowp.int4_linear(x, L["gu"][0][e], L["gu"][1][e], G)
+        gate, up = gu.chunk(2, dim=-1)
+        return lowp.int4_linear(F.silu(gate) * up, L["down"][0][e], L["down"][1][e], G)
+
+    tok = torch.randint(0, s["vocab"], (batch,), device=DEVICE, generator=g)
+    times, tokens = [], []
+    for pos in range(steps):
+        t0 = time.perf_counter()
+        x = embed[tok]
+        for L, (kc, vc) in zip(layers, caches):
+            qkv = F.linear(x, L["qkv"])
+            q, k, v = qkv.split((s["heads"] * d, s["kv"] * d, s["kv"] * d), dim=-1)
+            kc[:, :, pos] = k.view(batch, s["kv"], d)
+            vc[:, :, pos] = v.view(batch, s["kv"], d)
+            a = F.scaled_dot_product_attention(q.view(batch, s["heads"], 1, d), kc[:, :, : pos + 1],
+                                               vc[:, :, : pos + 1], enable_gqa=True)
+            x = x + F.linear(a.reshape(batch, -1), L["o"])
+            probs = F.softmax(F.linear(x, L["router"]).float(), -1)
+            w, idx = probs.topk(s["top_k"], -1)
+            w = (w / w.sum(-1, keepdim=True)).to(DTYPE)
+            y = torch.zeros_like(x)
+            for e in idx.unique().tolist():
+                rows, slot = (idx == e).nonzero(as_tuple=True)
+                y.index_add_(0, rows, expert_mlp(x[rows], L, e) * w[rows, slot, None])
+            x = x + y
+        tok = F.linear(x, head).argmax(-1)
+        tokens.append(tok)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    ok = bool(torch.isfinite(x).all())
+    peak = (torch.cuda.max_memory_allocated() - base) if DEVICE == "cuda" else 0
+    step = statistics.median(times[1:] or times)
+    out.update(moe_held_bytes=held, moe_peak_bytes=peak, moe_bf16_bytes=bf16_bytes, moe_int4_bytes=int4_bytes,
+               moe_step_s=step, moe_finite=ok)
+    total = torch.cuda.get_device_properties(0).total_memory if DEVICE == "cuda" else 0
+    return [f"{s['layers']}L, {E} experts × {I}, top-{s['top_k']}, hidden {h}: INT4-expert weights "
+            f"{int4_bytes / 1e9:.1f} GB (held on the device with the KV cache: {held / 1e9:.1f} GB, peak "
+            f"{peak / 1e9:.1f} GB of {total / 1e9:.0f} GB) against {bf16_bytes / 1e9:.1f} GB in bf16; "
+            f"decoded {steps} greedy tokens at batch {batch}, {batch / step:.1f} tok/s (eager, an expert loop), "
+            f"finite: {ok}"]
+
+
+def main() -> None:
+    global DEVICE, DTYPE
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="small shapes (the CPU check)")
+    ap.add_argument("--parts", nargs="+", default=["bytes", "decode", "kl", "moe"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--moe-steps", type=int, default=16)
+    ap.add_argument("--moe-batch", type=int, default=8)
+    ap.add_argument("--part-timeout", type=int, default=150)
+    ap.add_argument("--log", default="benchmarks/log/low_precision.md")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+    DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    s8, s30 = (TINY_8B, TINY_30B) if args.tiny else (QWEN3_8B, QWEN3_30B)
+    out: dict = {}
+    lines: list[str] = []
+    signal.signal(signal.SIGALRM, _alarm)
+    for part in args.parts:
+        signal.alarm(args.part_timeout)
+        t0 = time.perf_counter()
+        try:
+            if part == "bytes":
+                got = part_bytes(s8, out)
+            elif part == "decode":
+                got = part_decode(s8, args.batches, out, args.iters)
+            elif part == "kl":
+                got = part_kl(args.tiny, out)
+            else:
+                got = part_moe(s30, args.moe_steps, args.moe_batch, out)
+        except PartTimeout:
+            got = [f"(timed out after {args.part_timeout} s)"]
+        except Exception as exc:  # noqa: BLE001 - one part's failure is reported, the rest run
+            got = [f"(failed: {type(exc).__name__}: {exc})"]
+        finally:
+            signal.alarm(0)
+        lines += [f"### {part} ({time.perf_counter() - t0:.0f} s)", "", *got, ""]
+        print("\n".join(lines[-len(got) - 3:]), flush=True)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    from benchmarks.trainer import record_section
+
+    machine = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "CPU"
+    setup = f"Shapes: {'tiny' if args.tiny else 'Qwen3-8B / Qwen3-30B-A3B'}; dtype {DTYPE}; torch {torch.__version__}"
+    Path(args.log).parent.mkdir(parents=True, exist_ok=True)
+    record_section("low_precision", machine, setup, lines, args.log)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+
+
+DEVICE, DTYPE = "cpu", torch.float32
+
+if __name__ == "__main__":
+    main()
