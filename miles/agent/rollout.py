@@ -34,24 +34,40 @@ from miles.types import Status, Trajectory
 from miles.utils.loading import load_function
 
 
-def make_client(base_url: str, timeout_s: float) -> Any:
-    try:
-        import openai
-    except ImportError as exc:
-        raise ImportError("--custom-agent-function-path needs the openai package: pip install 'miles[agent]'") from exc
-    # No retries: a refused request (4xx) is the agent's to see, and a 5xx means the episode is over.
-    return openai.AsyncOpenAI(base_url=base_url, api_key="miles", max_retries=0, timeout=timeout_s)
+class ClientFactory:
+    """Builds each episode's ``openai.AsyncOpenAI``; the clients share one HTTP connection pool
+    (building an HTTP client loads the CA store, which costs more than a model call)."""
+
+    def __init__(self) -> None:
+        self.http: Any = None
+
+    def __call__(self, base_url: str, timeout_s: float) -> Any:
+        try:
+            import openai
+        except ImportError as exc:
+            raise ImportError("--custom-agent-function-path needs the openai package: "
+                              "pip install 'miles[agent]'") from exc
+        if self.http is None:
+            self.http = openai.DefaultAsyncHttpxClient(timeout=timeout_s)
+        # No retries: a refused request (4xx) is the agent's to see, and a 5xx ends the episode.
+        return openai.AsyncOpenAI(base_url=base_url, api_key="miles", max_retries=0, timeout=timeout_s,
+                                  http_client=self.http)
+
+    async def close(self) -> None:
+        if self.http is not None:
+            await self.http.aclose()
+            self.http = None
 
 
 class AgentRollout:
     """``await rollout(sample, ctx)`` runs one agent episode; ``stats()`` for metrics."""
 
     def __init__(self, agent_fn: Callable[..., Any], config: AgentConfig | None = None, *,
-                 model_name: str = "miles", client_factory: Callable[[str, float], Any] = make_client) -> None:
+                 model_name: str = "miles", client_factory: Callable[[str, float], Any] | None = None) -> None:
         self.agent_fn = agent_fn
         self.config = config or AgentConfig()
         self.server = AgentServer(model_name=model_name)
-        self.client_factory = client_factory
+        self.client_factory = client_factory or ClientFactory()
         self.counters: Counter[str] = Counter()
         self._started: asyncio.Task[None] | None = None
         self._active = 0
@@ -80,12 +96,6 @@ class AgentRollout:
         finally:
             self._active -= 1
             await self._end(session, ctx)
-            close = getattr(client, "close", None)
-            if close is not None:
-                try:
-                    await close()
-                except Exception:
-                    pass
         self._settle(session, sample, failure, reward)
         return sample
 
@@ -124,6 +134,13 @@ class AgentRollout:
         else:
             self.counters[f"episodes_{s.status.value}"] += 1
         self.counters["calls"] += session.calls
+
+    async def stop(self) -> None:
+        """Close the session server and the clients' connection pool."""
+        await self.server.stop()
+        close = getattr(self.client_factory, "close", None)
+        if close is not None:
+            await close()
 
     def stats(self) -> dict[str, float]:
         out = {f"agent/{k}": float(v) for k, v in self.counters.items()}

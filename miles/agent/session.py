@@ -64,6 +64,7 @@ class Session:
         self.aborted = False
         self.error: str | None = None  # an engine error: the episode fails with it
         self.last_finish: str | None = None
+        self.cut = False  # the last call was cut by the episode's budget, not by its max_tokens
         self.calls = 0
         self.lock = asyncio.Lock()
         self.drift: list[dict[str, Any]] = []
@@ -154,7 +155,7 @@ class Session:
     async def generate(self, *, max_tokens: int | None, stop: list[str], overrides: dict[str, Any],
                        parse_tools: bool) -> Turn:
         s, ctx = self.sample, self.ctx
-        budget = self.room()
+        room = budget = self.room()
         if max_tokens is not None:
             budget = min(budget, max_tokens)
         base = ctx.sampling
@@ -176,6 +177,7 @@ class Session:
             raise AgentError(500, f"the engine failed: {out.error}", kind="engine_error")
         self.after = stop_text(self.tokenizer, out.matched_stop) if out.finish_reason == "stop" else None
         self.last_finish = out.finish_reason
+        self.cut = out.finish_reason == "length" and len(out.output_ids) >= room
         text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
         if isinstance(out.matched_stop, str) and text.endswith(out.matched_stop):
             text = text[: -len(out.matched_stop)]  # OpenAI servers leave the stop string out
@@ -201,7 +203,9 @@ class Session:
         elif not s.response_tokens:
             s.status, s.finish_reason = Status.FAILED, "agent_empty: the agent made no model call"
         else:
-            s.status = Status.TRUNCATED if self.last_finish == "length" else Status.COMPLETED
+            # TRUNCATED when the episode's budget (context, --rollout-max-response-len) ended it;
+            # an answer cut at the agent's own max_tokens is the agent's choice
+            s.status = Status.TRUNCATED if self.cut else Status.COMPLETED
             s.finish_reason = self.last_finish
         s.response = self.tokenizer.decode(s.response_tokens)
         s.metadata[KEY] = {"calls": self.calls, "segments": self.done_segments, "drift": self.drift}

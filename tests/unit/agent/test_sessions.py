@@ -45,7 +45,7 @@ def run_agent(agent: Any, script: list[list[int]], *, version_per_call: bool = T
         try:
             return await ro(make_traj(), make_ctx(engine))
         finally:
-            await ro.server.stop()
+            await ro.stop()
 
     return asyncio.run(go()), engine, ro
 
@@ -271,7 +271,7 @@ def test_request_after_the_episode_ended_is_refused() -> None:
         late = openai.AsyncOpenAI(base_url=str(kept["client"].base_url), api_key="k", max_retries=0)
         with pytest.raises(openai.APIStatusError) as info:
             await late.chat.completions.create(model="m", messages=[{"role": "user", "content": "again"}])
-        await ro.server.stop()
+        await ro.stop()
         return out, info.value
 
     out, exc = asyncio.run(go())
@@ -299,7 +299,7 @@ def test_sessions_are_on_loopback_unguessable_and_isolated() -> None:
     async def go():
         outs = await asyncio.gather(*(ro(make_traj(f"t{i}"), make_ctx(engine)) for i in range(8)))
         sock = ro.server._runner.addresses[0]
-        await ro.server.stop()
+        await ro.stop()
         return outs, sock
 
     outs, sock = asyncio.run(go())
