@@ -303,11 +303,25 @@ async def measure_overhead(args: argparse.Namespace) -> dict[str, Any]:
                          {"role": "user", "content": "ok"}]
         return 0.0
 
+    import aiohttp
+
+    async def raw_agent(client: Any, sample: Any) -> float:  # the same agent over plain aiohttp
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "task"}]
+        url = f"{client.base_url}chat/completions"
+        async with aiohttp.ClientSession() as http:
+            for _ in range(turns):
+                async with http.post(url, json={"model": "m", "messages": messages, "max_tokens": tt}) as r:
+                    body = await r.json()
+                messages += [{"role": "assistant", "content": body["choices"][0]["message"]["content"] or ""},
+                             {"role": "user", "content": "ok"}]
+        return 0.0
+
     env = EnvRollout(lambda: FixedTurnsEnv(turns), EnvConfig(env_turn_template="chat", max_turns=turns + 1,
                                                               max_turn_tokens=tt), tokenizer=tok)
-    agent_ro = AgentRollout(agent)
+    agent_ro, raw_ro = AgentRollout(agent), AgentRollout(raw_agent)
     result: dict[str, Any] = {"turns": turns, "turn_tokens": tt, "episodes": args.episodes}
-    for name, ro in (("env", env), ("agent", agent_ro), ("env", env), ("agent", agent_ro)):  # warm, then measure
+    runs = (("env", env), ("agent", agent_ro), ("agent_http", raw_ro))
+    for name, ro in runs + runs:  # warm, then measure
         gaps: list[float] = []
         durations: list[float] = []
         for i in range(args.episodes):
@@ -321,6 +335,7 @@ async def measure_overhead(args: argparse.Namespace) -> dict[str, Any]:
             c = agent_ro.server.counters
             result["agent_server_ms"] = 1000 * (c["call_s"] - c["engine_s"]) / max(c["requests"], 1)
     await agent_ro.stop()
+    await raw_ro.stop()
     env.shutdown()
     await engine.close()
     return result
@@ -332,7 +347,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 def report_overhead(res: dict[str, Any], args: argparse.Namespace) -> None:
     lines = ["| path | per-turn overhead p50 ms | p99 ms | engine call p50 ms | turns measured |", "|---|---|---|---|---|"]
-    for name in ("env", "agent"):
+    for name in ("env", "agent", "agent_http"):
         g, e = res[name]["gaps_ms"], res[name]["engine_ms"]
         lines.append(f"| {name} | {_pct(g, 0.5):.2f} | {_pct(g, 0.99):.2f} | {_pct(e, 0.5):.2f} | {len(g)} |")
     p50 = _pct(res["agent"]["gaps_ms"], 0.5)
@@ -343,10 +358,11 @@ def report_overhead(res: dict[str, Any], args: argparse.Namespace) -> None:
         f"Machine: {machine()}; shared with other jobs (provisional figures).  ",
         f"Task: {res['episodes']} sequential episodes per path of {res['turns']} turns × {res['turn_tokens']} tokens "
         "on one embedded tiny engine; overhead = gap between one engine call's end and the next one's start "
-        "(agent path: openai client + HTTP on loopback + session; Env path: the EnvRollout turn).\n",
+        "(agent: the openai client + HTTP on loopback + the session; agent_http: the same agent with a plain "
+        "aiohttp client instead of openai's; env: the EnvRollout turn).\n",
         *lines, "",
         f"Of the agent path's turn, the session server's handler (request checks, chat template, tokenizer, "
-        f"session) takes {server:.2f} ms on average; the rest is the openai client and HTTP on loopback.  ",
+        f"session) takes {server:.2f} ms on average; the rest is HTTP on loopback and the client (compare agent_http).  ",
         f"Goal (agent path p50 ≤ 2 ms over the engine call): **{'met' if p50 <= 2.0 else 'NOT met'}** — {p50:.2f} ms.\n",
     ])
     print(text)

@@ -4,7 +4,8 @@ The task: two numbers, a target and a hint word ("add", "subtract", "multiply");
 asks the model for an operator, runs ``a <op> b`` in its Python tool (a subprocess, each
 evaluation under a time limit), and tells the model the tool's result until the target is
 hit or three tries are used. Reward: 1, 0.5 or 0.25 for a hit on the first, second or third
-try, else 0. A policy that ignores the hint scores about 0.5; one that follows it, 1.
+try, else 0. A uniformly random policy scores about 0.58, one that always adds about 0.8 (most
+tasks add), one that follows the hint 1.
 
 ``agent(client, sample)`` is an ordinary OpenAI tool loop: it declares the ``python`` tool,
 and when the model answers with tool calls (a real chat model does) it runs their code. A
@@ -29,6 +30,8 @@ from typing import Any
 
 OPS = {"add": "+", "subtract": "-", "multiply": "*"}
 MAX_TRIES = 3
+# Most tasks add: a policy learns that first (reward ~0.55 -> ~0.8), then the hint words.
+WORD_WEIGHTS = (0.6, 0.25, 0.15)
 TOOLS = [{"type": "function", "function": {
     "name": "python", "description": "Run a Python expression and return what it prints.",
     "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}]
@@ -116,7 +119,7 @@ def prepare(out: str, n: int = 600, seed: int = 0) -> None:
     rng = random.Random(seed)
     with open(root / "train.jsonl", "w") as f:
         for _ in range(n):
-            word = rng.choice(list(OPS))
+            word = rng.choices(list(OPS), weights=WORD_WEIGHTS)[0]
             a, b = rng.randint(3, 9), rng.randint(3, 9)  # the three results always differ
             target = eval(f"{a}{OPS[word]}{b}")
             f.write(json.dumps({"input": f"{word} {a} and {b} to make {target}. operator?",

@@ -20,7 +20,7 @@ if [ "$SMOKE" = 1 ]; then
     SIZE=(--rollout-batch-size 2 --n-samples-per-prompt 2)
 else
     OUT=${OUT:-runs/agent}
-    STEPS=${STEPS:-40}
+    STEPS=${STEPS:-50}
     SIZE=()
 fi
 

@@ -135,10 +135,11 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str,
         raise AgentError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
 
 
-def assistant_close(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-    """What the template writes after an assistant message's content (ChatML: ``<|im_end|>\\n``),
-    for the conversation ``messages`` that ends with that assistant message."""
-    probe = [*messages[:-1], {"role": "assistant", "content": _SENTINEL}]
+def assistant_close(tokenizer: Any, tools: list[dict[str, Any]] | None) -> str:
+    """What the template writes after an assistant message's content (ChatML: ``<|im_end|>\\n``).
+    Probed on a one-exchange conversation (templates close an assistant turn the same way
+    wherever it stands), once per session: a render of the whole history costs more."""
+    probe = [{"role": "user", "content": "\u2063"}, {"role": "assistant", "content": _SENTINEL}]
     text = render(tokenizer, probe, tools, generation_prompt=False)
     at = text.rfind(_SENTINEL)
     return text[at + len(_SENTINEL):] if at >= 0 else ""

@@ -27,12 +27,14 @@ import secrets
 import time
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from miles.agent.chat import AgentError, check_messages, check_tools
 from miles.agent.session import Session, SessionStore, Turn
 
 _JSON = "application/json"
+_encode = msgspec.json.Encoder().encode
 
 
 def _error(exc: AgentError) -> web.Response:
@@ -170,7 +172,7 @@ class AgentServer:
             self.counters["call_s"] += time.perf_counter() - t0
         obj = self._response(session, turn, chat=chat, logprobs=want_logprobs)
         if not stream:
-            return web.Response(text=json.dumps(obj), content_type=_JSON)
+            return web.Response(body=_encode(obj), content_type=_JSON)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return await _sse(request, _chunks(obj, chat=chat, include_usage=include_usage))
 
@@ -210,8 +212,8 @@ class AgentServer:
 async def _body(request: web.Request) -> dict[str, Any]:
     raw = await request.read()
     try:
-        body = json.loads(raw) if raw.strip() else None
-    except (ValueError, UnicodeDecodeError) as exc:
+        body = msgspec.json.decode(raw) if raw.strip() else None
+    except (msgspec.DecodeError, ValueError, UnicodeDecodeError) as exc:
         raise AgentError(400, f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise AgentError(400, "the body must be a JSON object")
@@ -260,7 +262,7 @@ async def _sse(request: web.Request, chunks: list[dict[str, Any]]) -> web.Stream
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     for c in chunks:
-        await resp.write(f"data: {json.dumps(c)}\n\n".encode())
+        await resp.write(b"data: " + _encode(c) + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

@@ -58,6 +58,7 @@ class Session:
         self.mode: str | None = None  # "chat" or "completions": how the stored tokens were built
         self.history: list[dict[str, Any]] = []  # chat: the normal-form messages the tokens cover
         self.tools: list[dict[str, Any]] | None = None
+        self._close: str | None = None  # the template's assistant close for these tools
         self.text = ""  # completions: the text the tokens cover
         self.after: str | None = None  # the stop text that ended the last model call
         self.ended = False
@@ -85,7 +86,9 @@ class Session:
             prefix = render(tok, messages[:k], tools, generation_prompt=False)
             full = render(tok, messages, tools, generation_prompt=True)
             if full.startswith(prefix):
-                close = assistant_close(tok, messages[:k], tools)
+                if self._close is None:
+                    self._close = assistant_close(tok, tools)
+                close = self._close
                 if self.after and close.startswith(self.after):
                     close = close[len(self.after):]  # the model wrote that part itself
                 self._append_env(tok.encode(close + full[len(prefix):]))
@@ -102,7 +105,7 @@ class Session:
             reason = "the messages do not extend the session's history (edited, dropped or reordered)"
         text = render(tok, messages, tools, generation_prompt=True)
         self._start_segment(text, tok.encode(text), reason)
-        self.mode, self.history, self.tools = "chat", list(messages), tools
+        self.mode, self.history, self.tools, self._close = "chat", list(messages), tools, None
 
     def completion_context(self, prompt: str | list[int]) -> None:
         """Make the stored tokens the context of a completions request for ``prompt``."""
