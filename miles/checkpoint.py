@@ -7,6 +7,8 @@ A checkpoint is a directory ``DIR/step_000042/`` holding:
   msgpack — ``save_tree``/``load_tree`` split and join them;
 - ``draft.safetensors`` + ``draft.msgpack`` (with ``--enable-draft-training``): the
   DraftTrainer's draft model, optimizer and draft version;
+- ``adapter/`` (LoRA runs): ``adapter_config.json`` + ``adapter_model.safetensors``, the
+  adapters in PEFT's format, for use outside miles (resume reads ``trainer.*``);
 - ``run.msgpack``: the replay buffer (ready groups, partial trajectories, in-flight leases,
   counters), the data cursor, the scheduler's counters and the driver's step;
 - ``manifest.json``: step, version, and a SHA-256 of every file, checked on load so that a
@@ -182,6 +184,10 @@ async def save_run_state(manager: CheckpointManager, step: int, actors: Any, dat
     draft_state = await draft.state_dict.remote() if draft is not None else None
     tmp = manager.begin(step)
     await asyncio.to_thread(save_tree, tmp, "trainer", trainer_state)
+    # A LoRA run's adapters also in PEFT's format (adapter/), loadable without miles.
+    save_adapter = getattr(actors.trainer, "save_adapter", None)
+    if save_adapter is not None:
+        await save_adapter.remote(str(tmp / "adapter"), getattr(actors, "base_checkpoint", None))
     if draft_state is not None:
         await asyncio.to_thread(save_tree, tmp, "draft", draft_state)
     run_state = {

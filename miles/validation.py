@@ -164,6 +164,7 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
     yield from _megatron_problems(cfg)
     yield from transport_problems(cfg)
     yield from _quant_problems(cfg)
+    yield from _lora_problems(cfg)
     spec = getattr(cfg, "speculative", None)
     if spec is not None and spec.draft_model_path and not (Path(spec.draft_model_path) / "config.json").is_file():
         yield f"--draft-model-path {spec.draft_model_path}: no config.json there"
@@ -177,6 +178,35 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
     if sched.mode == "sync" and sched.over_sampling_batch_size and not rollout.partial_rollout:
         # Over-sampled groups would finish on old weights and be dropped as stale.
         yield "--mode sync with --over-sampling-batch-size needs --partial-rollout (or a non-sync mode)"
+
+
+def _lora_problems(cfg: Any):
+    """LoRA (miles.trainers.lora): the backends it runs on, and targets and rank checked against
+    the checkpoint's shapes (a meta model, no weights read) before any actor starts."""
+    t, run = cfg.trainer, cfg.run
+    if t.lora_rank <= 0:
+        return
+    if run.train_backend != "embedded":
+        yield (f"--lora-rank needs --train-backend embedded (the Megatron backend trains full parameters "
+               f"only); drop --lora-rank or use --train-backend embedded")
+    if run.rollout_backend != "embedded":
+        yield "--lora-rank needs --rollout-backend embedded (its engines merge the adapter updates)"
+    if cfg.quant.quantization != "none" or cfg.quant.rollout_quantization != "none":
+        yield "--lora-rank cannot be combined with --quantization/--rollout-quantization yet"
+    if cfg.weights.weight_update_changed_only:
+        yield "--weight-update-changed-only is for full weights: a LoRA update already ships only the adapters"
+    path = cfg.rollout.hf_checkpoint
+    if not path or not (Path(path) / "config.json").is_file():
+        return
+    from miles.models import CheckpointError, load_config
+    from miles.models.checkpoint import _meta_model
+    from miles.trainers.lora import lora_problems
+
+    try:
+        model = _meta_model(load_config(path))
+    except CheckpointError:
+        return  # reported by the checkpoint check
+    yield from lora_problems(model, t.lora_rank, t.lora_target_modules)
 
 
 def _quant_problems(cfg: Any):

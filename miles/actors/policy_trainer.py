@@ -193,6 +193,8 @@ class PolicyTrainer:
         spec = spec_of(model) if model is not None else None
         if spec is not None:  # the master weights, not the quantized wire form
             named = named_weights(model)
+        elif getattr(self.backend, "lora", False):  # the adapters merged in: a plain HF checkpoint
+            named = (item for bucket in self.backend.export_merged(1 << 30) for item in bucket)
         else:
             named = (item for bucket in self.backend.export_weights(1 << 30) for item in bucket)
         tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in named}
@@ -215,6 +217,12 @@ class PolicyTrainer:
 
     def state_dict(self) -> dict[str, Any]:
         return self.backend.state_dict()
+
+    def save_adapter(self, path: str, base_checkpoint: str | None = None) -> str | None:
+        """A LoRA policy's adapters in PEFT's format at ``path``; None for full-parameter training."""
+        if not getattr(self.backend, "lora", False):
+            return None
+        return self.backend.save_adapter(path, base_checkpoint)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.backend.load_state_dict(state)

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from miles.engines import lora
+
 
 class WeightError(ValueError):
     """A staged tensor does not fit the engine's model; the message names it."""
@@ -42,10 +44,16 @@ class WeightStager:
         self.staged: dict[str, Tensor] = {}
         self.unchecked: set[str] = set()  # borrowed, so not yet checked for non-finite values
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.adapters = lora.AdapterMerger()  # LoRA updates: merged into the weights (miles.engines.lora)
 
     def stage(self, named_tensors: Any, *, borrow: bool = False) -> int:
         items = [(name, t if isinstance(t, Tensor) else torch.as_tensor(t)) for name, t in named_tensors]
         for name, t in items:
+            if lora.split(name) is not None:
+                problem = lora.check(name, tuple(t.shape), self.params)
+                if problem:
+                    raise WeightError(problem)
+                continue
             param = self.params.get(name)
             if param is None:
                 raise WeightError(f"weight update names {name!r}, which is not a parameter of this model")
@@ -70,6 +78,9 @@ class WeightStager:
         return len(items)
 
     def _take(self, name: str, t: Tensor, borrow: bool) -> Tensor:
+        adapter = lora.split(name)
+        if adapter is not None:  # kept in float32: the merge sums in float32
+            return t.to(self.params[adapter[0]].device, torch.float32, copy=True)
         param = self.params[name]
         if borrow and t.device == param.device and t.dtype == param.dtype:
             return t
@@ -110,6 +121,13 @@ class WeightStager:
         bad = nonfinite([(n, staged[n]) for n in unchecked if n in staged])
         if bad:  # refused before any parameter changes
             raise WeightError(f"weight update {bad[0]!r} holds non-finite values")
+        adapters = {n: t for n, t in staged.items() if lora.split(n) is not None}
+        if adapters:
+            try:
+                self.adapters.merge(adapters, self.params)
+            except ValueError as exc:
+                raise WeightError(str(exc)) from None
+            staged = {n: t for n, t in staged.items() if n not in adapters}
         groups: dict[tuple[torch.dtype, torch.device], tuple[list[Tensor], list[Tensor]]] = {}
         for name, t in staged.items():
             param = self.params[name]
@@ -118,11 +136,11 @@ class WeightStager:
             src.append(t)
         for dst, src in groups.values():
             torch._foreach_copy_(dst, src)
-        if self.stream is not None:
+        if self.stream is not None and (groups or adapters):
             # Borrowed tensors are freed (or unmapped) once ``staged`` goes; the copies that
             # read them must be done by then — and the wait is the pause the swap costs.
             torch.cuda.current_stream(self.device).synchronize()
-        return len(staged)
+        return len(staged) + len(adapters)
 
 
 def nonfinite(items: list[tuple[str, Tensor]]) -> list[str]:

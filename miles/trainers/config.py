@@ -65,6 +65,12 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     gradient_checkpointing: bool = False  # recompute decoder layers in backward
     fsdp: bool | None = None  # None → FSDP2 when torch.distributed has > 1 rank
 
+    # --- LoRA (miles.trainers.lora): adapters over frozen base weights; 0 trains every weight
+    lora_rank: int = 0  # LoRA rank r (0: full-parameter training)
+    lora_alpha: float = 16.0  # LoRA alpha: the adapters' update is scaled by alpha / rank
+    lora_dropout: float = 0.0  # dropout on the adapters' input while training
+    lora_target_modules: list[str] = msgspec.field(default_factory=lambda: ["all-linear"])  # PEFT names (q_proj ... down_proj) or all-linear
+
     # --- robustness ----------------------------------------------------------------------
     skip_nonfinite_steps: bool = True
     max_consecutive_nonfinite: int = 3  # raise after this many non-finite steps in a row
@@ -114,6 +120,12 @@ def validate(cfg: TrainerConfig) -> None:
         _check(isinstance(v, int) and v >= 1, field, f"must be an int >= 1, got {v!r}")
     _check(_num(cfg.rollout_temperature) and cfg.rollout_temperature > 0, "rollout_temperature",
            f"must be > 0, got {cfg.rollout_temperature!r}")
+    _check(isinstance(cfg.lora_rank, int) and cfg.lora_rank >= 0, "lora_rank",
+           f"must be an int >= 0, got {cfg.lora_rank!r}")
+    _check(_num(cfg.lora_alpha) and cfg.lora_alpha > 0, "lora_alpha", f"must be > 0, got {cfg.lora_alpha!r}")
+    _check(_num(cfg.lora_dropout) and 0 <= cfg.lora_dropout < 1, "lora_dropout",
+           f"must be in [0, 1), got {cfg.lora_dropout!r}")
+    _check(bool(cfg.lora_target_modules), "lora_target_modules", "must name at least one module (or all-linear)")
     _check(cfg.device == "cpu" or cfg.device.startswith("cuda"), "device",
            f"must be 'cpu' or 'cuda[:i]', got {cfg.device!r}")
 

@@ -1,5 +1,8 @@
 """EmbeddedTrainer: the pure-PyTorch policy trainer (TrainerBackend), CPU or GPU.
 
+With ``lora_rank`` > 0 it trains LoRA adapters over frozen base weights (``lora``): the
+optimizer, the checkpoint state and every weight update hold the adapters only.
+
 One ``train_step(groups)`` is one published policy version:
 
 1. validate the trajectories and pad them into a ``TokenBatch`` (``batching``);
@@ -36,7 +39,7 @@ from miles.algorithms.losses import kl_estimate
 from miles.algorithms.masked import deferred_finite_checks
 from miles.models import quant
 from miles.models.quant_io import wire_tensors
-from miles.trainers import compilation
+from miles.trainers import compilation, lora
 from miles.trainers import state as ckpt
 from miles.trainers.batching import TokenBatch, build_batch, rewards_of, trajectories_of
 from miles.trainers.config import TrainerConfig, lr_at
@@ -96,6 +99,10 @@ class EmbeddedTrainer:
         torch.manual_seed(config.seed)
         self.model = model.to(device=self.device, dtype=torch.float32)
         self.model.train()
+        self.lora = config.lora_rank > 0
+        if self.lora:  # before FSDP, compile and the optimizer: they see the adapters
+            lora.apply_lora(self.model, config.lora_rank, config.lora_alpha, config.lora_dropout,
+                            config.lora_target_modules)
         self.is_moe = bool(getattr(model.config, "is_moe", False))
         self.sharded = maybe_fully_shard(self.model, config.fsdp, self.compute_dtype)
         # The fused LM-head log-prob path (see ``logprobs``); benchmarks flip it to compare.
@@ -188,11 +195,27 @@ class EmbeddedTrainer:
         as ``model.embed_tokens.weight``, as HF checkpoints store it."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        if self.lora:  # the adapters alone: the engines keep the base weights they loaded
+            yield from plan_buckets(lora.adapter_update(self.model, dtype=dtype), bucket_bytes)
+            return
         spec = quant.spec_of(self.model)
         named = ckpt.named_weights(self.model, dtype=None if spec else dtype)
         if spec is not None:  # unified low precision: quantized from the master weights, as the forward is
             named = wire_tensors(named, spec, dtype)
         yield from plan_buckets(named, bucket_bytes)
+
+    def save_adapter(self, directory: str, base_model_path: str | None = None) -> str:
+        """Write the adapters in PEFT's format (LoRA runs only)."""
+        if not self.lora:
+            raise ValueError("save_adapter needs a LoRA trainer (--lora-rank > 0)")
+        return str(lora.save_peft_adapter(self.model, directory, base_model_path))
+
+    def export_merged(self, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+        """The policy as full HF-named weights (a LoRA trainer's adapters merged in), for --save-hf."""
+        if not self.lora:
+            yield from self.export_weights(bucket_bytes)
+            return
+        yield from plan_buckets(lora.merged_weights(self.model), bucket_bytes)
 
     def state_dict(self) -> dict[str, Any]:
         return ckpt.trainer_state(self)

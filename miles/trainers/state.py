@@ -54,10 +54,19 @@ def _plain(v: Any) -> Any:
     return list(v) if isinstance(v, tuple) else v
 
 
+def _model_state(tr: EmbeddedTrainer) -> dict[str, Tensor]:
+    # A LoRA trainer's base weights are frozen and come from --hf-checkpoint: only the adapters are state.
+    if getattr(tr, "lora", False):
+        from miles.trainers.lora import adapter_state
+
+        return adapter_state(tr.model)
+    return tr.model.state_dict()
+
+
 def trainer_state(tr: EmbeddedTrainer) -> dict[str, Any]:
     opt = tr.optimizer.state_dict()
     state = {
-        "model": {k: _cpu(v) for k, v in tr.model.state_dict().items()},
+        "model": {k: _cpu(v) for k, v in _model_state(tr).items()},
         "optimizer": {
             "state": {str(i): {k: _cpu(v) for k, v in s.items()} for i, s in opt["state"].items()},
             "param_groups": [{k: _plain(v) for k, v in g.items()} for g in opt["param_groups"]],
@@ -74,7 +83,7 @@ def _check(tr: EmbeddedTrainer, state: dict[str, Any]) -> None:
     for key in ("model", "optimizer", "trainer", "rng"):
         if key not in state:
             raise ValueError(f"trainer state has no {key!r} entry")
-    own = tr.model.state_dict()
+    own = _model_state(tr)
     got = state["model"]
     missing, extra = sorted(set(own) - set(got)), sorted(set(got) - set(own))
     if missing or extra:
@@ -95,7 +104,7 @@ def load_trainer_state(tr: EmbeddedTrainer, state: dict[str, Any]) -> None:
         raise NotImplementedError("loading a checkpoint into an FSDP-sharded trainer is not implemented yet")
     _check(tr, state)
     with torch.no_grad():
-        own = tr.model.state_dict()
+        own = _model_state(tr)
         for k, v in state["model"].items():
             own[k].copy_(v)  # in place: keeps parameter identity (optimizer, FSDP)
     opt = state["optimizer"]

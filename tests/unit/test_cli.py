@@ -129,6 +129,12 @@ def test_incompatible_flags(files, capsys) -> None:
            capsys, "--draft-model-path")
 
 
+def test_bad_lora_settings_fail_before_start(files, capsys) -> None:
+    _fails(_argv(files, "--lora-rank", "4", "--lora-target-modules", "qkv_proj"), capsys, "matches no linear layer")
+    _fails(_argv(files, "--lora-rank", "100000", "--lora-target-modules", "q_proj"), capsys, "is larger than")
+    _fails(_argv(files, "--lora-rank", "4", "--train-backend", "megatron"), capsys, "--lora-rank needs --train-backend embedded")
+
+
 def test_yaml_then_flags_precedence(files, tmp_path) -> None:
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("rollout:\n  n-samples-per-prompt: 8\nrollout-max-response-len: 7\nlr: 0.5\n")
