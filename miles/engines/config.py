@@ -23,6 +23,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_batch_size: int = 64
     # Context length of one slot (prompt + response); ≤ the model's max_position_embeddings.
     max_seq_len: int = 2048
+    # CUDA: size the KV cache from this share of the GPU's memory (miles.engines.memory);
+    # None keeps max_batch_size slots whatever memory is left.
+    engine_mem_fraction: float | None = None  # share of GPU memory the plan may use (None: no plan)
+    train_memory_margin_bytes: int = 2 << 30  # memory the plan leaves free (trainer activations, fragmentation)
     device: str = "cpu"  # "cpu" or "cuda" (the engines; the trainer's is the same flag)
     # "auto": float32 on the CPU, bfloat16 on CUDA; or "float32" / "bfloat16" / "float16".
     dtype: str = "auto"
@@ -207,6 +211,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         problem = chunk_problem(self.decode_attention_chunk)
         if problem is not None:
             raise ValueError(f"decode_attention_chunk must be {problem}, got {self.decode_attention_chunk}")
+        if self.engine_mem_fraction is not None and not 0 < self.engine_mem_fraction <= 1:
+            raise ValueError(f"engine_mem_fraction must be in (0, 1], got {self.engine_mem_fraction}")
+        if self.train_memory_margin_bytes < 0:
+            raise ValueError(f"train_memory_margin_bytes must be >= 0, got {self.train_memory_margin_bytes}")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
         if self.admit_min is not None and self.admit_min < 1:

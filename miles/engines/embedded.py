@@ -49,6 +49,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from miles.engines.config import EngineConfig
@@ -87,6 +88,13 @@ class EmbeddedEngine:
             compile_counter_uniform(self.device)  # seeded draws: one fused kernel on CUDA
         self.tokenizer = tokenizer
         spec_on = draft is not None and speculative is not None and speculative.enabled
+        self.memory_plan = None
+        if config.engine_mem_fraction is not None and self.device.type == "cuda":
+            from miles.engines.memory import measure_plan
+
+            self.memory_plan = measure_plan(self.model, config, config.kv_torch_dtype() or self.dtype)
+            log.warning("%s", self.memory_plan.describe())
+            config = self.config = msgspec.structs.replace(config, max_batch_size=self.memory_plan.slots)
         self.runner = ModelRunner(self.model, config, headroom=MAX_STEPS + 2 if spec_on else 0)
         self.spec = self._build_spec(draft, speculative, draft_version) if spec_on else None
         self.stager = WeightStager(self.model, self.device, self.dtype)
