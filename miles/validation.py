@@ -39,6 +39,13 @@ def notes(cfg: Any) -> list[str]:
         eta = 0 if sched.mode == "sync" else 1
         out.append(f"--max-staleness {sched.max_staleness} is read only with --mode async; "
                    f"--mode {sched.mode} trains at η = {eta}")
+    agent = cfg.agent
+    if agent.custom_agent_function_path and agent.agent_host not in ("127.0.0.1", "localhost", "::1"):
+        out.append(f"--agent-host {agent.agent_host}: the agent sessions take requests from other machines; "
+                   "a session's id in its URL is its only key")
+    if agent.custom_agent_function_path and sched.mode == "sync" and cfg.rollout.partial_rollout:
+        out.append("--mode sync --partial-rollout aborts in-flight work every step, and an agent episode "
+                   "cannot be parked: those episodes fail (agent_aborted); --mode async keeps them")
     return out
 
 

@@ -98,3 +98,8 @@ def test_agent_flags_and_rules(tmp_path) -> None:
     agent.write_text("async def fn(client, sample):\n    return 1.0\n")
     cfg = _checked(tmp_path, custom_agent_function_path=f"{agent}:fn")
     assert isinstance(build_generate_fn(cfg, build_tiny_tokenizer()), AgentRollout)
+    from miles.validation import notes
+
+    assert notes(cfg) == []
+    open_cfg = _checked(tmp_path, custom_agent_function_path=f"{agent}:fn", agent_host="0.0.0.0")
+    assert any("only key" in n for n in notes(open_cfg))
