@@ -5,7 +5,7 @@ for Ray calls and checkpoints, and to JSON for dumps. Tensors never live in thes
 per-token arrays are plain lists, which msgpack encodes natively and which the trainer turns
 into tensors once per batch.
 
-Invariants the rest of the system relies on (see ../shared/DESIGN.md):
+Invariants the rest of the system relies on (see docs/design.md):
 
 - ``response_tokens``, ``logprobs``, ``versions`` and ``loss_mask`` always have the same
   length: one entry per response token. ``logprobs[i]`` is the behaviour log-prob the rollout

@@ -2,7 +2,7 @@
 
 ``ReplayBuffer.ledger()`` returns one :class:`Ledger`; the driver prints its ``summary()`` at
 the end of a run, checkpoints carry the counters, and the scheduler reads ``groups`` to
-learn how many groups are accepted and running. The invariant (DESIGN.md, "Accounting"):
+learn how many groups are accepted and running. The invariant (docs/design.md, "Accounting"):
 every admitted trajectory is exactly one of queued, in flight, partial, waiting, ready,
 trained or dropped-with-reason, so the states always sum to ``admitted`` — ``check()``
 raises otherwise.

@@ -1,6 +1,6 @@
 """The versioned replay buffer: where rollout workers and the trainer meet.
 
-Life of a sample (DESIGN.md): the driver admits prompts (``add_prompts``: one group of
+Life of a sample (docs/design.md): the driver admits prompts (``add_prompts``: one group of
 ``n`` PENDING trajectories each); workers ``lease`` work — PARTIAL trajectories first, the
 oldest first, then PENDING ones — and ``put`` it back, finished or PARTIAL (recycled to the
 unfinished queue); when a group's members have all finished, the group filters run and the
