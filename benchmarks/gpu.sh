@@ -4,8 +4,8 @@
 #   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing engine-matmul engine-attn engine-rollout profile engine engine-ab mlp attention long-tail trainer trainer-long-tail spec spec-overhead megatron weights async async-x2 bg-start bg-wait)
 # A run longer than one call: `BG_PARTS=async-x2 ... gpu.sh bg-start` in one call, then at once
 # `gpu.sh bg-wait [more parts]` in the next (the machine is given back ~30 s after a call).
-# On a machine without ray/msgspec/megatron-core, a .whl folder built by the project's
-# wheels folder (ray, msgspec, megatron-core for Python 3.12, built where pip works) is installed first. Env: TESTS (test paths), ATTN (engine-attn's --decode-attention values), TESTS_TIMEOUT (default 480: the trainer compiles on CUDA now), WEIGHTS_ARGS, WEIGHTS_TIMEOUT,
+# On a machine without ray/msgspec/megatron-core, a .whl folder of their Python 3.12 wheels
+# (downloaded with pip where it works) is installed first. Env: TESTS (test paths), ATTN (engine-attn's --decode-attention values), TESTS_TIMEOUT (default 480: the trainer compiles on CUDA now), WEIGHTS_ARGS, WEIGHTS_TIMEOUT,
 # TLT_ARGS (trainer-long-tail, e.g. --compile; --profile), TRAINER_ARGS (trainer, e.g. --profile), ASYNC_ARGS / ASYNC_TIMEOUT (e.g. ASYNC_ARGS="--steps 8 --only sync async_eta2"; "--lanes 2" with async-x2 on nvidia-h200-x4: all ten configs in one call), SPEC_STEPS, SPEC_ARGS
 # (e.g. "--batches 1 4 16 64 --repeats 1": the full sweep and 8 steps overran 300 s on the H200). Extra outputs go to $OUT (default: runs/gpu).
 set -uo pipefail
