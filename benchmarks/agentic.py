@@ -1,6 +1,6 @@
 """Agentic rollouts: episodes/s and rollout-worker utilization, async vs sync, one process.
 
-    python benchmarks/agentic.py [--quick] [--rounds N] [--device cuda] [--results benchmarks/RESULTS.md]
+    python benchmarks/agentic.py [--quick] [--rounds N] [--device cuda] [--results benchmarks/log/agentic.md]
 
 The task has a long-tailed number of turns: each episode runs ``min(⌊Pareto(α)⌋, cap)``
 turns (about half end after one turn, a few percent run to the cap), drawn per sample from
@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--overhead", action="store_true", help="per-turn overhead of both paths, in-process (no Ray)")
     ap.add_argument("--episodes", type=int, default=40, help="--overhead: sequential episodes per path")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    ap.add_argument("--results", default=str(Path(__file__).parent / "log" / "agentic.md"))
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.steps = 1, 6

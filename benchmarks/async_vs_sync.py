@@ -281,7 +281,7 @@ def main() -> None:
                         help="GPU: run the configs in this many concurrent lanes, each on GPUs of its own "
                              "(2 with --disaggregated, else 1), one after another within a lane; one table")
     parser.add_argument("--json-out", default=None, help=argparse.SUPPRESS)  # a lane's results, for its parent
-    parser.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    parser.add_argument("--results", default=str(ROOT / "benchmarks" / "log" / "async_vs_sync.md"))
     args = parser.parse_args()
     if args.lanes < 1:
         parser.error(f"--lanes must be >= 1, got {args.lanes}")
@@ -429,7 +429,7 @@ def run_lanes(args: argparse.Namespace, configs: list, steps: int, base: dict[st
 
 def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps: int, base: dict[str, Any],
            what: str, interrupted: str = "", lanes: list[str] | None = None) -> str:
-    """The RESULTS.md section for the configs in ``results`` (all of them, or those that ran
+    """The benchmark-log section for the configs in ``results`` (all of them, or those that ran
     before ``interrupted`` says the run was stopped)."""
     gpu = args.device == "cuda"
     sync = results.get("sync")

@@ -60,7 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--no-record", action="store_true")
-    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    ap.add_argument("--results", default=str(Path(__file__).parent / "log" / "blas_choice.md"))
     args = ap.parse_args()
     backends = ("cublas", "cublaslt")
     variants = [(b, t, i) for b in backends for t in (False, True) for i in (False, True)]

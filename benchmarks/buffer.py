@@ -1,6 +1,6 @@
 """Replay-buffer throughput and memory: in-process and through one Ray actor.
 
-    python benchmarks/buffer.py [--quick] [--no-ray] [--results benchmarks/RESULTS.md]
+    python benchmarks/buffer.py [--quick] [--no-ray] [--results benchmarks/log/buffer.md]
 
 One cycle admits G prompts of n samples, leases them all, fills in a response of L tokens
 per trajectory (the worker's job: not timed), puts them back with one ``put_many`` and
@@ -14,7 +14,7 @@ takes them out with one ``get_batch(G)``. Reported, per response length L:
 * memory: tracemalloc bytes per held trajectory (queued with no response, and ready with
   L-token responses), i.e. what capacity × this costs.
 
-The figures are printed and a section is appended to RESULTS.md. The buffer is CPU-only
+The figures are printed and a section is appended to benchmarks/log/buffer.md. The buffer is CPU-only
 Python, so there is no --device flag.
 """
 
@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray actor runs")
     ap.add_argument("--groups", type=int, default=64, help="groups per put_many/get_batch")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    ap.add_argument("--results", default=str(Path(__file__).parent / "log" / "buffer.md"))
     args = ap.parse_args()
     per_call = args.groups * args.n
     budget = 20_000 if args.quick else 200_000  # trajectories per length, in-process

@@ -31,7 +31,7 @@ RL's uneven batches) instead of one length.
                                           [--lengths uniform spread] [--cache-len 641]
                                           [--shared-cache]
 
-Appends a section to benchmarks/RESULTS.md (``--no-record`` to skip).
+Appends a section to benchmarks/log/decode_attention.md (``--no-record`` to skip).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def main() -> None:
                     help="every call reads the same cache (the form of the runs before 2026-12-01 22:00: "
                          "at batch 64 partly from L2)")
     ap.add_argument("--no-record", action="store_true")
-    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    ap.add_argument("--results", default=str(Path(__file__).parent / "log" / "decode_attention.md"))
     args = ap.parse_args()
     if args.quick:
         launches = list(itertools.product(args.chunks, (32, 64), (4,), (2, 3)))

@@ -7,7 +7,7 @@ layer's cache write + attention both ways, 28 layers captured in a CUDA graph as
 replays them, best of 5 × 10 replays, on the 0.5B shapes (8 KV heads, GQA group 2, head dim
 128, a 2048-position cache) at three batch × context points.
 
-Usage (CUDA only; prints only, figures copied to RESULTS.md): python benchmarks/decode_kv_write.py
+Usage (CUDA only; prints only, figures copied to benchmarks/log/): python benchmarks/decode_kv_write.py
 """
 
 import math

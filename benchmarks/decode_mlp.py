@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-record", action="store_true")
-    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    ap.add_argument("--results", default=str(Path(__file__).parent / "log" / "decode_mlp.md"))
     args = ap.parse_args()
     fast = compile_fast_path("bench")
     g = torch.Generator(device="cuda").manual_seed(0)

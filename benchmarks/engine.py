@@ -25,7 +25,7 @@ Usage:
   python benchmarks/engine.py --quick                       # seconds, CPU smoke
   python benchmarks/engine.py                               # CPU, tiny model (goal ≥ 3× HF)
   python benchmarks/engine.py --device cuda --preset 0.5b   # H200: batch 64 and 256, 512 new
-Appends a section to benchmarks/RESULTS.md (``--no-record`` to skip).
+Appends a section to benchmarks/log/engine.md (``--no-record`` to skip).
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def main() -> None:
                          "requests of varied length (continuous batching vs static batches)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-record", action="store_true")
-    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    ap.add_argument("--results", default=str(Path(__file__).parent / "log" / "engine.md"))
     args = ap.parse_args()
     gcpolicy.install()  # the GC of a rollout worker's process (both systems run under it)
     cuda = torch.device(args.device).type == "cuda"

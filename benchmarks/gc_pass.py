@@ -9,7 +9,7 @@ not, then holds ``--held`` finished trajectories of ``--length`` response tokens
 buffer does, and times ``gc.collect()`` (best of 3).
 Why: a full pass stops every thread of the process while it runs. On the H200 sweep of
 2026-11-30 09:23, one pass in the buffer actor took 140-183 ms. The policy's freeze at install
-takes start-up's objects out of every later pass. Appends a section to benchmarks/RESULTS.md.
+takes start-up's objects out of every later pass. Appends a section to benchmarks/log/gc_pass.md.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--held", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--no-record", action="store_true")
-    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "log" / "gc_pass.md"))
     args = ap.parse_args()
 
     lines = ["| held trajectories | tokens each | default pass ms | gcpolicy pass ms | default ÷ gcpolicy | "

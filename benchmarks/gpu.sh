@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs behind benchmarks/RESULTS.md's H200 sections, one part per argument:
+# The GPU runs behind benchmarks/RESULTS.md's H200 rows (raw sections: benchmarks/log/), one part per argument:
 #   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command; parts:
 #   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing engine-matmul engine-attn engine-rollout profile engine engine-ab mlp attention long-tail trainer trainer-long-tail spec spec-overhead megatron weights async async-x2 bg-start bg-wait)
 # A run longer than one call: `BG_PARTS=async-x2 ... gpu.sh bg-start` in one call, then at once
@@ -83,7 +83,7 @@ for part in "$@"; do
     if [ "$part" = bg-wait ] && [ "$rc" != 0 ]; then  # still running: later parts would share its GPUs
         echo "=== the bg parts are still running; the parts after bg-wait are skipped"; break
     fi
-    cp benchmarks/RESULTS.md "$OUT/RESULTS.md"  # after every part: a later timeout keeps what ran
+    tar czf "$OUT/log.tgz" benchmarks/log  # after every part: a later timeout keeps what ran
     case "$part" in async*) tar czf "$OUT/$part-metrics.tgz" runs/async_vs_sync/*/metrics.jsonl 2>/dev/null ;; esac
 done
 # one line to read at the end of a log (a pipe into tee hides this script's status)

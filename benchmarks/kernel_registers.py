@@ -22,7 +22,7 @@ the loop count, such as the sampler's temperature-1 and greedy paths):
 
     python benchmarks/kernel_registers.py [--arch 90] [--no-record]
 
-Appends a section to benchmarks/RESULTS.md (``--no-record`` to skip).
+Appends a section to benchmarks/log/kernel_registers.md (``--no-record`` to skip).
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, choices=sorted(ARCH))
     ap.add_argument("--no-record", action="store_true")
-    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    ap.add_argument("--results", default=str(Path(__file__).parent / "log" / "kernel_registers.md"))
     args = ap.parse_args()
     if triton is None:
         sys.exit("kernel_registers needs triton (pip install triton): it compiles the kernels offline")

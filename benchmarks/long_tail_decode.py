@@ -12,7 +12,7 @@ engine's default).
 
     python benchmarks/long_tail_decode.py                         # CPU: tiny and small presets
     python benchmarks/long_tail_decode.py --device cuda --preset 0.5b
-Appends a section to benchmarks/RESULTS.md (``--no-record`` to skip).
+Appends a section to benchmarks/log/long_tail_decode.md (``--no-record`` to skip).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ async def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-record", action="store_true")
-    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    ap.add_argument("--results", default=str(Path(__file__).parent / "log" / "long_tail_decode.md"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")

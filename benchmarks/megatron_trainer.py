@@ -17,7 +17,7 @@ the other in this process (one model in GPU memory at a time), median over the t
 FLOPs per step and the MFU peak are those of ``benchmarks/trainer.py`` (6·N·tokens + LM head at
 response positions + causal attention; H200 bf16 dense peak 989 TFLOP/s). Megatron needs CUDA:
 on a machine without it this script says so and exits. Prints a table and appends a section to
-benchmarks/RESULTS.md.
+benchmarks/log/megatron_trainer.md.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def main() -> None:
     p.add_argument("--recompute", action="store_true", help="also run Megatron with full recomputation")
     p.add_argument("--peak-tflops", type=float, default=None, help="override the peak used for MFU")
     p.add_argument("--quick", action="store_true", help="fewer steps and sequences (smoke mode)")
-    p.add_argument("--no-append", action="store_true", help="do not write benchmarks/RESULTS.md")
+    p.add_argument("--no-append", action="store_true", help="do not append to benchmarks/log/megatron_trainer.md")
     args = p.parse_args()
     if not args.device.startswith("cuda") or not torch.cuda.is_available():
         sys.exit("the Megatron trainer needs CUDA: run `python benchmarks/megatron_trainer.py --device cuda` "
@@ -168,7 +168,7 @@ def main() -> None:
 
 
 def append(args: argparse.Namespace, info: str, table: str, verdict: str) -> None:
-    path = ROOT / "benchmarks" / "RESULTS.md"
+    path = ROOT / "benchmarks" / "log" / "megatron_trainer.md"
     cmd = "python benchmarks/megatron_trainer.py " + " ".join(sys.argv[1:])
     text = (f"\n## megatron_trainer — {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}\n\n"
             f"Command: `{cmd.strip()}`  \nMachine: {B.machine('cuda')}\n\n{info}\n\n```\n{table}\n```\n\n"

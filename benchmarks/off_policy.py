@@ -27,7 +27,7 @@ Every (η, correction, seed) run starts from the same initial weights per seed a
 same prompts, sampling seeds and mismatch noise per step (common random numbers), so
 differences between configurations are the algorithms', not the draws'. One extra run per
 seed with η = 0 and no mismatch is the reference. Writes ``benchmarks/off_policy.png``
-(one panel per η, mean ± std across seeds) and appends a table to benchmarks/RESULTS.md.
+(one panel per η, mean ± std across seeds) and appends a table to benchmarks/log/off_policy.md.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class OffPolicyConfig(msgspec.Struct, kw_only=True):
     device: str = "cpu"
     threads: int = 1
     plot: str = str(HERE / "off_policy.png")
-    results: str = str(HERE / "RESULTS.md")
+    results: str = str(HERE / "log" / "off_policy.md")
     dump: str = ""  # optional path: every run's curves and metrics as JSON
 
     def __post_init__(self) -> None:
@@ -412,7 +412,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def section(cfg: OffPolicyConfig, rows: list[dict[str, Any]], lines: list[str], argv: list[str],
             elapsed: float) -> str:
-    """The RESULTS.md section of one invocation."""
+    """The benchmark-log section of one invocation."""
     now = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     command = " ".join(["python benchmarks/off_policy.py", *argv])
     machine = (f"{platform.platform()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s), "

@@ -10,7 +10,7 @@ forward by rows (host launch time and wall time with the device), and prints the
 host ops of one.
 
 Usage: python benchmarks/profile_admission.py --device cuda [--requests 768 --slots 256]
-Prints only (nothing is appended to RESULTS.md).
+Prints only (nothing is appended to benchmarks/log/).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ and unseeded rows, and reports each in µs and in GB/s of logits read. Those eag
 include host launch time; the kernel alone is also timed inside a CUDA graph (as the decode
 graph runs it), with its per-lane reductions against the first form's per-block ones.
 
-    python benchmarks/sampling.py [--batch 64 256] [--vocab 151936]   (CUDA; appends to RESULTS.md)
+    python benchmarks/sampling.py [--batch 64 256] [--vocab 151936]   (CUDA; appends to benchmarks/log/sampling.md)
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    ap.add_argument("--results", default=str(Path(__file__).parent / "log" / "sampling.md"))
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cuda")

@@ -6,7 +6,7 @@ Builds a tiny random checkpoint and a task in a temp dir, runs the full runtime 
 async mode, partial rollouts, two rollout workers, trajectory dumps), then reports: steps,
 RSS of every process at the start (after a warm-up) and the end, trajectories processed,
 lost (ledger does not sum) and duplicated (an id trained twice, from the dump). Appends the
-figures to benchmarks/RESULTS.md.
+figures to benchmarks/log/soak.md.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main() -> None:
         "",
     ])
     print(report)
-    with open(ROOT / "benchmarks" / "RESULTS.md", "a") as fh:
+    with open(ROOT / "benchmarks" / "log" / "soak.md", "a") as fh:
         fh.write("\n" + report)
     if lost or duplicated or not summary["ledger_ok"]:
         raise SystemExit("soak: accounting broken")

@@ -11,7 +11,7 @@ hidden states of plain steps to its head every ~31 steps (a drain and a forward)
 independent LM draft is fed its backlog of context tokens at the next round only. The
 "capped" column is that cost alone; "adaptive" adds the rule's exploration. Random weights
 (the draft's quality does not matter for the capped engine); every request decodes
---new-tokens tokens (EOS ignored). Appends its table to benchmarks/RESULTS.md.
+--new-tokens tokens (EOS ignored). Appends its table to benchmarks/log/spec_overhead.md.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ async def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--no-record", action="store_true")
-    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    ap.add_argument("--results", default=str(Path(__file__).parent / "log" / "spec_overhead.md"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")

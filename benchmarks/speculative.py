@@ -29,7 +29,7 @@ Usage:
   python benchmarks/speculative.py --quick                  # ~1-2 min CPU smoke
   python benchmarks/speculative.py                          # CPU: acceptance curves (+ tok/s)
   python benchmarks/speculative.py --device cuda            # H200: 0.5B-shaped policy, batch 1..64
-Appends a section to benchmarks/RESULTS.md (``--no-record`` to skip) and writes a PNG.
+Appends a section to benchmarks/log/speculative.md (``--no-record`` to skip) and writes a PNG.
 """
 
 from __future__ import annotations
@@ -502,7 +502,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-record", action="store_true")
-    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    ap.add_argument("--results", default=str(Path(__file__).parent / "log" / "speculative.md"))
     ap.add_argument("--plot", default=None, help="PNG path (default: benchmarks/speculative_<device>.png)")
     args = ap.parse_args()
     cuda = torch.device(args.device).type == "cuda"

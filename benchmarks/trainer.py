@@ -21,7 +21,7 @@ FLOPs per train step (stated, not measured), for a dense model:
 MFU = FLOPs / step time / peak. GPU peak: the dense bf16 figure of the detected part
 (H100/H200: 989 TFLOP/s; override with --peak-tflops). CPU: there is no datasheet figure for
 a shared VM, so the peak is the float32 matmul rate measured in this same run.
-Prints a table and appends a section to benchmarks/RESULTS.md.
+Prints a table and appends a section to benchmarks/log/trainer.md.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def main() -> None:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--peak-tflops", type=float, default=None, help="override the peak used for MFU")
     p.add_argument("--quick", action="store_true", help="fewer steps (smoke mode)")
-    p.add_argument("--no-append", action="store_true", help="do not write benchmarks/RESULTS.md")
+    p.add_argument("--no-append", action="store_true", help="do not append to benchmarks/log/trainer.md")
     args = p.parse_args()
     gpu = args.device.startswith("cuda")
     if gpu and not torch.cuda.is_available():
@@ -314,7 +314,7 @@ def main() -> None:
 
 
 def append(args: argparse.Namespace, info: str, table: str, goal: str) -> None:
-    path = Path(__file__).resolve().parent / "RESULTS.md"
+    path = Path(__file__).resolve().parent / "log" / "trainer.md"
     cmd = "python benchmarks/trainer.py " + " ".join(sys.argv[1:])
     text = (
         f"\n## trainer — {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}\n\n"
@@ -342,9 +342,10 @@ def record_section(script: str, machine: str, setup: str, lines: list[str], resu
 
 
 def append_section(path: Path, text: str) -> None:
-    """Append a section to RESULTS.md (created with its title if missing)."""
+    """Append a section to a benchmark log file (created with its title if missing)."""
     if not path.exists():
-        path.write_text("# Benchmark results\n")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"# {path.stem} — raw sections, newest last\n")
     with path.open("a", encoding="utf-8") as fh:
         fh.write(text)
 

@@ -15,7 +15,7 @@ balanced plan with the trainer's decoder layers under ``torch.compile``):
   padded tokens + a per-micro-batch cost (the device's, ``micro_batch_cost``) are smallest.
 
 Reports padded tokens per step, the median step time and trained (real) tokens/s, and
-appends them to benchmarks/RESULTS.md.
+appends them to benchmarks/log/trainer_long_tail.md.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def main() -> None:
                     help="also profile one more step of each planner (torch.profiler: top ops by device and host time)")
     ap.add_argument("--compile", action="store_true",
                     help="also run the balanced planner with the trainer under torch.compile (TrainerConfig.compile)")
-    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    ap.add_argument("--results", default=str(Path(__file__).parent / "log" / "trainer_long_tail.md"))
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     preset = args.preset or ("0.5b" if cuda else "tiny")

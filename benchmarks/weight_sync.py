@@ -32,7 +32,7 @@ process, or a Ray actor for the object store) that stages it exactly as an engin
 
 NCCL needs two GPUs (NCCL does not run two ranks on one GPU): with fewer it is skipped and
 the table says so. Exactness: after the runs, the engine's parameters are compared with the
-trainer's tensors by fingerprint (bitwise). A section is appended to RESULTS.md; extra
+trainer's tensors by fingerprint (bitwise). A section is appended to benchmarks/log/weight_sync.md; extra
 outputs (a JSON of every figure) go to ``--out`` (default ``$OUT`` when set).
 """
 
@@ -393,7 +393,7 @@ def main() -> None:
     ap.add_argument("--stall-batch", type=int, default=32)
     ap.add_argument("--compile", action="store_true", help="torch.compile the stall engine (slower start)")
     ap.add_argument("--timeout-s", type=float, default=300.0)
-    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    ap.add_argument("--results", default=str(Path(__file__).parent / "log" / "weight_sync.md"))
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -488,7 +488,7 @@ def report(rows: list[dict], stalls: list[dict], ceilings: dict[str, float], not
     print(text)
     with open(args.results, "a", encoding="utf-8") as fh:
         fh.write("\n" + text + "\n")
-    if args.out:  # the GPU machine's RESULTS.md does not come back; these files do
+    if args.out:  # the GPU machine's benchmark log does not come back; these files do
         Path(args.out).mkdir(parents=True, exist_ok=True)
         tag = f"{args.device}{'_stall' if args.no_bandwidth else ''}{'_bandwidth' if args.no_stall else ''}"
         (Path(args.out) / f"weight_sync_{tag}.md").write_text(text + "\n", encoding="utf-8")
