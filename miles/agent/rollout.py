@@ -111,6 +111,8 @@ class AgentRollout:
             self.counters["drift"] += len(session.drift)
 
     def _settle(self, session: Session, s: Trajectory, failure: tuple[str, str] | None, reward: Any) -> None:
+        if session.aborted or session.error is not None:
+            failure = None  # the agent's exception (a 5xx it got) follows from these: keep their reason
         if failure is None and s.status is not Status.FAILED:
             if isinstance(reward, bool) or not (reward is None or isinstance(reward, (numbers.Real, dict))):
                 failure = ("agent_invalid", f"the agent returned {type(reward).__name__}; expected a number, "

@@ -309,3 +309,30 @@ def test_sessions_are_on_loopback_unguessable_and_isolated() -> None:
     for i, out in enumerate(outs):  # each session holds its own conversation only
         assert f"t{i}" in TOKENIZER.decode(out.prompt_tokens) and out.status is Status.COMPLETED
         assert all(f"t{j}\n" not in TOKENIZER.decode(out.prompt_tokens) for j in range(8) if j != i)
+
+
+def test_an_aborted_call_fails_the_episode_as_aborted() -> None:
+    engine = ScriptedEngine([[40, 41, EOS]], hold=True)
+    seen: dict[str, Any] = {}
+
+    async def agent(client, sample):
+        try:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        except openai.APIStatusError as exc:
+            seen["status"] = exc.status_code
+            raise
+
+    ro = AgentRollout(agent)
+
+    async def go():
+        task = asyncio.create_task(ro(make_traj(), make_ctx(engine)))
+        await engine.until_waiting(1)
+        await engine.abort(None)  # the worker parks its work (sync round end, shutdown)
+        out = await task
+        await ro.stop()
+        return out
+
+    out = asyncio.run(go())
+    assert seen["status"] == 503 and out.status is Status.FAILED
+    assert out.finish_reason.startswith("agent_aborted") and ro.stats()["agent/failed/agent_aborted"] == 1.0
+    assert out.response_tokens == [40] and out.loss_mask == [1]  # what the engine made is recorded
