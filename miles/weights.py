@@ -99,10 +99,10 @@ def slots(flat: torch.Tensor, metas: Sequence[TensorMeta]) -> list[torch.Tensor]
     return [flat[m.offset : m.offset + m.nbytes].view(_DTYPES[m.dtype]).view(m.shape) for m in metas]
 
 
-# pack_into copies a same-dtype tensor at least this large on its own: at ~2 TB/s its copy
-# outlasts the ~10 µs a memcpy launch costs the host (H200: with 1 MiB, the ~200 launches of a
-# 0.5B model made its pack host-bound, 2.5 ms against 1.5 ms in one multi-tensor copy; a 7B
-# model's pack went from 62% to 91% of the copy ceiling)
+# pack_into copies a same-dtype tensor at least this large on its own: at GPU copy bandwidth
+# its copy outlasts what a memcpy launch costs the host, so the pack stays device-bound (with
+# a much smaller threshold a 0.5B model's hundreds of launches make its pack host-bound;
+# benchmarks/weight_sync.py)
 MEMCPY_BYTES = 16 << 20
 
 

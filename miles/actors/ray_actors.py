@@ -77,8 +77,8 @@ class _BufferActor(ReplayBuffer):
 
         Answers are at least ``ADMISSION_COALESCE_S`` apart (``seen = -1``, a new policy
         version, is answered at once): every put and lease is a change, and answering each
-        one built a ledger per call — on the 2×H200 runs as many answers as puts and leases
-        together, a fifth of the buffer's time. A burst of puts now costs one answer."""
+        one would build a ledger per call, as many answers as puts and leases together and a
+        large share of the buffer's time. A burst of puts now costs one answer."""
         loop = asyncio.get_running_loop()
         if self.changes == seen:
             self._changed = self._changed or asyncio.Event()

@@ -47,10 +47,10 @@ log = logging.getLogger(__name__)
 
 LAG_PROBE_S = 0.05  # the event-loop lag probe's sleep (20 wake-ups a second)
 # The least time between two of the run loop's calls into the buffer. Each call into the
-# buffer actor cost ~50 µs of its time however little it carried (2×H200 runs, 2026-12-01:
-# put_many's time grew with the number of calls, not of trajectories), and a worker finishing
-# ~400 trajectories a second made 90-180 such calls a second, plus a lease every poll while
-# starved: the calls, not the trajectories, kept the buffer over 1% of the run. At most one
+# buffer actor has a fixed cost however little it carries (put_many's time grows with the
+# number of calls, not of trajectories), and a busy worker finishing hundreds of trajectories
+# a second would make a call for each few, plus a lease every poll while starved: the calls,
+# not the trajectories, would keep the buffer over 1% of the run. At most one
 # call per interval, returning what finished and leasing in the same call.
 BUFFER_CALL_INTERVAL_S = 0.02
 

@@ -59,8 +59,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Long-tail decode: when a few rows' contexts are much longer than the rest, read the
     # short range for every row and the long range for those rows only (matmul attention;
     # runner.choose_split). None = auto: on where decode runs eagerly (the CPU, MoE, no CUDA
-    # graphs); True also bypasses the CUDA graphs on the steps it splits, which loses on the
-    # H200 (benchmarks/RESULTS.md, long_tail_decode): there the triton attention is the answer.
+    # graphs); True also bypasses the CUDA graphs on the steps it splits, which loses on a GPU
+    # (benchmarks/long_tail_decode.py): there the triton attention is the answer.
     decode_split: bool | None = None
     # CUDA graphs for dense decode steps and short prefills (ignored on the CPU and for MoE
     # models; prefills stay eager in deterministic mode).
@@ -81,15 +81,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # False = always torch ops; True = fail where it cannot run.
     cpu_decode_kernel: bool | None = None
     # Draw the tokens of a step without top-k/top-p in one Triton pass over its logits
-    # (miles.kernels.sampling) instead of ~15 torch kernels: those were ~1.1 ms of a 5.3 ms
-    # batch-256 decode step on the H200. None = auto: on CUDA where its probe draw matches the
+    # (miles.kernels.sampling) instead of ~15 torch kernels, a fifth of a large batch's decode
+    # step on a GPU. None = auto: on CUDA where its probe draw matches the
     # torch path's; False = torch ops; True = fail where it cannot run.
     fused_sampling: bool | None = None
     # Storage of the KV cache: "auto" (the engine's dtype) or "fp8_e4m3" / "fp8_e5m2", which
     # halve its memory (twice the slots or the context in the same memory) and the bytes a
-    # decode step reads from it; on the H200 a 0.5B step got only 1.03-1.09x faster, as the
-    # Triton attention over an 8-bit cache is bound by issuing instructions, not by its bytes
-    # (benchmarks/RESULTS.md, decode_attention and Nsight Compute, 2026-12-01). Values are
+    # decode step reads from it (V stored transposed, so the Triton attention reads 8-bit V as
+    # it reads K; benchmarks/decode_attention.py compares the cache forms). Values are
     # stored unscaled (scale 1, as SGLang's default without calibrated scales), clamped to the
     # format's range, and read back into the engine's dtype for the attention math; prefill
     # attends over its own unrounded K/V. The rollout log-probs then differ slightly more from
@@ -101,15 +100,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # False: the compiled layer functions apply them first (the A/B of benchmarks/engine.py).
     decode_fuse_rope: bool = True
     # Decode steps add the attention output and MLP projections into the residual stream inside
-    # their GEMMs (cuBLAS beta = 1; models.fused.residual_gemm_mlp): two kernels a layer fewer.
-    # On the H200 a 0.5B step took 2.09 / 4.86 ms against 2.15 / 5.46 ms with the adds after the
-    # GEMMs at batch 64 / 256 (benchmarks/RESULTS.md, engine, 2026-12-01 19:33). The sum is
+    # their GEMMs (cuBLAS beta = 1; models.fused.residual_gemm_mlp): two kernels a layer fewer,
+    # and a faster step at every batch size benchmarks/engine.py --side compares. The sum is
     # rounded once, not twice (engines/CONSISTENCY.md). False: a GEMM, then an add.
     decode_residual_gemm: bool = True
     # With decode_residual_gemm, the MLP's gate/up GEMM and SiLU·up run as one Triton kernel
-    # (miles.kernels.gate_up) instead of cuBLAS and a SiLU·up kernel: one launch a layer fewer.
-    # On the H200 the pair took 6.8 against 8.5 µs at batch 64, 8.1 against 9.0 at 128, 11.6
-    # against 11.9 at 256 (benchmarks/RESULTS.md, decode_mlp, 2026-12-02 02:14). Used on CUDA
+    # (miles.kernels.gate_up) instead of cuBLAS and a SiLU·up kernel: one launch a layer fewer,
+    # faster than the pair from 8 rows up (benchmarks/decode_mlp.py). Used on CUDA
     # where its probe launch matches torch's GEMMs; False: the two launches (the A/B of
     # benchmarks/engine.py).
     decode_fused_mlp: bool = True
@@ -118,9 +115,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # A/B runs (benchmarks/engine.py --side) and tuning; a power of two ≥ 64.
     decode_attention_chunk: int = 0
     # The Triton decode attention merges a row's chunks in its last partial program (per-row
-    # counters) instead of a merge launch, meant to save that launch (~1.6-2.3 µs a layer at batch
-    # 64 wherever a row spans two chunks). Off by default: timed on the H200, a layer was no
-    # faster than with the merge launch (miles.kernels.decode_attention).
+    # counters) instead of a merge launch, meant to save that launch wherever a row spans two
+    # chunks. Off by default: a layer is no faster than with the merge launch
+    # (miles.kernels.decode_attention).
     decode_merge_in_kernel: bool = False
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0

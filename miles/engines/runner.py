@@ -22,12 +22,11 @@ captured graphs stay valid. Any capture failure disables graphs and decode conti
 eagerly.
 
 Short prefills are CUDA graphs too (``PrefillGraphs``): an eager prefill forward of a 28-layer
-model costs ~17 ms of host time on the H200 whatever its size (the compiled layer functions'
-wrappers and guards, ~56 calls) against ~1-2 ms on the device, and 5-7x that while another
-thread of the process holds the GIL (a rollout worker's event loop): ~107 ms a prefill in
-``benchmarks/profile_admission.py``, where RL's short prompts arriving while 256 rows decode
-made the prefill phase 60% of the engine's busy time at 34-40% GPU use (async_vs_sync, 2×H200,
-2026-11-30 20:09). A prefill of ``n`` rows of at most ``T`` tokens is padded to a batch bucket
+model costs many times its device time in host time whatever its size (the compiled layer
+functions' wrappers and guards, ~56 calls), and several times more while another thread of
+the process holds the GIL (a rollout worker's event loop; ``benchmarks/profile_admission.py``).
+RL's short prompts arriving while hundreds of rows decode then make the prefill phase most of
+the engine's busy time at low GPU use. A prefill of ``n`` rows of at most ``T`` tokens is padded to a batch bucket
 ``nb`` and a length bucket ``Tb`` (``PREFILL_T_BUCKETS``, ``nb × Tb ≤ PREFILL_GRAPH_TOKENS``)
 and captured the second time that shape is met (one-off shapes stay eager). Padding rows write
 their K/V into a scratch slot past ``max_batch_size`` that no request owns; padding tokens of a
@@ -409,7 +408,7 @@ class DecodeGraphs(GraphCache):
     def capture_all(self) -> int:
         """Capture every batch bucket's graph now (engine start), when one context serves
         every step (the length-aware kernel): a run whose batch size wanders would otherwise
-        stop for a capture each time it first meets a bucket — 4-6% of a short 2×H200 async
+        stop for a capture each time it first meets a bucket, a few percent of a short async
         run. Smallest bucket first, so a later failure leaves the small ones usable; returns
         how many were captured (0 where graphs are off, failed, or keyed by context too)."""
         if self.failed or not self.runner.length_aware or self.runner.config.deterministic:

@@ -93,8 +93,8 @@ def _golden(vocab: int, device: torch.device) -> Tensor:
 def _mix(keys: Tensor, offsets: Tensor) -> Tensor:
     """``counter_uniform`` given the per-index offsets ``v * golden``. The compiled copy takes
     them as an input: computed inside the kernel, the product of an index and the 64-bit
-    constant fails Triton's compile where inductor picks int32 indices (seen on the H200 for
-    one key: the kernel's index runs over the vocabulary alone), and that failure used to
+    constant fails Triton's compile where inductor picks int32 indices (as it does for one
+    key: the kernel's index runs over the vocabulary alone), and that failure used to
     switch every draw to eager."""
     z = keys[:, None] + offsets[None, :]
     z = (z ^ _lsr(z, 30)) * _C1

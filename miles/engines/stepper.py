@@ -73,8 +73,8 @@ class EngineStats:
         self.idle_since: float | None = None  # the current idle stretch's start
         # The busy time by phase (seconds, CUDA graph captures counted apart): where a slow
         # run went. A speculative engine's wall time that its measured options do not
-        # explain (the adaptive rule at batch 1 on the H200 ran 0.38x plain while its plain
-        # steps and rounds measured near plain) is in ``flush`` (draft backlog feeds, which
+        # explain (an adaptive rule slower than plain while its plain steps and rounds measure
+        # near plain) is in ``flush`` (draft backlog feeds, which
         # the rule's rates leave out), ``prefill`` or ``capture``.
         self.phase_s = dict.fromkeys(("prefill", "plain", "round", "flush", "capture"), 0.0)
         # Of the busy time, the seconds spent blocked on a step's results (the device still

@@ -1,16 +1,16 @@
 """The CPU decode step in one C call (``cpu_decode.c``), built with the machine's C compiler.
 
 Why: a tiny policy decoding on a CPU spends its step in torch's per-op dispatch (~170 aten
-calls for 4 layers at 2-3 µs each, against ~0.1 ms of arithmetic at batch 1), which no
-torch-level fusion fixed here (``torch.compile`` on the CPU was slower: guard checks and
-wrapper calls cost more than its kernels save; benchmarks/RESULTS.md, engine 2026-11-30).
+calls for 4 layers, each costing more than its arithmetic at batch 1), which no torch-level
+fusion fixes (``torch.compile`` on the CPU is slower: guard checks and wrapper calls cost more
+than its kernels save).
 ``CpuDecoder.decode`` runs the whole forward of one decode step in one call: the GEMMs in the
 BLAS torch links (its ``sgemm_``, so threads and maths are torch's), the rest as plain loops
 that read each row's KV only up to its own position. ``CpuDecoder.sample`` then draws the
 step's tokens, their log-probs and the finite check in a second call (the same tokens as
 ``miles.engines.sampling.sample`` from the same uniforms; top-k / top-p stay on torch ops).
-On the tiny CPU model a decode step is 2-6x faster than through torch ops (benchmarks/RESULTS.md,
-engine 2026-11-30 14:14).
+On the tiny CPU model a decode step is several times faster than through torch ops
+(``benchmarks/engine.py``).
 
 The library is compiled once per source, compiler and CPU (``-O3 -march=native``) into
 ``$MILES_KERNEL_CACHE`` (default ``~/.cache/miles/kernels``; a per-user temp folder where that

@@ -17,41 +17,27 @@ Two launches per layer:
    Given the decode step's new K/V (``new_kv``), the programs read the cache only before
    the row's last position, and the one whose chunk holds that position writes the new K/V
    there and adds the new token to its softmax from registers after its loop (so the write
-   and the reads need no ordering, and the loop is the same as without a write: a first
-   version that swapped the new K/V into the loop's tiles with ``tl.where`` made the kernel
-   ~40% slower). That is the cache write of a decode step without a launch of its own: the
-   two index_put kernels it replaces were ~8 µs a layer, ~9% of a 0.5B batch-64 step on the
-   H200 (pure launch latency: 131 KB each).
+   and the reads need no ordering, and the loop is the same as without a write; swapping the
+   new K/V into the loop's tiles with ``tl.where`` instead slows the loop). That is the cache
+   write of a decode step without a launch of its own: the two index_put kernels it replaces
+   are pure launch latency for their few kilobytes, a visible share of a small model's step.
 2. ``_merge``: grid (rows, KV heads): merges the row's valid chunks exactly. A row whose
    context fits one chunk has no partials to merge: its ``_partial`` program normalises and
-   stores the output itself, and the merge programs of such rows return at once (at batch 64
-   the merge was ~2.2 µs of a ~60 µs layer on the H200, and most rows of short-context
-   batches fit one chunk: 256 positions in narrow grids, 1024 in wide ones). A grid of one
-   chunk launches no merge.
+   stores the output itself, and the merge programs of such rows return at once (most rows
+   of short-context batches fit one chunk: 256 positions in narrow grids, 1024 in wide ones).
+   A grid of one chunk launches no merge.
 
    Given ``counters`` (a zeroed int32 buffer the caller keeps: ``EngineConfig.
    decode_merge_in_kernel``), no merge launches at all: each ``_partial`` program of a row of
    several chunks counts itself done on its (row, KV head) counter after storing its partial
    (acquire / release), and the one that finishes last merges the row's chunks in chunk order
    (so the result does not depend on which program came last: bitwise the ``_merge``
-   kernel's) and zeroes the counter for the next call. Why: the merge launch costs ~1.6-2.3 µs
-   a layer at batch 64 on the H200 whenever a row spans two chunks, as every step of an RL run
-   whose slots hold more than 1024 positions may. Not the default: its first form, with the
-   merge inlined into ``_partial``, took 144 registers a thread against 106 (ptxas, sm_90), so
-   3 programs fitted an SM instead of 4, and a layer ran 4-8% slower even where no row merged
-   (benchmarks/RESULTS.md, decode_attention, 2026-12-01 21:14). The merge is now a function
-   of its own on a tile of the group's own rows: +0-2 registers in every form compiled
-   (benchmarks/kernel_registers.py), the same occupancy. Timed on the H200 (2026-12-02 00:10,
-   512-position chunks over a 2049-position cache, rows at 1024): 76.1 against 76.3 µs at batch
-   64, 288.1 against 283.5 at 256, so it stays off.
-
-Tried on the H200 and not kept (benchmarks/RESULTS.md, decode_attention, 2026-12-02 00:24):
-a layer's time grows by 0.24 µs a MB of K/V (4.2 TB/s) but starts from ~7 µs, so its start
-looked worth overlapping. Neither of two ways paid, timed after the qkv GEMM as in the
-engine: each program asking L2 for its first 64-256 positions of K and V before its prologue
-(``prefetch.global.L2``) made a (GEMM, attention) pair 1-11% slower at batch 64 and 0.3-13% at
-256, and a programmatic dependent launch (the kernel waiting for the GEMM only before it reads
-q) was within 1% of the plain launch for a bf16 cache (0.99x / 1.00x), 1.01-1.03x for fp8.
+   kernel's) and zeroes the counter for the next call. Why: it saves the merge launch
+   whenever a row spans two chunks, as every step of an RL run whose slots hold more than 1024
+   positions may. It is off by default because it does not beat the merge kernel: the merge is
+   a function of its own on a tile of the group's own rows, so it keeps the kernel's register
+   count and occupancy (``benchmarks/kernel_registers.py``), but the saved launch is paid back
+   in the last program's serial merge (``benchmarks/decode_attention.py`` times both).
 
 The same kernel serves a speculative verify step (several new tokens per row, causal among
 them): each query row's own limit masks the keys it may not see. A step with more than
@@ -59,16 +45,15 @@ them): each query row's own limit masks the keys it may not see. A step with mor
 and shared memory stay bounded. The number of new tokens and the group size are runtime
 arguments: a speculative engine meets many of them, and each would otherwise compile anew.
 
-Measured on an H200 (benchmarks/RESULTS.md, long_tail_decode and engine, 2026-11-29): on
-long-tailed batches 2.2-3.1x faster than the padded sdpa CUDA graphs; on uniform lengths
-1.25-1.32x faster per step.
+On long-tailed batches it beats the padded sdpa CUDA graphs by the padding it does not read,
+and on uniform lengths too (``benchmarks/long_tail_decode.py``, ``benchmarks/engine.py``).
 
 An 8-bit cache's V comes stored transposed (``KVCache.positions_last``), and its dots run in
 float16 (``F16_DOTS``). Why: position-major 8-bit V is the PV dot's operand along its
 positions, and sm_90 has no transposing shared-memory load for 8-bit tiles, so it was
-gathered a byte at a time. Issue-bound, the fp8 layer was no faster than bf16's (29.7 against
-31.0 µs at batch 64, 101.9 against 107.1 at 256); transposed, with float16 dots, it takes
-24.4 / 82.0 (benchmarks/RESULTS.md, decode_attention, 2026-12-02 04:03 and 04:15).
+gathered a byte at a time, which left the issue-bound 8-bit loop no faster than bf16's;
+transposed, with float16 dots, 8-bit V is read like K (``benchmarks/decode_attention.py``
+compares the cache forms).
 
 Each row's result depends only on its own query and cache (fixed chunking, fixed order):
 the kernel is batch-invariant. Used by ``DecodeAttention`` when ``decode_attention`` is
@@ -97,26 +82,18 @@ CHUNK = 256  # positions per partial program, in grids of fewer than WIDE rows �
 BLOCK_N = 64  # positions per inner iteration
 WIDE = 128
 # (CHUNK, BLOCK_N, num_warps, num_stages) by the cache's element size (16/32-bit, 8-bit), for
-# wide grids and narrow ones (float32 q always runs unpipelined, see _launch). Wide: from
-# benchmarks/decode_attention.py on the H200, each call of a CUDA graph on a cache of its own
-# (2026-12-02 00:10): 1024-position chunks were the best CHUNK at batch 64 and 256, for rows
-# of one length or spread, over caches of 641 and of 2049 positions. Over 2049 positions a bf16
-# layer at 1024 positions a row took 70.8 / 262.7 µs against 76.3 / 283.5 with 512-position
-# chunks (1.08x), 80.4 / 268.6 against 82.9 / 279.6 with spread lengths; where the cache holds
-# at most 1024 positions a row is one chunk, with no merge launch (31.2 against 33.2 µs at
-# batch 64, 107.2 against 113.8 at 256, 641 positions). An fp8 layer over 641 positions: 29.5
-# / 102.7 µs against 32.2 / 108.7 with 512-position chunks. Narrow grids keep 256-position
-# chunks, so a few rows still spread over the SMs. Tried there and slower at every setting:
-# the dots transposed (the K/V tile on the instruction's M side) and CUDA-core products in
-# place of tensor-core dots.
-# 8-bit (V transposed, float16 dots, 2026-12-02 04:03): 24.5 / 81.3 µs at batch 64 / 256 over 641 positions,
-# against 23.7 / 88.3 at 2 stages and 26+ / 78.9 at 4.
+# wide grids and narrow ones (float32 q always runs unpipelined, see _launch), the fastest
+# that benchmarks/decode_attention.py finds on Hopper. Wide grids take 1024-position chunks:
+# fewer, longer programs read at a higher rate, and a row of at most 1024 positions is one
+# chunk with no merge launch, for bf16 and 8-bit caches alike. Narrow grids keep
+# 256-position chunks, so a few rows still spread over the SMs. The 8-bit form pipelines
+# three stages, the best balance of its two batch sizes.
 LAUNCH = {2: (1024, 64, 4, 2), 1: (1024, 64, 4, 3)}
 NARROW = {2: (CHUNK, BLOCK_N, 4, 3), 1: (CHUNK, 32, 4, 3)}
 MAX_ROWS = 64  # query rows per KV head in one launch (G × tokens; wider steps launch in slices)
 # Dots over an 8-bit cache in float16 where q is bfloat16: the cache's values convert to float16
 # exactly (``F2FP`` unpacks two a time), where bfloat16 tiles cost one more conversion an element
-# (64 ``F2F.BF16.F16`` of the loop's 504 instructions a trip, benchmarks/kernel_registers.py). q
+# (benchmarks/kernel_registers.py counts them). q
 # saturates to float16's range (±65504) and P (in [0, 1]) keeps 3 more bits than in bfloat16.
 F16_DOTS = True
 
@@ -239,9 +216,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
 class Rope(NamedTuple):
     """What the kernel needs to apply the q/k RMSNorms and RoPE of a decode step itself.
 
-    Why: outside the kernel they were three launches a layer (q-norm, k-norm, RoPE), ~7.6 µs
-    of a 0.5B batch-64 step's ~66 µs a layer on the H200 (profile_decode, 2026-12-01 06:19),
-    for a few hundred KB of data. Inside, every program normalises and rotates its own
+    Why: outside the kernel they are three launches a layer (q-norm, k-norm, RoPE), a tenth
+    of a small model's decode layer for a few hundred KB of data. Inside, every program normalises and rotates its own
     [group, head_dim] query tile as it loads it, and the program that writes the new K does
     the same to it before it stores it.
 
@@ -323,7 +299,7 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
         num_stages=1 if exact else stages, num_warps=warps,
     )
     if direct and chunks == 1:  # every row is one chunk, stored by its program: nothing to merge
-        return  # (a launch saved: ~1.6 µs a layer, 28 a 0.5B step, whenever the context fits a chunk)
+        return  # a launch saved per layer whenever the context fits a chunk
     if counters is not None and chunks > 1:  # each row's last partial program merged it
         return
     _merge[(n, KV)](
@@ -352,8 +328,8 @@ if triton is not None:
 
     # G (query rows per KV head) and T (new tokens per row) are runtime values, not
     # specialised: a speculative engine meets many T (k + 1 per round, any backlog width
-    # when the draft catches up), and a fresh compile for each cost ~0.1-0.2 s per new
-    # value on the H200 — more than the rounds it served. Only the tile size G_PAD compiles
+    # when the draft catches up), and a fresh compile for each new value costs more than
+    # the rounds it serves. Only the tile size G_PAD compiles
     # (and the statistics' strides, which follow n × G, are not specialised either).
     @triton.jit(do_not_specialize=["G", "T", "row0", "ss_w", "ss_b", "ss_h", "ss_c"])
     def _partial(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, st_ptr, kn_ptr, vn_ptr, scale, G, T, row0,

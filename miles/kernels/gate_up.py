@@ -1,9 +1,8 @@
 """The MLP's gate/up projection and SiLU·up in one Triton GEMM, for small decode batches.
 
-Why: at decode sizes a kernel costs mostly its launch, ramp and tail (a 4-13 MB cuBLAS GEMM
-took 5-7 µs whatever its bytes on the H200, benchmarks/RESULTS.md, decode_gemm), and a decode
-layer runs the gate/up GEMM and then a kernel of its own for ``silu(gate) * up`` (1.9 µs a
-layer at batch 64, 2026-12-02 00:11). Here each program computes a tile of the gate columns
+Why: at decode sizes a kernel costs mostly its launch, ramp and tail, whatever its bytes, and
+a decode layer runs the gate/up GEMM and then a kernel of its own for ``silu(gate) * up``.
+Here each program computes a tile of the gate columns
 and the same tile of the up columns (two dots on one A tile) and writes ``silu(gate) * up``
 from registers: one launch, and half the output written.
 
@@ -29,14 +28,12 @@ from miles.kernels.decode_attention import available  # the same rule: CUDA, or 
 
 __all__ = ["MIN_ROWS", "available", "default_launch", "failure", "gate_up_silu"]
 
-# (BM, BN, BK, warps, stages) by the batch's rows, from benchmarks/decode_mlp.py on the H200
-# (2026-12-02 02:14; a Qwen3-0.6B MLP, 20 calls in a CUDA graph each on its own weights): at
-# batch 64 (64, 32, 128, 4, 4) took 6.8 µs against 8.5 for cuBLAS and the SiLU·up kernel
-# (1.25x); at 32 7.0 against 7.3; at 128 (64, 64, 64, 4, 5) 8.1 against 9.0; at 256
-# (64, 64, 64, 4, 4) 11.6 against 11.9.
+# (BM, BN, BK, warps, stages) by the batch's rows: the fastest launches that
+# benchmarks/decode_mlp.py finds for a Qwen3-0.6B-sized MLP on Hopper, each faster than cuBLAS
+# and the SiLU·up kernel at its batch sizes.
 LAUNCHES = ((64, (64, 32, 128, 4, 4)), (128, (64, 64, 64, 4, 5)), (1 << 62, (64, 64, 64, 4, 4)))
-# Decode steps of fewer rows keep cuBLAS and the SiLU·up kernel (the runner's rule): at batch 1 the fused kernel lost
-# (7.3 against 6.9 µs), at 8 and 16 it won (7.0 against 7.8 / 7.9; decode_mlp, 2026-12-02 02:33).
+# Decode steps of fewer rows keep cuBLAS and the SiLU·up kernel (the runner's rule): at batch 1
+# the fused kernel loses to them, from 8 rows up it wins (benchmarks/decode_mlp.py).
 MIN_ROWS = 8
 
 

@@ -2,9 +2,9 @@
 
 Why: the torch draw (``miles.engines.sampling``) makes ~15 passes over the step's
 [rows, vocab] logits — upcast, uniforms, two logs, the add, argmax, logsumexp, gather, the
-finiteness check, the stack — each a kernel of its own. With a 152k vocabulary that was
-~1.1 ms of a 5.3 ms batch-256 decode step on the H200 (20% of it; profile of
-2026-12-01), against ~0.02 ms to read the logits once. Here one read does all of it:
+finiteness check, the stack — each a kernel of its own. With a 152k vocabulary that is a
+fifth of a large batch's decode step, fifty times the time of reading the logits once. Here
+one read does all of it:
 
 1. ``_chunk``: grid (rows, vocab chunks). Each program draws its chunk's uniforms from the
    row's key with the same splitmix64 hash as ``counter_uniform`` (bitwise the same u), adds
@@ -41,12 +41,10 @@ from miles.kernels.decode_attention import available  # the same rule: CUDA, or 
 
 __all__ = ["BLOCK", "CHUNK", "WARPS", "available", "sample"]
 
-# The launch, from benchmarks/sampling.py on the H200 (2026-12-01 19:44, the kernel in a CUDA
-# graph, 152k vocabulary): the per-lane form's best launches were (1024, 4096, 8) at batch 64,
-# 52 µs, and (1024, 8192, 8) at batch 256, 197 µs, against 65 / 274 µs for the per-block form at
-# the former default (2048, 8192, 4). At that former launch the per-lane form was slower (89 /
-# 457 µs): with 16 entries a thread of running state it takes 185 registers a thread, 2 programs
-# an SM, against 61 and 4 at the new launch (benchmarks/kernel_registers.py; no spill in either).
+# The launch: the per-lane form's fastest in benchmarks/sampling.py over a 152k vocabulary,
+# (1024, 4096, 8) for small batches and (1024, 8192, 8) for wide ones. A wider BLOCK holds more
+# running state a thread (16 entries at 2048) and halves the programs an SM
+# (benchmarks/kernel_registers.py), which makes the per-lane form slower than per block.
 BLOCK = 1024  # vocabulary entries per inner iteration
 CHUNK = 4096  # vocabulary entries per program (38 programs a row for a 152k vocabulary)
 WIDE_CHUNK = 8192  # per program in batches of WIDE rows or more (already enough programs)

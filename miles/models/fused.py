@@ -40,7 +40,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     the result stays bf16 as in the engine, whose weights are the bf16 copies of the same
     floats: the product is the engine's, bit for bit. transformers would promote it to
     float32, and the trainer's q/k then ran RoPE in float32 and were cast back for
-    attention, both ways: 70 ms of a 1.55 s H200 train step (2026-11-30 22:16)."""
+    attention, both ways: a few percent of a train step."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # bitwise equal in float32
     x32 = x.float()
@@ -65,12 +65,12 @@ def rope_qk_tokens(q: Tensor, k: Tensor, cos: Tensor, signed_sin: Tensor) -> tup
 
     The trainer's layers take this path. Compiled with dynamic batch and length, the
     transposing form indexes its [B, H+KV, T, D] output through runtime sizes, so each
-    element pays integer divisions by them: on the H200 its kernel ran at ~1/4 of the copy
-    bandwidth (229 µs for 200 MB, 2026-11-30 22:04). Token-major, every divisor is a
+    element pays integer divisions by them, which leaves its kernel at a fraction of the copy
+    bandwidth. Token-major, every divisor is a
     static head count or head size. Attention gets the transposed views (``_attend``),
     so their gradients come back token-major and contiguous, as the compiled backward
     expects them: split views (as ``rope_qk`` returns) were copied to contiguous there,
-    three copies a layer, 52 ms of the same step."""
+    three copies a layer."""
     H, KV = q.shape[2], k.shape[2]
     qk = torch.cat((q, k), dim=2)
     cos, signed_sin = cos.to(qk.dtype), signed_sin.to(qk.dtype)  # the engine's tables are in its dtype too
@@ -161,7 +161,7 @@ def compile_fast_path(role: str = "policy", **compile_kwargs: Any) -> FastPath:
     models of that role in the process (dynamic shapes, so batch and sequence length changes
     do not recompile). A draft model (``role="draft"``) gets copies of its own: sharing the
     policy's, its shapes and dtypes passed dynamo's limit of 8 variants in a speculative
-    engine (spec_overhead on the H200), and the policy's prefill then ran eagerly too."""
+    engine (``benchmarks/spec_overhead.py``), and the policy's prefill then ran eagerly too."""
     kw = {"dynamic": True, "fullgraph": True, **compile_kwargs}
     key = (role, *sorted(kw.items()))
     if key not in _COMPILED:
@@ -228,9 +228,9 @@ def residual_gemm_mlp(fast: FastPath, h: Tensor, attn: Tensor, o_w: Tensor, o_b:
                       eps: float, gate_up_w: Tensor, down_w: Tensor, *, fused_mlp: bool = False) -> Tensor:
     """``attention_output_mlp`` with its two residual adds inside the o / down GEMMs:
     ``h.addmm_(x, wᵀ)`` is one cuBLAS call with beta = 1, where ``h + linear(x, w)`` is the
-    GEMM and then an add kernel. Why: at decode sizes a kernel's cost is mostly fixed (a 4-13
-    MB GEMM took 5-7 µs whatever its kernel on the H200, an add of 128 KB 1-1.4 µs;
-    benchmarks/RESULTS.md, decode_gemm, 2026-12-01), and a 28-layer step had 56 such adds.
+    GEMM and then an add kernel. Why: at decode sizes a kernel's cost is mostly fixed (launch,
+    ramp and tail, whatever its bytes; ``benchmarks/blas_choice.py``), and a 28-layer step has
+    56 such adds.
 
     ``h`` is updated in place and returned: the decode step's own residual stream (each
     layer's input is the previous layer's output, the first a fresh embedding), which the

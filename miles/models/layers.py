@@ -205,7 +205,7 @@ def _attend(attn: "Attention", backend: AttentionBackend, q: Tensor, k: Tensor, 
     around it. It reads ``layer_idx`` itself: read in the compiled forward, the int is a
     guard and every layer recompiles (past dynamo's limit of 8 the later layers ran eager).
     q, k, v come token-major, [B, T, heads, D], and are transposed here, outside the compiled
-    graph (see ``rope_qk_tokens``). Eager callers pay ~0.3 µs for the wrapper."""
+    graph (see ``rope_qk_tokens``). Eager callers pay one Python call for the wrapper."""
     return backend(attn.layer_idx, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 
 

@@ -116,9 +116,9 @@ def rewards_of(trajs: Sequence[Trajectory], reward_key: str | None) -> Tensor:
 def _padded(rows: Sequence[Sequence[float | int]], lens: Sequence[int], width: int, dtype: torch.dtype) -> Tensor:
     """[N, width] zero-padded from ragged rows, converting only the real entries: in a
     long-tailed batch the padded rectangle is mostly padding (256 rows padded to 2048 for
-    ~20k real tokens), and building it from Python lists cost ~15 ms per tensor. The real
-    entries go through ``np.fromiter``, ~4× faster than ``torch.tensor`` on a list (a
-    64 × 2048-token batch: 56 → ~20 ms of host time before the step's first kernel)."""
+    ~20k real tokens), and building it from Python lists is host time before the step's
+    first kernel. The real entries go through ``np.fromiter``, several times faster than
+    ``torch.tensor`` on a list."""
     out = torch.zeros(len(rows), width, dtype=dtype)
     np_dtype = {torch.long: np.int64, torch.float32: np.float32}[dtype]
     flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(rows), dtype=np_dtype, count=sum(lens)))
@@ -192,10 +192,10 @@ def build_batch(
 
 # What one more micro-batch costs, in padded tokens' worth: its fixed work (a forward and a
 # backward's kernel launches and Python) against the padding a split saves. On the CPU the
-# compute dominates: ~1k tokens. On a GPU the host's work per micro-batch (~3.7k kernel
-# launches for the 0.5B shape, ~0.18 s eager on the H200) is worth ~8-11k tokens of device
-# time (16-22 us per padded token, torch.profiler in trainer_long_tail.py --profile): with
-# the CPU's figure the H200 step took 6 micro-batches and ran 0.71-0.84x the greedy plan's.
+# compute dominates: ~1k tokens. On a GPU the host's work per micro-batch (thousands of
+# kernel launches for a 0.5B shape) is worth ~8k tokens of device time (torch.profiler in
+# benchmarks/trainer_long_tail.py --profile); with the CPU's figure a GPU step splits into
+# too many micro-batches and runs slower than the greedy plan.
 MICRO_BATCH_COST = {"cpu": 1024, "cuda": 8192}
 
 

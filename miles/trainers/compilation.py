@@ -1,16 +1,16 @@
 """The compiled trainer: its decoder layers under ``torch.compile``, warmed up for every
 micro-batch shape class before the first step, so that no step compiles in the middle of a run.
 
-Why a warm-up at all: a recompile in the middle of a run is a train step of seconds (15 s on
-the H200 for one row's first micro-batch). Dynamo specializes a dimension of size 1, so the
+Why a warm-up at all: a recompile in the middle of a run is a train step of seconds (tens of
+seconds on a GPU for one row's first micro-batch). Dynamo specializes a dimension of size 1, so the
 first micro-batch of one row (a long trajectory alone, a leftover) recompiled the layers,
 forward and backward, whenever it came. Inductor also guards its kernels on size thresholds
 of the shape it compiled with. On the CPU these are ``4·rows·tokens ≤ 4096`` and the like,
 and they come in pairs (``2·n ≤ 4096``, ``n > 4096``). A warm-up with short rows therefore
 left a recompile to the first long micro-batch. A ×4 ladder stepped over the band between
 a pair, which left one recompile to the first RL step whose micro-batch fell in it. That
-was reproduced on the CPU, and it happened once in the middle of most configs of the H200
-sweep of 2026-11-30 09:23.
+is reproduced on the CPU (the warm-up's tests), and without the ladder it happens once in
+the middle of most runs of a GPU sweep.
 
 So the warm-up climbs from short rows to the largest micro-batch the plan makes, ×2 at a
 time, with one row and with several. Any band at least ×2 wide holds a point of the

@@ -57,9 +57,9 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     rollout_temperature: float = 1.0  # logits are divided by it, as the engine samples
     # torch.compile each decoder layer (dynamic shapes: one set of graphs for every micro-batch
     # shape; the attention call stays eager). Shares --compile with the engine. None = auto:
-    # on for a dense model on one GPU (1.94x the eager step on RL's long-tailed batches on
-    # the H200; the first step compiles, ~30 s); off on the CPU (a C++ compiler and ~10-20 s
-    # for ~1.2x there), for MoE (data-dependent expert dispatch) and under FSDP2, which were
+    # on for a dense model on one GPU (about twice the eager step's speed on RL's long-tailed
+    # batches; the first step compiles); off on the CPU (it needs a C++ compiler and its
+    # compile time outweighs its small gain there), for MoE (data-dependent expert dispatch) and under FSDP2, which were
     # not measured compiled.
     compile: bool | None = None
     gradient_checkpointing: bool = False  # recompute decoder layers in backward

@@ -54,8 +54,8 @@ def _split_of(vocab: int, parts: int = 32, least: int = 1024) -> int:
 def _lse_split_rows(logits: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
     """``_lse_rows`` for the compiler, each row reduced as ``_split_of(V)`` pieces, then the
     pieces merged exactly (max, rescaled sums). Inductor reduces a 151,936-wide row in one
-    program that reads it once per statistic (max, sum of exp, entropy's sum); on the H200
-    that ran at ~0.8 TB/s, 5.6 ms a micro-batch (2026-11-30 22:16). Pieces of ~4.7k give
+    program that reads it once per statistic (max, sum of exp, entropy's sum), far below the
+    copy bandwidth with so few programs. Pieces of ~4.7k give
     it 32× the programs, and a piece stays in cache between its reads. The same
     arithmetic as ``_lse_rows`` up to the order of float32 sums."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
@@ -91,7 +91,7 @@ def _grad_rows_into(out: Tensor, logits: Tensor, lse: Tensor, targets: Tensor, g
 def _grad_rows_eager(logits: Tensor, lse: Tensor, targets: Tensor, g: Tensor, temperature: float) -> Tensor:
     """``_grad_rows`` for eager mode, where each op is a full pass over the chunk: in place on
     one float32 copy, the target's term added by a scatter (the compiled form's one-hot
-    compare costs eager two extra [rows, V] passes: 7% of an H200 0.5B step)."""
+    compare costs eager two extra [rows, V] passes, a visible share of a small model's step)."""
     gt = g / temperature
     x = logits.to(lse.dtype, copy=True)  # float64 logits (checks) are saved for backward: never in place
     x.div_(temperature).sub_(lse[:, None]).exp_().mul_(-gt[:, None])
@@ -107,18 +107,18 @@ def _grad_rows_eager_into(out: Tensor, logits: Tensor, lse: Tensor, targets: Ten
 # The same two functions under torch.compile (the compiled trainer's path): each becomes one
 # kernel that reads the bf16 logits once (twice for the reduction) and writes only what it
 # returns. Eager, every step of the arithmetic is a full pass over an [M, V] float32 tensor:
-# on the H200 profile the casts, divides and exps of these functions were ~25% of a 0.5B
-# train step. Both run in row chunks (``_row_chunks``): eager to bound that float32 memory,
+# the casts, divides and exps of these functions are a quarter of a small model's train
+# step in a GPU profile. Both run in row chunks (``_row_chunks``): eager to bound that float32 memory,
 # compiled to bound the row count it is compiled for (below).
 #
 # Only the row count is dynamic; the vocabulary stays a compile-time constant. Compiled with
 # every size dynamic, the [M, V] kernels found each element's row by an integer division by
-# the runtime V: on the H200 the gradient kernel ran at ~1 TB/s and the log-sum-exp at a
-# third of the copy bandwidth, 176 ms of a 1.65 s 0.5B train step (2026-11-30 22:04). The
+# the runtime V, which left the gradient kernel and the log-sum-exp at a fraction of the copy
+# bandwidth, a tenth of a small model's train step. The
 # rows also come in chunks of at most COMPILED_ROWS, a bound dynamo is told, so that the
 # compiler can prove rows × V < 2³¹ and index in 32 bits (a 14k-row micro-batch of a 152k
-# vocabulary is 2.2·10⁹ elements). Measured on the H200 (22:55), that changed the kernels'
-# times by nothing visible: they stay at ~1–2 TB/s, the next thing to look at there.
+# vocabulary is 2.2·10⁹ elements). It keeps the indexing correct; it does not make the
+# kernels faster, and they stay below the copy bandwidth.
 COMPILED_ROWS = 4096
 _compiled: dict[str, Any] = {}
 

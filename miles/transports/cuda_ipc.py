@@ -16,21 +16,20 @@ says so) — and even a buffer dropped earlier stays allocated while a consumer 
 Full updates reuse their buffers (a pool of ``POOL`` per sender, taken back on ``release``)
 and receivers keep the last ``POOL`` full-update buffers mapped: torch opens an IPC handle
 only when no live mapping of it exists in the process, so an update into a reused buffer
-costs the engine no ``cudaIpcOpenMemHandle`` (a fixed ~10 ms: on the H200, 0.5B-sized updates
-reached 4% of the copy ceiling and 7B-sized 44% while every update mapped a fresh buffer).
+costs the engine no ``cudaIpcOpenMemHandle`` (a fixed cost per mapping that dominates a small
+model's update when every update maps a fresh buffer).
 Both sides also keep the per-tensor views of a reused buffer while its layout stays the
-same: building them is host time before the copy can start and before staging (~1.4 ms
-each side for the 339 tensors of a 7B-sized model, measured on the CPU).
+same: building them is host time before the copy can start and before staging, and it grows
+with the number of tensors.
 Reuse is safe because ``release`` comes after every addressee committed or discarded, and
 a commit waits for its copies to finish on the device. Changed-only updates vary in size and
 get fresh buffers, freed on release as before.
 
 A full update's pack becomes a CUDA graph once it repeats. In the trainer the exported tensors
 are live parameters (the same addresses, shapes and dtypes every update) and the pooled buffer
-is the same too, so the pack launches the same copies every time; on the H200 those launches
-were most of the sender's ``prepare`` (2.0 ms of host time for a 0.5B-sized model, 2.6 ms for
-339 tensors of a 7B-sized one), and the 0.5B pack was launch-bound on the device as well
-(1.36 ms against 0.57 ms at the copy ceiling). So a pack is keyed by a signature (the buffer;
+is the same too, so the pack launches the same copies every time; those launches are most of
+the sender's ``prepare``, and a small model's pack is launch-bound on the device as well. So a
+pack is keyed by a signature (the buffer;
 each source's address, dtype, shape, strides and offset; the wire dtype): eager the first time,
 captured the second (``GraphPacker``), one graph launch after that. A replay reads the sources
 at the captured addresses, which is what an equal signature means; a new signature (a
@@ -39,9 +38,8 @@ stays eager. Changed-only updates (fresh buffers, varying tensor sets) always pa
 repeated signature also reuses its ``layout`` (the TensorMeta list). The share comes after the
 replay on the same stream, so the event the engines wait on covers the graph's copies; a
 replay into a buffer an engine still maps is the same case as an eager re-pack (see above).
-Measured on the H200 (RESULTS.md, 20:19 run): the 0.5B pack took 0.74 ms of device time as a
-graph against 0.97 ms launched eagerly (77% of the copy ceiling against 58%), and the sender's
-``prepare`` 0.5 ms of host time against 2.0 ms. One caveat: while a capture runs, a random op
+As a graph the pack runs closer to the copy ceiling and the sender's ``prepare`` takes a
+fraction of its eager host time (``benchmarks/weight_sync.py``). One caveat: while a capture runs, a random op
 or a device-wide synchronize from another thread fails (the capture holds the device's default
 generator, and a device sync would wait on the capturing stream), and the capture with it (the
 pack then falls back to eager). Nothing in miles does that: the PolicyTrainer holds one lock

@@ -4,11 +4,10 @@ Why this exists: the embedded engine runs its model on a stepping thread (miles.
 so its OpenMP team is a second one beside the main thread's. With more OpenMP threads than
 cores, libgomp stops spinning between parallel regions and wakes its workers through the kernel
 for each one, tens of microseconds a GEMM. On a decode step of a small model that costs more
-than a second thread saves: on 2 cores, in a non-main thread, a 32x128x256 GEMM took 23 us on
-one thread against 89 us on two, and break-even came near 2^24 multiply-adds. With small GEMMs
-on one thread, a tiny model's engine made decode steps 1.15-2.79x faster at batch 8 / 32
-(benchmarks/RESULTS.md, the note after the engine sections of 2026-12-01 04:14-04:17; one
-noisy 512-token run read 0.75x). So GEMMs below ``ONE_THREAD_GEMM`` run on one BLAS thread;
+than a second thread saves: on 2 cores, in a non-main thread, a small GEMM runs several times
+faster on one thread than on two, and break-even comes near 2^24 multiply-adds
+(``benchmarks/blas_choice.py``); a tiny model's engine decodes faster with small GEMMs on one
+thread (``benchmarks/engine.py``). So GEMMs below ``ONE_THREAD_GEMM`` run on one BLAS thread;
 larger ones keep torch's count. Only MKL has a per-thread count (``MKL_Set_Num_Threads_Local``); with
 another BLAS everything stays as torch sets it.
 """

@@ -3,9 +3,8 @@
 Why not ``asyncio.to_thread``: it lands on whichever thread of asyncio's pool is free, and
 each thread that runs torch ops gets its own OpenMP team; with more OpenMP threads than cores
 libgomp wakes its workers through the kernel for every parallel region (miles.utils.blas says
-more). On the CPU (2 cores, the countdown model) a policy train step's median was 277 / 254 /
-298 ms on one compute thread against 289 / 298 / 320 ms through ``to_thread``, in three runs
-(benchmarks/RESULTS.md, trainer compute thread 2026-12-01). One thread also keeps the steps of
+more). On a 2-core CPU a policy train step is faster on one compute thread than through
+``to_thread`` (benchmarks/log/history.md, trainer compute thread). One thread also keeps the steps of
 one model in order, and on the thread that compiled or captured them.
 """
 

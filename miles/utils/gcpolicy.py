@@ -3,27 +3,25 @@
 CPython's full (generation 2) collection visits every element of every list the process
 holds, and it runs whenever the long-lived objects have grown by a quarter — which, in a
 process that keeps receiving and dropping trajectories, is every few steps. A replay buffer
-holding a few thousand 2048-token trajectories spends 100-200 ms in one such pass (24 ms
-for 512 of them on the CPU dev machine); on the H200 async runs that was the buffer's
-longest call by far (an ``add_prompts`` of 130-200 ms, in every configuration), and the
-same pause, holding the GIL, stalls an engine's stepping thread or a trainer.
+holding a few thousand long trajectories spends a tenth of a second or more in one such
+pass, which makes it the buffer's longest call by far, and the same pause, holding the GIL,
+stalls an engine's stepping thread or a trainer.
 
 miles' trajectories hold no reference cycles, so reference counting frees them; the cyclic
 collector only matters for the odd cycle elsewhere (tracebacks, Ray and asyncio internals).
 ``install`` therefore leaves the young generations' automatic collections as they are
 (they visit only new objects) and turns off the automatic full ones; a daemon thread runs a
 full collection every ``every_s`` seconds instead — or less often, so that the passes take
-at most ``MAX_SHARE`` of the time (the H200 buffer's pass took ~200 ms: every 80 s), since
-the pass itself grows with what the process holds (850 ms for 2,300 held 2048-token
-trajectories on the CPU dev machine) — so the pause comes at a known rate and is measured
-(``stats``). In that CPU experiment (a buffer holding 2,048
-ready trajectories while cycling 256 at a time) the policy cut the buffer's longest call
-from 550-690 ms to 50-56 ms and its time per cycle from 47-53 ms to 33-34 ms.
+at most ``MAX_SHARE`` of the time, since the pass itself grows with what the process holds
+— so the pause comes at a known rate and is measured (``stats``). With a buffer holding
+thousands of ready trajectories while it cycles a batch at a time, the policy cuts the
+buffer's longest call by an order of magnitude and its time per cycle by about a third
+(``benchmarks/gc_pass.py``).
 
 Most of what a full pass visits is not the trajectories at all. It is what the process
-built before its first step: importing torch, Ray and miles leaves ~330,000 tracked objects,
-and one pass over them alone takes ~157 ms on the CPU dev machine. That is the size of the
-H200 buffer's passes (140-183 ms in the sweep of 2026-11-30 09:23). So ``install`` runs one
+built before its first step: importing torch, Ray and miles leaves hundreds of thousands of
+tracked objects, and one pass over them alone is about the size of a busy buffer's whole
+pass. So ``install`` runs one
 full pass right away and then calls ``gc.freeze()``. What survived that pass (the imports)
 moves to the permanent generation, which later passes skip. The first timed pass freezes
 again, taking in what the actor built after ``install`` (its model, its compiled graphs).

@@ -21,9 +21,8 @@ k = 1, 2 and 3 too, and each estimate rests on every round the engine ran. Per p
 because acceptance falls with the position (one per-token α overrates long rounds). The
 rule once kept a separate mean of each option's own rounds: at batch 1 a round's yield is
 nearly bimodal (every draft rejected, or most kept), and the ~10 rounds an option had were
-too few. On the H200 at batch 1 it measured k = 4 at 462-541 tokens/s per row where the
-always-on engine ran 561-648, and chose plain decoding or k = 1 at 0.95x plain where always
-speculating ran 1.10-1.27x. (Earlier still it took the median of per-round rates, which
+too few: at batch 1 it underrated k = 4 and chose plain decoding or k = 1 where always
+speculating was faster. (Earlier still it took the median of per-round rates, which
 read one token per round at batch 1.) The model forgets at a rate counted in rows
 (``ACCEPT_MEMORY``), so a batch of 64 refreshes it in a round or two and a batch of 1 in
 tens of rounds; a trial (rule 4) of a speculative option shrinks the old counts, so the
@@ -41,9 +40,8 @@ The rule:
    steps run the least recently measured option once, so a draft that improves (online
    training) or a policy that drifts away from it is noticed. A probe after which the rule
    keeps its choice doubles that batch size's interval (up to ``MAX_BACKOFF``×); one that
-   changes the choice resets it. A probe is a switch and back: on the H200 at batch 64, a
-   probe every 64 steps cost the adaptive engine 18% against plain decoding (1-8% with the
-   back-off).
+   changes the choice resets it. A probe is a switch and back, which costs a large batch a
+   visible share of its steps without the back-off.
 4. a probe measured ≥ 5% faster than the choice starts a *trial*: the probed option's older
    measurements are dropped and it runs for ``WARMUP`` - 1 more steps, so the rule compares
    two fresh medians. Without it, the old measurements outvoted the probe: an option

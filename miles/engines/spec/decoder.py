@@ -123,9 +123,9 @@ class SpecDecoder:
         """One round of ``k`` drafts for ``reqs``. ``probe``: the adaptive rule only samples
         this option (it decodes otherwise): where its round graphs are not captured yet, the
         round runs eagerly, with no graph at all, and comes back untimed. Capturing a shape's
-        graphs (every k at once, ~0.17 s each on the H200) for one probe cost more than the
-        probes saved: at batch 64, where the rule decodes plainly, 4 captures took 0.67 s of
-        a 1.47 s timed run. A probe's acceptance still counts; its time would not be the
+        graphs (every k at once) for one probe costs more than the probes save: at batch 64,
+        where the rule decodes plainly, the captures would take a large share of a short run.
+        A probe's acceptance still counts; its time would not be the
         option's (an eager round is several times slower than its graph)."""
         d, n, T = self.drafter, len(reqs), k + 1
         rp = RoundParams.build([r.sampling for r in reqs], [r.response_position for r in reqs], self.device)

@@ -78,8 +78,8 @@ class RoundGraphs(GraphCache):
     ``all_k`` (the adaptive rule's engines): the first round met in a (batch, context,
     sampling) bucket captures the graphs of every k = 1..k_max there, the other k first.
     The rule changes k as it measures, so with lazy captures its engine kept meeting new
-    (bucket, k) pairs long after the warm-up: on the H200 0.32-0.45 s of captures fell inside
-    timed runs of 0.67-1.30 s, where the always-on engine met none. The other k's warm-up
+    (bucket, k) pairs long after the warm-up, and captures fell inside its timed runs, where
+    the always-on engine met none. The other k's warm-up
     runs write K/V past the round's own entries (within the cache's k_max + 2 headroom);
     those positions lie beyond every row's length, so they are never read before a later
     step overwrites them, and the round's own capture and replay come last.

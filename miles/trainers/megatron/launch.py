@@ -9,7 +9,8 @@
   calls (SPMD), with rank 0's answers returned. It satisfies ``TrainerBackend``, so the
   PolicyTrainer actor drives it like any backend. In a run, rank r sits on bundle r of the
   run's placement group; the PolicyTrainer actor shares rank 0's GPU (``first_gpu_share``),
-  and so do the rollout workers with ``--colocate``. TP=2 ran on two H200s.
+  and so do the rollout workers with ``--colocate``. ``tests/gpu/test_multi_gpu.py`` runs TP=2
+  on two GPUs.
 """
 
 from __future__ import annotations
