@@ -74,6 +74,9 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     # --- robustness ----------------------------------------------------------------------
     skip_nonfinite_steps: bool = True
     max_consecutive_nonfinite: int = 3  # raise after this many non-finite steps in a row
+    # train/rollout_logprob_abs_diff_max is reported every step; "strict" stops the run when
+    # it is non-zero (the engine's log-prob is not bitwise the trainer's)
+    true_on_policy_check: Literal["report", "strict"] = "report"  # strict: stop the run if a rollout log-prob differs from the trainer's
 
     # --- MoE / rewards -------------------------------------------------------------------
     use_rollout_routing_replay: bool = False

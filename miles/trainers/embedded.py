@@ -45,7 +45,7 @@ from miles.trainers.batching import TokenBatch, build_batch, rewards_of, traject
 from miles.trainers.config import TrainerConfig, lr_at
 from miles.trainers.fsdp import maybe_fully_shard
 from miles.trainers.logprobs import full_routing, response_logprobs
-from miles.trainers.metrics import MetricAccumulator, batch_metrics
+from miles.trainers.metrics import MetricAccumulator, batch_metrics, check_on_policy, rollout_logprob_diff
 from miles.types import Trajectory
 from miles.utils.device import to_device
 from miles.weights import plan_buckets
@@ -161,12 +161,17 @@ class EmbeddedTrainer:
         order = torch.randperm(batch.size, generator=self._shuffle).tolist()
         minis = [order[i :: self.config.num_steps_per_rollout] for i in range(self.config.num_steps_per_rollout)]
         skipped = 0
-        for rows in minis:
+        for i, rows in enumerate(minis):
             if rows:
-                skipped += not self._optimizer_step(batch, rows, advantages, logp_prox, logp_ref, acc)
+                # Log-probs under the rollout's weights: the first mini-batch's forward, or
+                # the recomputed proximal pass for the later ones (after an update).
+                reference = logp_prox if logp_prox is not None else (None if i else "forward")
+                skipped += not self._optimizer_step(batch, rows, advantages, logp_prox, logp_ref, acc,
+                                                    reference, trained_version)
         self._version += 1
 
         metrics = acc.result()
+        check_on_policy(metrics, self.config.true_on_policy_check, trained_version)
         metrics.update(batch_metrics(batch, rewards, trained_version, time.perf_counter() - start))
         metrics.update({
             "train/skipped_steps": float(skipped),
@@ -278,9 +283,12 @@ class EmbeddedTrainer:
         return adv * batch.loss_mask
 
     def _optimizer_step(self, batch: TokenBatch, rows: list[int], advantages: Tensor,
-                        logp_prox: Tensor | None, logp_ref: Tensor | None, acc: MetricAccumulator) -> bool:
+                        logp_prox: Tensor | None, logp_ref: Tensor | None, acc: MetricAccumulator,
+                        reference: Tensor | str | None = None, trained_version: int | None = None) -> bool:
         """Accumulate gradients over the micro-batches of ``rows`` and step. Returns False
-        if the step was skipped as non-finite."""
+        if the step was skipped as non-finite. ``reference`` holds the log-probs under the
+        rollout's weights for the engine/trainer comparison ("forward": this step's own
+        forward, which runs before the update; None: not available for these rows)."""
         den = batch.denominators(rows)
         entropy_mode = self._entropy_mode()
         # Finiteness is checked once per step, on the device: a check per micro-batch (or
@@ -305,6 +313,9 @@ class EmbeddedTrainer:
                     logp_ref=None if logp_ref is None else logp_ref[sel, :R],
                 )
                 loss, metrics = compute_loss(pb, self.algo, trainer_version=self._version, denominators=den)
+                if reference is not None:
+                    ref = logp.detach() if isinstance(reference, str) else reference[sel, :R]
+                    metrics.update(rollout_logprob_diff(ref, mb.logp_rollout, mask, mb.versions, trained_version))
                 finite &= torch.isfinite(torch.where(mask > 0, logp.detach(), 0.0)).all() & torch.isfinite(loss)
                 loss.backward()
                 pending.append((metrics, float(sum(mb.loss_tokens))))

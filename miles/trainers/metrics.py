@@ -4,6 +4,13 @@ Keys ending in ``_max`` take the max; keys listed as ``sums`` (the loss, whose m
 parts add up to the mini-batch loss) are summed within a group (one optimizer step) and
 averaged over groups; every other key is a weighted mean (weight = the micro-batch's loss
 tokens). Values stay on the device until ``result`` so the loop does not sync per metric.
+
+``rollout_logprob_diff`` is the true-on-policy check: the engine's recorded log-prob of each
+loss token against the trainer's recompute under the same weights. It compares only tokens
+the engine produced with the version being trained (a stale token of an async or partial
+rollout was sampled under weights the trainer no longer holds; their share is
+``train/rollout_logprob_compared_frac``). ``check_on_policy`` stops a strict run on a
+non-zero difference.
 """
 
 from __future__ import annotations
@@ -75,3 +82,36 @@ def batch_metrics(batch: TokenBatch, rewards: Tensor, trained_version: int, elap
         "train/step_time_s": elapsed,
         "train/tokens_per_s": float(sum(batch.seq_lens)) / max(elapsed, 1e-9),
     }
+
+
+class TrueOnPolicyError(RuntimeError):
+    """A rollout log-prob differs from the trainer's recompute under --true-on-policy-check strict."""
+
+
+@torch.no_grad()
+def rollout_logprob_diff(logp_train: Tensor, logp_rollout: Tensor, loss_mask: Tensor, versions: Tensor,
+                         trained_version: int | None) -> dict[str, Tensor]:
+    """|trainer − engine| log-prob over the loss tokens sampled under ``trained_version``
+    (all loss tokens when it is None): ``_max``, ``_mean`` and the compared fraction."""
+    mask = loss_mask > 0
+    same = mask if trained_version is None else mask & (versions == trained_version)
+    diff = torch.where(same, (logp_train.detach().float() - logp_rollout.float()).abs(), 0.0)
+    n = same.sum()
+    zero = torch.zeros((), device=diff.device)
+    return {
+        "train/rollout_logprob_abs_diff_max": diff.max() if diff.numel() else zero,
+        "train/rollout_logprob_abs_diff_mean": diff.sum() / n.clamp(min=1),
+        "train/rollout_logprob_compared_frac": n.float() / mask.sum().clamp(min=1),
+    }
+
+
+def check_on_policy(metrics: dict[str, float], mode: str, version: int) -> None:
+    """Raise ``TrueOnPolicyError`` in strict mode when a compared log-prob differs at all."""
+    worst = metrics.get("train/rollout_logprob_abs_diff_max", 0.0)
+    if mode == "strict" and worst != 0.0:
+        raise TrueOnPolicyError(
+            f"--true-on-policy-check strict: at version {version} a rollout log-prob differs from the "
+            f"trainer's recompute by up to {worst:.3g} (mean "
+            f"{metrics.get('train/rollout_logprob_abs_diff_mean', 0.0):.3g}); the engine and the trainer "
+            "do not compute tokens identically (see miles/engines/CONSISTENCY.md)"
+        )

@@ -1,0 +1,59 @@
+"""The true-on-policy metric: train/rollout_logprob_abs_diff_max/_mean compare the recorded
+behaviour log-probs with the trainer's recompute over the loss tokens of the trained version;
+--true-on-policy-check strict stops on any difference."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles.algorithms import AlgorithmConfig
+from miles.trainers import EmbeddedTrainer, TrainerConfig
+from miles.trainers.metrics import TrueOnPolicyError
+from tests.unit.trainers.conftest import make_model, random_groups, set_behaviour
+
+
+def _trainer(**cfg) -> EmbeddedTrainer:
+    return EmbeddedTrainer(make_model(), config=TrainerConfig(lr=1e-2, **cfg), algo=AlgorithmConfig())
+
+
+def test_own_logprobs_give_an_exact_zero_and_a_ratio_of_one() -> None:
+    tr, groups = _trainer(true_on_policy_check="strict"), random_groups()
+    set_behaviour(tr, groups)  # the same batch shapes as the step's forward: bitwise equal
+    m = tr.train_step(groups)
+    assert m["train/rollout_logprob_abs_diff_max"] == 0.0
+    assert m["train/rollout_logprob_abs_diff_mean"] == 0.0
+    assert m["train/rollout_logprob_compared_frac"] == 1.0
+    assert m["train/tis_ratio_max"] == 1.0
+
+
+def test_one_perturbed_token_is_seen_and_strict_stops() -> None:
+    tr, groups = _trainer(), random_groups()
+    set_behaviour(tr, groups)
+    t = groups[1][2]
+    i = t.loss_mask.index(1)
+    t.logprobs[i] += 2.0 ** -20
+    m = tr.train_step(groups)
+    assert m["train/rollout_logprob_abs_diff_max"] == pytest.approx(2.0 ** -20, rel=1e-3)
+    assert 0.0 < m["train/rollout_logprob_abs_diff_mean"] < m["train/rollout_logprob_abs_diff_max"]
+
+    strict, groups = _trainer(true_on_policy_check="strict"), random_groups()
+    set_behaviour(strict, groups, shift=-1e-3)
+    with pytest.raises(TrueOnPolicyError, match="differs from the trainer's recompute"):
+        strict.train_step(groups)
+
+
+def test_stale_tokens_are_left_out_and_later_mini_batches_use_the_recompute() -> None:
+    tr = _trainer(num_steps_per_rollout=2, micro_batch_size=3)
+    groups = random_groups()
+    tr.algo = AlgorithmConfig(prox_logp="recompute")
+    set_behaviour(tr, groups)
+    for t in groups[1]:  # sampled by an older version: its weights are gone, so not compared
+        t.versions = [0] * len(t.versions)
+        t.logprobs = [x - 0.5 for x in t.logprobs]
+    tr._version = 1
+    for g in (groups[0], groups[2]):
+        for t in g:
+            t.versions = [1] * len(t.versions)
+    m = tr.train_step(groups)  # micro-batches of 3 rows: other GEMM shapes than set_behaviour's
+    assert 0.0 < m["train/rollout_logprob_compared_frac"] < 1.0
+    assert m["train/rollout_logprob_abs_diff_max"] < 1e-5
