@@ -151,7 +151,9 @@ def part_decode(s: dict, batches: list[int], out: dict, iters: int) -> list[str]
         tb, tf, ti = results["bf16"][B], results["fp8"][B], results["int4"][B]
         lines.append(f"| {B} | {B / tb:.0f} | {B / tf:.0f} | {tb / tf:.2f} | {B / ti:.0f} | {tb / ti:.2f} |")
         out[f"decode_{B}"] = {"bf16_s": tb, "fp8_s": tf, "int4_s": ti}
-    lines.append(f"FP8 GEMM path per shape: {json.dumps(lowp.FP8_PATH)}")
+    lines.append(f"FP8 GEMM path per shape: {json.dumps(lowp.FP8_PATH)}; INT4 launch: {lowp.INT4_CONFIG or 'default'}")
+    if lowp.FP8_ERRORS:
+        lines.append(f"_scaled_mm forms refused: {json.dumps(lowp.FP8_ERRORS)}")
     lines.append(_check_gemms(s))
     return lines
 
@@ -186,6 +188,40 @@ def _cpu_lin(x: torch.Tensor, stored: tuple, spec: QuantSpec) -> torch.Tensor:
     return F.linear(xin, dequantize_weight(stored[0], stored[1], spec, x.dtype))
 
 
+def part_tune(s: dict, out: dict, iters: int) -> list[str]:
+    """INT4 launches on the decode GEMMs at batch 1 and 16; the fastest becomes the default
+    for the parts after it (lowp.INT4_CONFIG)."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    gemms = [quantize_weight(torch.randn(N, K, device=DEVICE, dtype=DTYPE, generator=g) * 0.02, INT4)
+             for N, K in shapes_8b(s)]
+    configs = [dict(BN=bn, programs=p, warps=w, stages=3) for bn in (32, 64, 128) for p in (264, 1056) for w in (4, 8)]
+    rows, best = [], {}
+    for B in (1, 16):
+        x = torch.randn(B, s["hidden"], device=DEVICE, dtype=DTYPE, generator=g)
+        xs = {K: torch.randn(B, K, device=DEVICE, dtype=DTYPE, generator=g) for _, K in shapes_8b(s)}
+        for cfg in configs:
+            lowp.INT4_CONFIG.clear()
+            lowp.INT4_CONFIG.update(cfg)
+            try:
+                t = _time(lambda: [lowp.int4_linear(xs[st[0].shape[1] * 2], *st, 128) for st in gemms], iters)
+            except Exception as exc:  # noqa: BLE001
+                rows.append(f"| {B} | {cfg} | failed: {type(exc).__name__} |")
+                continue
+            rows.append(f"| {B} | {cfg} | {t * 1e6:.1f} |")
+            if t < best.get(B, (1e9, None))[0]:
+                best[B] = (t, cfg)
+        del x
+    lowp.INT4_CONFIG.clear()
+    lowp.INT4_CONFIG.update(best[16][1] if 16 in best else {})
+    bf16 = [torch.randn(N, K, device=DEVICE, dtype=DTYPE, generator=g) for N, K in shapes_8b(s)]
+    ref = {B: _time(lambda B=B: [F.linear(torch.ones(B, w.shape[1], device=DEVICE, dtype=DTYPE), w) for w in bf16],
+                    iters) for B in (1, 16)}
+    out["int4_tune"] = {str(B): dict(s=best[B][0], cfg=best[B][1], bf16_s=ref[B]) for B in best}
+    return ["| batch | launch | one layer's 4 INT4 GEMMs µs |", "|---|---|---|", *rows,
+            f"bf16 F.linear, the same 4 GEMMs: batch 1 {ref[1] * 1e6:.1f} µs, batch 16 {ref[16] * 1e6:.1f} µs; "
+            f"chosen: {lowp.INT4_CONFIG}"]
+
+
 def part_kl(tiny: bool, out: dict) -> list[str]:
     from miles.models import CausalLM, tiny_config
     from miles.models.quant import apply_quantization
@@ -215,7 +251,7 @@ def part_kl(tiny: bool, out: dict) -> list[str]:
     ratio = "exactly 0 unified" if unified == 0 else f"{rollout_only / unified:.0f}× lower unified"
     return [f"decoder {cfg.num_hidden_layers}L h{cfg.hidden_size} V{cfg.vocab_size}, {tuple(ids.shape)} tokens, "
             f"{DTYPE}: KL(engine fp8 ‖ trainer) per token: unified fp8 {unified:.3e}, "
-            f"bf16 train + fp8 rollout {rollout_only:.3e} ({ratio}; goal ≥ 10×)"]
+            f"bf16 train + fp8 rollout {rollout_only:.3e} ({ratio}; goal ≥ 10×); FP8 path {json.dumps(lowp.FP8_PATH)}"]
 
 
 def part_moe(s: dict, steps: int, batch: int, out: dict) -> list[str]:
@@ -257,22 +293,23 @@ def part_moe(s: dict, steps: int, batch: int, out: dict) -> list[str]:
         t0 = time.perf_counter()
         x = embed[tok]
         for L, (kc, vc) in zip(layers, caches):
-            qkv = F.linear(x, L["qkv"])
+            qkv = F.linear(F.rms_norm(x, (h,), eps=1e-6), L["qkv"])
             q, k, v = qkv.split((s["heads"] * d, s["kv"] * d, s["kv"] * d), dim=-1)
             kc[:, :, pos] = k.view(batch, s["kv"], d)
             vc[:, :, pos] = v.view(batch, s["kv"], d)
             a = F.scaled_dot_product_attention(q.view(batch, s["heads"], 1, d), kc[:, :, : pos + 1],
                                                vc[:, :, : pos + 1], enable_gqa=True)
             x = x + F.linear(a.reshape(batch, -1), L["o"])
-            probs = F.softmax(F.linear(x, L["router"]).float(), -1)
+            xn = F.rms_norm(x, (h,), eps=1e-6)
+            probs = F.softmax(F.linear(xn, L["router"]).float(), -1)
             w, idx = probs.topk(s["top_k"], -1)
             w = (w / w.sum(-1, keepdim=True)).to(DTYPE)
             y = torch.zeros_like(x)
             for e in idx.unique().tolist():
                 rows, slot = (idx == e).nonzero(as_tuple=True)
-                y.index_add_(0, rows, expert_mlp(x[rows], L, e) * w[rows, slot, None])
+                y.index_add_(0, rows, expert_mlp(xn[rows], L, e) * w[rows, slot, None])
             x = x + y
-        tok = F.linear(x, head).argmax(-1)
+        tok = F.linear(F.rms_norm(x, (h,), eps=1e-6), head).argmax(-1)
         tokens.append(tok)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
@@ -317,6 +354,8 @@ def main() -> None:
                 got = part_bytes(s8, out)
             elif part == "decode":
                 got = part_decode(s8, args.batches, out, args.iters)
+            elif part == "tune":
+                got = part_tune(s8, out, args.iters)
             elif part == "kl":
                 got = part_kl(args.tiny, out)
             else:

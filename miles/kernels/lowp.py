@@ -13,11 +13,54 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-FP8_PATH: dict[str, str] = {}  # "scaled_mm" or "dequantized", per (N, K) seen
+FP8_PATH: dict[str, str] = {}  # per "NxK" seen: the _scaled_mm form used, or "dequantized"
+FP8_ERRORS: dict[str, str] = {}  # why each _scaled_mm form was refused (the first probe's messages)
+INT4_CONFIG: dict[str, int] = {}  # overrides of the INT4 launch (BN, warps, stages, programs), for tuning
+_FORM: list[str | None] = []  # the _scaled_mm form the first probe validated, or None
+
+
+def _outer_major(t: Tensor) -> Tensor:
+    return t.t().contiguous().t()
+
+
+@functools.cache
+def _mm_forms() -> dict[str, object]:
+    """Ways to ask for the 1x128 / 128x128 block-wise recipe across torch versions."""
+    forms: dict[str, object] = {
+        "scaled_mm": lambda xq, xs, wq, ws, dt: torch._scaled_mm(
+            xq, wq.t(), scale_a=_outer_major(xs), scale_b=ws.t(), out_dtype=dt),
+        "scaled_mm_b_contig": lambda xq, xs, wq, ws, dt: torch._scaled_mm(
+            xq, wq.t(), scale_a=_outer_major(xs), scale_b=ws.t().contiguous(), out_dtype=dt),
+        "scaled_mm_a_contig": lambda xq, xs, wq, ws, dt: torch._scaled_mm(
+            xq, wq.t(), scale_a=xs.contiguous(), scale_b=ws.t(), out_dtype=dt),
+    }
+    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
+        st = F.ScalingType
+        forms["F.scaled_mm"] = lambda xq, xs, wq, ws, dt: F.scaled_mm(
+            xq, wq.t(), scale_a=_outer_major(xs), scale_recipe_a=st.BlockWise1x128,
+            scale_b=ws.t(), scale_recipe_b=st.BlockWise128x128, output_dtype=dt)
+    return forms
+
+
+def _probe(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, dt: torch.dtype, ref: Tensor) -> str | None:
+    """The first form that runs and matches the dequantized product (None: none does)."""
+    for name, fn in _mm_forms().items():
+        try:
+            y = fn(xq, xs, wq, ws, dt).float()
+        except Exception as exc:  # noqa: BLE001 - each refusal is recorded, the next form tried
+            FP8_ERRORS[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            continue
+        err = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
+        if err < 2e-2:
+            return name
+        FP8_ERRORS[name] = f"ran, relative error {err:.3g} against the dequantized product"
+    return None
 
 
 def linear(x: Tensor, stored: tuple[Tensor, ...], spec, bias: Tensor | None = None) -> Tensor:  # noqa: ANN001
@@ -38,14 +81,14 @@ def fp8_linear(x: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype) -> Ten
     N, K = wq.shape
     xq, xs = fp8_quantize_act(x)
     key = f"{N}x{K}"
-    if FP8_PATH.get(key) != "dequantized" and K % BLOCK == 0 and N % BLOCK == 0:
-        try:
-            y = torch._scaled_mm(xq, wq.t(), scale_a=xs.t().contiguous().t(), scale_b=ws.t(), out_dtype=out_dtype)
-            FP8_PATH[key] = "scaled_mm"
-            return y
-        except (RuntimeError, ValueError, NotImplementedError):
-            FP8_PATH[key] = "dequantized"
-    FP8_PATH.setdefault(key, "dequantized")
+    if K % BLOCK == 0 and N % BLOCK == 0:
+        if not _FORM:  # probed once, on real operands, outside any graph capture (the first call)
+            xd = (xq.float() * xs.repeat_interleave(BLOCK, -1)[:, :K])
+            _FORM.append(_probe(xq, xs, wq, ws, out_dtype, F.linear(xd, fp8_dequantize_weight(wq, ws))))
+        if _FORM[0] is not None:
+            FP8_PATH[key] = _FORM[0]
+            return _mm_forms()[_FORM[0]](xq, xs, wq, ws, out_dtype)
+    FP8_PATH[key] = "dequantized"
     xd = (xq.float() * xs.repeat_interleave(BLOCK, -1)[:, :K]).to(out_dtype)
     return F.linear(xd, fp8_dequantize_weight(wq, ws, out_dtype))
 
@@ -68,10 +111,10 @@ def _int4_triton(x: Tensor, packed: Tensor, scale: Tensor, group: int) -> Tensor
     if group % BK or K % BK:
         raise ValueError(f"the INT4 kernel needs the group size ({group}) and K ({K}) to be multiples of 32")
     BM = 16 if M <= 16 else 32 if M <= 32 else 64
-    BN = 64 if M <= 64 else 128
+    BN = INT4_CONFIG.get("BN", 64 if M <= 64 else 128)
     grid_m, grid_n = triton.cdiv(M, BM), triton.cdiv(N, BN)
     tiles = K // BK
-    split = max(1, min(tiles, 264 // (grid_m * grid_n)))
+    split = max(1, min(tiles, INT4_CONFIG.get("programs", 264) // (grid_m * grid_n)))
     while tiles % split:
         split -= 1
     x = x.contiguous()
@@ -79,7 +122,7 @@ def _int4_triton(x: Tensor, packed: Tensor, scale: Tensor, group: int) -> Tensor
     _kernel()[(grid_m, grid_n, split)](
         x, packed, scale, part, M, N, K, group, tiles // split,
         x.stride(0), packed.stride(0), scale.stride(0), M * N, N,
-        BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3,
+        BM=BM, BN=BN, BK=BK, num_warps=INT4_CONFIG.get("warps", 4), num_stages=INT4_CONFIG.get("stages", 3),
     )
     return part[0] if split == 1 else part.sum(0).to(x.dtype)
 
