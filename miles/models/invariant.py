@@ -21,6 +21,9 @@ and as the reference for batch-invariant kernels.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -39,6 +42,8 @@ def _dot_chunks(a: Tensor, b: Tensor) -> Tensor:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear`` with a reduction order independent of the number of rows."""
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"linear: input width {x.shape[-1]} != weight width {weight.shape[-1]}")
     flat = x.reshape(-1, x.shape[-1])
     w = weight.to(flat.dtype).contiguous()
     rows = [_dot_chunks(flat[i : i + ROW_BLOCK].contiguous(), w) for i in range(0, flat.shape[0], ROW_BLOCK)]
@@ -48,10 +53,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keys: int, scale: float | None = None) -> Tensor:
-    """Causal attention of queries [B, H, Q, D] at absolute ``positions`` [B, Q] over keys and
-    values [B, Hkv, S, D] (S ≤ ``keys``; key j sits at position j). Query i attends keys
-    0..positions[b, i]; every softmax runs over exactly ``keys`` entries."""
+def attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None, keys: int, scale: float | None = None,
+              allowed: Tensor | None = None) -> Tensor:
+    """Attention of queries [B, H, Q, D] over keys and values [B, Hkv, S, D] (S ≤ ``keys``;
+    key j sits at position j). With ``positions`` [B, Q], query i attends keys 0..positions[b, i];
+    otherwise ``allowed`` (bool, broadcastable to [B, H, Q, S]) says which. Every softmax and
+    every weighted sum of V runs over exactly ``keys`` entries."""
     B, H, Q, D = q.shape
     S, hkv = k.shape[2], k.shape[1]
     if S > keys:
@@ -61,16 +68,56 @@ def attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, keys: int, sca
     kk = k.repeat_interleave(rep, dim=1)
     vv = v.repeat_interleave(rep, dim=1)
     pad = keys - S
-    out = q.new_empty(B, H, Q, D)
-    idx = torch.arange(keys, device=q.device)
+    if positions is not None:
+        allowed = (torch.arange(S, device=q.device)[None, None, :] <= positions[:, :, None])[:, None]
+    allowed = allowed.expand(B, H, Q, S) if allowed is not None else None
+    rows = []
     for b in range(B):
+        heads = []
         for h in range(H):
-            # scores of every query against every key: row-wise dots (one query's row never
-            # depends on the others), in the same fixed chunks as ``linear``
+            # row-wise dots (one query's scores never depend on the others), fixed chunks
             s = _dot_chunks(q[b, h].contiguous(), kk[b, h].contiguous()) * scale
+            if allowed is not None:
+                s = s.masked_fill(~allowed[b, h], float("-inf"))
             s = torch.nn.functional.pad(s, (0, pad), value=float("-inf"))
-            s = s.masked_fill(idx[None, :] > positions[b][:, None], float("-inf"))
             p = torch.softmax(s, dim=-1)  # [Q, keys]: the padded keys get exactly 0
             vt = torch.nn.functional.pad(vv[b, h].transpose(0, 1), (0, pad))  # [D, keys], zeros past S
-            out[b, h] = _dot_chunks(p.contiguous(), vt.contiguous())
-    return out
+            heads.append(_dot_chunks(p.contiguous(), vt.contiguous()))
+        rows.append(torch.stack(heads))
+    return torch.stack(rows).to(q.dtype)
+
+
+_F_LINEAR = torch.nn.functional.linear
+_F_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _sdpa(keys: int):
+    def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+             is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Tensor:
+        if dropout_p:
+            raise ValueError("batch-invariant attention has no dropout")
+        Q, S = q.shape[-2], k.shape[-2]
+        allowed = None
+        if is_causal:
+            allowed = torch.ones(Q, S, dtype=torch.bool, device=q.device).tril(S - Q)[None, None]
+        if attn_mask is not None:
+            if attn_mask.dtype != torch.bool:
+                attn_mask = attn_mask > float("-inf")
+            allowed = attn_mask if allowed is None else allowed & attn_mask
+        return attention(q, k, v, None, keys, scale, allowed=allowed)
+    return sdpa
+
+
+@contextlib.contextmanager
+def mode(keys: int, linear_fn=None) -> Iterator[None]:
+    """Within it, every ``F.linear`` (the model's projections, experts, router and LM head)
+    and every ``F.scaled_dot_product_attention`` runs in its batch-invariant form, attention
+    over ``keys`` fixed key positions. ``linear_fn`` swaps in another GEMM (tests break the
+    invariance on purpose with it)."""
+    torch.nn.functional.linear = linear_fn or linear
+    torch.nn.functional.scaled_dot_product_attention = _sdpa(keys)
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = _F_LINEAR
+        torch.nn.functional.scaled_dot_product_attention = _F_SDPA

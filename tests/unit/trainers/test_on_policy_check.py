@@ -57,3 +57,34 @@ def test_stale_tokens_are_left_out_and_later_mini_batches_use_the_recompute() ->
     m = tr.train_step(groups)  # micro-batches of 3 rows: other GEMM shapes than set_behaviour's
     assert 0.0 < m["train/rollout_logprob_compared_frac"] < 1.0
     assert m["train/rollout_logprob_abs_diff_max"] < 1e-5
+
+
+def _split_k(x, w, b=None):
+    ks = x.shape[-1] // 2
+    return x[..., :ks] @ w[:, :ks].T + x[..., ks:] @ w[:, ks:].T + (0 if b is None else b)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_batch_invariant_model_gives_zero_across_batch_composition_and_split_k_breaks_it(moe: bool) -> None:
+    """Behaviour log-probs scored one trajectory at a time (M = one row's tokens, its own
+    padding) and the train step's micro-batches of 3 (other rows, other padded lengths) agree
+    bitwise in miles.models.invariant's mode; a split-K GEMM in the trainer breaks it."""
+    from miles.models import invariant
+
+    extra = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if moe else {}
+    def trainer(**cfg):
+        return EmbeddedTrainer(make_model(**extra), config=TrainerConfig(lr=1e-2, micro_batch_size=3, **cfg),
+                               algo=AlgorithmConfig(use_tis=True))
+    groups = random_groups(num_groups=2, size=3)
+    tr = trainer(true_on_policy_check="strict")
+    with invariant.mode(keys=64):
+        for t in (t for g in groups for t in g):
+            (lp,) = tr.compute_logprobs([t])
+            t.logprobs = [x if m else 0.0 for x, m in zip(lp, t.loss_mask)]
+        m = tr.train_step(groups)
+    assert m["train/rollout_logprob_abs_diff_max"] == 0.0
+    assert m["train/tis_ratio_max"] == 1.0
+
+    with invariant.mode(keys=64, linear_fn=_split_k):
+        m = trainer().train_step(groups)
+    assert m["train/rollout_logprob_abs_diff_max"] > 0.0
