@@ -172,6 +172,11 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
     yield from transport_problems(cfg)
     yield from _quant_problems(cfg)
     yield from _lora_problems(cfg)
+    if cfg.trainer.offload_train and not (run.colocate and run.train_backend == "embedded"
+                                          and cfg.trainer.device.startswith("cuda")):
+        yield ("--offload-train moves the trainer's optimizer state off the GPU while colocated engines "
+               "generate: it needs --colocate, --train-backend embedded and the trainer on a GPU "
+               "(--device cuda); without them nothing shares its memory")
     spec = getattr(cfg, "speculative", None)
     if spec is not None and spec.draft_model_path and not (Path(spec.draft_model_path) / "config.json").is_file():
         yield f"--draft-model-path {spec.draft_model_path}: no config.json there"

@@ -65,6 +65,8 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     gradient_checkpointing: bool = False  # recompute decoder layers in backward
     fsdp: bool | None = None  # None → FSDP2 when torch.distributed has > 1 rank
 
+    offload_train: bool = False  # AdamW state in pinned host memory between steps (colocated; miles.trainers.offload)
+
     # --- LoRA (miles.trainers.lora): adapters over frozen base weights; 0 trains every weight
     lora_rank: int = 0  # LoRA rank r (0: full-parameter training)
     lora_alpha: float = 16.0  # LoRA alpha: the adapters' update is scaled by alpha / rank

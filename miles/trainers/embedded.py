@@ -46,6 +46,8 @@ from miles.trainers.config import TrainerConfig, lr_at
 from miles.trainers.fsdp import maybe_fully_shard
 from miles.trainers.logprobs import full_routing, response_logprobs
 from miles.trainers.metrics import MetricAccumulator, batch_metrics, check_on_policy, rollout_logprob_diff
+from miles.trainers.offload import OptimizerOffloader
+from miles.trainers.oom import OOMGuard
 from miles.types import Trajectory
 from miles.utils.device import to_device
 from miles.weights import plan_buckets
@@ -119,6 +121,8 @@ class EmbeddedTrainer:
         if ref_model is not None:
             ref_model.to(self.device).eval().requires_grad_(False)
         self.optimizer = self._build_optimizer()
+        self.offloader = OptimizerOffloader(self.optimizer, self.device) if config.offload_train else None
+        self.oom = OOMGuard(config)  # micro-batch limits, halved on an OOM (``oom``)
         self._version = version
         self.optimizer_steps = 0
         self.consecutive_nonfinite = 0
@@ -161,6 +165,8 @@ class EmbeddedTrainer:
         order = torch.randperm(batch.size, generator=self._shuffle).tolist()
         minis = [order[i :: self.config.num_steps_per_rollout] for i in range(self.config.num_steps_per_rollout)]
         skipped = 0
+        if self.offloader is not None:
+            self.offloader.reload()
         for i, rows in enumerate(minis):
             if rows:
                 # Log-probs under the rollout's weights: the first mini-batch's forward, or
@@ -168,6 +174,8 @@ class EmbeddedTrainer:
                 reference = logp_prox if logp_prox is not None else (None if i else "forward")
                 skipped += not self._optimizer_step(batch, rows, advantages, logp_prox, logp_ref, acc,
                                                     reference, trained_version)
+        if self.offloader is not None:  # the engines generate next: the moments wait on the host
+            self.offloader.offload()
         self._version += 1
 
         metrics = acc.result()
@@ -179,7 +187,10 @@ class EmbeddedTrainer:
             "train/optimizer_steps": float(self.optimizer_steps),
             "train/lr": float(self.optimizer.param_groups[0]["lr"]),
             "train/version": float(self._version),
+            "mem/oom_recovered": float(self.oom.recovered),
         })
+        if self.offloader is not None:
+            metrics["mem/offload_s"] = self.offloader.seconds
         if self.compiled:  # graphs dynamo built in this process: one more mid-run is a recompile
             from torch._dynamo.utils import counters
 
@@ -247,7 +258,7 @@ class EmbeddedTrainer:
         )
 
     def _micro_batches(self, batch: TokenBatch, rows: Sequence[int]) -> list[TokenBatch]:
-        return [batch.select(p) for p in batch.plan(rows, self.config)]
+        return [batch.select(p) for p in batch.plan(rows, self.oom.config)]
 
     def _forward(self, model: nn.Module, mb: TokenBatch, entropy: str) -> tuple[Tensor, Tensor | None]:
         routing = full_routing(model, mb, self.compute_dtype) if mb.routing is not None else None
@@ -258,10 +269,16 @@ class EmbeddedTrainer:
     def _entropy_mode(self) -> str:
         return "grad" if self.algo.entropy_coef > 0 else "metric"
 
-    @torch.no_grad()
     def _no_grad_logprobs(self, model: nn.Module, batch: TokenBatch) -> Tensor:
+        rows = range(batch.size)
+        return self.oom.run(lambda cfg: self._no_grad_pass(model, batch, cfg), lambda cfg: batch.plan(rows, cfg),
+                            batch.seq_lens, lambda: None)
+
+    @torch.no_grad()
+    def _no_grad_pass(self, model: nn.Module, batch: TokenBatch, config: TrainerConfig) -> Tensor:
         out = torch.zeros_like(batch.logp_rollout)
-        for plan in batch.plan(range(batch.size), self.config):
+        for plan in batch.plan(range(batch.size), config):
+            self.oom.check(plan)
             mb = batch.select(plan)
             logp, _ = self._forward(model, mb, "none")
             out[to_device(plan, torch.long, self.device), : logp.shape[1]] = logp
@@ -289,6 +306,31 @@ class EmbeddedTrainer:
         if the step was skipped as non-finite. ``reference`` holds the log-probs under the
         rollout's weights for the engine/trainer comparison ("forward": this step's own
         forward, which runs before the update; None: not available for these rows)."""
+        finite, pending = self.oom.run(
+            lambda cfg: self._accumulate(batch, rows, advantages, logp_prox, logp_ref, cfg, reference,
+                                         trained_version),
+            lambda cfg: batch.plan(rows, cfg), batch.seq_lens,
+            lambda: self.optimizer.zero_grad(set_to_none=True))
+        grad_norm = self._clip_grad_norm()
+        if not bool(finite & torch.isfinite(grad_norm)):  # the step's one device read
+            self.optimizer.zero_grad(set_to_none=True)
+            return self._nonfinite()
+        for metrics, weight in pending:
+            acc.add(metrics, weight=weight, sums=("train/loss", "train/pg_loss"))
+        acc.end_group()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.optimizer_steps, self.config)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        self.consecutive_nonfinite = 0
+        acc.add({"train/grad_norm": grad_norm.detach()}, weight=1.0)
+        return True
+
+    def _accumulate(self, batch: TokenBatch, rows: list[int], advantages: Tensor, logp_prox: Tensor | None,
+                    logp_ref: Tensor | None, config: TrainerConfig, reference: Tensor | str | None,
+                    trained_version: int | None) -> tuple[Tensor, list[tuple[dict[str, Tensor], float]]]:
+        """Gradients of one optimizer step, micro-batch by micro-batch under ``config``'s limits."""
         den = batch.denominators(rows)
         entropy_mode = self._entropy_mode()
         # Finiteness is checked once per step, on the device: a check per micro-batch (or
@@ -298,9 +340,10 @@ class EmbeddedTrainer:
         pending: list[tuple[dict[str, Tensor], float]] = []  # metrics kept only if the step is taken
         self.optimizer.zero_grad(set_to_none=True)
         with deferred_finite_checks():
-            for mb_rows in batch.plan(rows, self.config):
+            for mb_rows in batch.plan(rows, config):
                 if not any(batch.loss_tokens[r] for r in mb_rows):
                     continue
+                self.oom.check(mb_rows)
                 mb = batch.select(mb_rows)
                 logp, entropy = self._forward(self.model, mb, entropy_mode)
                 R = logp.shape[1]
@@ -319,21 +362,7 @@ class EmbeddedTrainer:
                 finite &= torch.isfinite(torch.where(mask > 0, logp.detach(), 0.0)).all() & torch.isfinite(loss)
                 loss.backward()
                 pending.append((metrics, float(sum(mb.loss_tokens))))
-        grad_norm = self._clip_grad_norm()
-        if not bool(finite & torch.isfinite(grad_norm)):  # the step's one device read
-            self.optimizer.zero_grad(set_to_none=True)
-            return self._nonfinite()
-        for metrics, weight in pending:
-            acc.add(metrics, weight=weight, sums=("train/loss", "train/pg_loss"))
-        acc.end_group()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.optimizer_steps, self.config)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer_steps += 1
-        self.consecutive_nonfinite = 0
-        acc.add({"train/grad_norm": grad_norm.detach()}, weight=1.0)
-        return True
+        return finite, pending
 
     def _clip_grad_norm(self) -> Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]

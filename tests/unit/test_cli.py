@@ -133,6 +133,7 @@ def test_bad_lora_settings_fail_before_start(files, capsys) -> None:
     _fails(_argv(files, "--lora-rank", "4", "--lora-target-modules", "qkv_proj"), capsys, "matches no linear layer")
     _fails(_argv(files, "--lora-rank", "100000", "--lora-target-modules", "q_proj"), capsys, "is larger than")
     _fails(_argv(files, "--lora-rank", "4", "--train-backend", "megatron"), capsys, "--lora-rank needs --train-backend embedded")
+    _fails(_argv(files, "--offload-train"), capsys, "--offload-train moves the trainer's optimizer state")
 
 
 def test_yaml_then_flags_precedence(files, tmp_path) -> None:

@@ -59,7 +59,7 @@ def test_metrics_are_path_named_and_finite(groups) -> None:
                 "train/entropy", "train/grad_norm", "train/lr", "train/tokens", "train/staleness_mean",
                 "train/staleness_max"):
         assert key in m, key
-    assert all(k.startswith("train/") for k in m)
+    assert all(k.startswith(("train/", "mem/")) for k in m)
     assert all(isinstance(v, float) and v == v for v in m.values())
     # behaviour log-probs 0.1 below the trainer's: ratio e^0.1 everywhere, k1 = -0.1
     assert m["train/tis_ratio_max"] == pytest.approx(torch.e ** 0.1, rel=1e-4)
