@@ -186,6 +186,12 @@ def resolve(values: dict[str, Any], *, check: bool = True) -> MilesConfig:
     unknown = sorted(k for k in values if k not in table)
     if unknown:
         raise ConfigError(f"unknown option(s): {', '.join(_flag(k) for k in unknown)}")
+    from miles.algorithms.config import AlgorithmConfigError, resolve_correction
+
+    try:
+        values = resolve_correction(values, str(values.get("mode", _default(table["mode"][0][1]))))
+    except AlgorithmConfigError as exc:
+        raise ConfigError(str(exc)) from None
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for name, owners in table.items():
         # A shared field has one value: the user's, or else the first owner's default.

@@ -1,7 +1,8 @@
 """Prompt data: JSONL in slime's format, read once, served in order with a resumable cursor.
 
 Each line is a JSON object; ``--input-key`` names the prompt (a string, or a list of chat
-messages when ``--apply-chat-template`` is set), ``--label-key`` the label handed to the
+messages when ``--apply-chat-template`` is set; ids as ``Tokenizer.encode_prompt`` gives
+them, BOS included where the checkpoint's tokenizer adds one), ``--label-key`` the label handed to the
 reward function, ``--metadata-key`` free metadata. Bad lines (malformed JSON, missing input,
 empty prompt, prompt longer than ``--max-prompt-len`` tokens, a token id the model's
 embedding does not have) are skipped and counted by reason, with the first line of each
@@ -28,10 +29,11 @@ class DataError(ValueError):
 
 
 class TextTokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    def encode_prompt(self, text: str, *, chat: bool = False, add_special_tokens: bool | None = None) -> list[int]: ...
 
 
-def _encode_prompt(raw: Any, tokenizer: TextTokenizer | None, chat: bool) -> tuple[str, list[int]]:
+def _encode_prompt(raw: Any, tokenizer: TextTokenizer | None, chat: bool,
+                   special: bool | None = None) -> tuple[str, list[int]]:
     if chat:
         if isinstance(raw, str):
             raw = [{"role": "user", "content": raw}]
@@ -40,12 +42,12 @@ def _encode_prompt(raw: Any, tokenizer: TextTokenizer | None, chat: bool) -> tup
         rendered = tokenizer.apply_chat_template(raw)
         if isinstance(rendered, list):
             return json.dumps(raw), [int(t) for t in rendered]
-        return rendered, tokenizer.encode(rendered)
+        return rendered, tokenizer.encode_prompt(rendered, chat=True, add_special_tokens=special)
     if isinstance(raw, list) and raw and all(isinstance(m, dict) and "role" in m for m in raw):
         raise ValueError("the prompt is a list of chat messages: add --apply-chat-template")
     if not isinstance(raw, str):
         raise ValueError(f"expected a string prompt, got {type(raw).__name__}")
-    return raw, (tokenizer.encode(raw) if tokenizer is not None else [])
+    return raw, (tokenizer.encode_prompt(raw, add_special_tokens=special) if tokenizer is not None else [])
 
 
 class PromptDataset:
@@ -60,6 +62,7 @@ class PromptDataset:
         label_key: str | None = "label",
         metadata_key: str | None = "metadata",
         apply_chat_template: bool = False,
+        add_special_tokens: bool | None = None,
         max_prompt_len: int | None = None,
         vocab_size: int | None = None,
         on_bad_data: str = "skip",
@@ -80,7 +83,7 @@ class PromptDataset:
                     continue
                 try:
                     row = self._parse(line, line_no, tokenizer, input_key, label_key, metadata_key,
-                                      apply_chat_template, max_prompt_len, vocab_size)
+                                      apply_chat_template, add_special_tokens, max_prompt_len, vocab_size)
                 except _BadLine as bad:
                     if on_bad_data == "fail":
                         raise DataError(f"{self.path}:{line_no}: {bad.reason}: {bad.detail}") from None
@@ -101,7 +104,7 @@ class PromptDataset:
 
     @staticmethod
     def _parse(line: str, line_no: int, tokenizer: TextTokenizer | None, input_key: str,
-               label_key: str | None, metadata_key: str | None, chat: bool,
+               label_key: str | None, metadata_key: str | None, chat: bool, special: bool | None,
                max_len: int | None, vocab_size: int | None) -> PromptSample:
         try:
             obj = json.loads(line)
@@ -115,7 +118,7 @@ class PromptDataset:
         if raw is None or (isinstance(raw, (str, list)) and len(raw) == 0):
             raise _BadLine("empty_prompt", f"key {input_key!r} is empty")
         try:
-            text, tokens = _encode_prompt(raw, tokenizer, chat)
+            text, tokens = _encode_prompt(raw, tokenizer, chat, special)
         except ValueError as exc:
             raise _BadLine("bad_prompt", str(exc)) from None
         if tokenizer is not None and not tokens:

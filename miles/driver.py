@@ -407,11 +407,12 @@ def _ledger_ok(ledger: Any) -> bool:
 async def train(cfg: MilesConfig) -> dict[str, Any]:
     """Run training to ``--num-rollout`` steps; returns the summary (also in summary.json)."""
     from miles.actors.factory import load_datasets
-    from miles.validation import check_functions
+    from miles.validation import check_functions, correction_line
 
     if cfg.run.load_debug_rollout_data:
         return await replay_debug_rollouts(cfg)
-    check_functions(cfg)  # a bad --custom-*-path fails here, before Ray starts
+    check_functions(cfg)
+    print(f"[miles] {correction_line(cfg)}", flush=True)  # a bad --custom-*-path fails here, before Ray starts
     dataset, eval_data = load_datasets(cfg)  # bad data fails here, before any output exists
     if cfg.env.env_path and cfg.env.env_turn_template == "auto":  # decided once, before any worker starts
         from miles.actors.factory import load_tokenizer

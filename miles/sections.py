@@ -62,6 +62,9 @@ class DataConfig(msgspec.Struct, kw_only=True):
     label_key: str | None = "label"  # the label's key (handed to the reward as sample.label)
     metadata_key: str | None = "metadata"  # free metadata's key (sample.metadata)
     apply_chat_template: bool = False  # the input is a list of chat messages: render it with the tokenizer's template
+    # Special tokens around a prompt (None: as transformers encodes by default — raw text
+    # through the tokenizer's post-processor, BOS where it adds one; a chat template as rendered).
+    add_special_tokens: bool | None = None
     rollout_shuffle: bool = False  # shuffle the prompts each epoch
     eval_prompt_data: str | None = None  # held-out prompts, JSONL (see --eval-interval)
     n_samples_per_eval_prompt: int = 1  # samples per eval prompt (pass@k up to this k)

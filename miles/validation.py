@@ -49,6 +49,17 @@ def notes(cfg: Any) -> list[str]:
     return out
 
 
+def correction_line(cfg: Any) -> str:
+    """One line naming the off-policy correction the run trains with (the driver prints it)."""
+    algo, mode = cfg.algorithm, cfg.scheduler.mode
+    if not algo.off_policy_correction:
+        return f"--mode {mode}: no off-policy correction (samples train as if drawn from the current policy)"
+    low = algo.tis_clip_low if algo.tis_clip_low is not None else (0.0 if algo.tis_mode == "truncate" else 1 / algo.tis_clip)
+    kind = (f"{'MIS' if algo.tis_mode == 'mask' else 'TIS'} [{low:g}, {algo.tis_clip:g}] per {algo.tis_level}"
+            if algo.use_tis else f"decoupled PPO (prox {algo.prox_logp})")
+    return f"--mode {mode}: off-policy correction {kind} (--no-off-policy-correction to train uncorrected)"
+
+
 def _checkpoint_problems(path: str, run: Any):
     """The checkpoint against its config.json (headers only, no weights read) where an
     embedded backend will load it; otherwise config.json alone. Checked here, a mismatch is

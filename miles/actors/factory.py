@@ -53,6 +53,7 @@ def load_datasets(cfg: MilesConfig) -> tuple[PromptDataset, PromptDataset | None
     d = cfg.data
     common = dict(tokenizer=tokenizer, input_key=d.input_key, label_key=d.label_key,
                   metadata_key=d.metadata_key, apply_chat_template=d.apply_chat_template,
+                  add_special_tokens=d.add_special_tokens,
                   max_prompt_len=_max_prompt_len(cfg), on_bad_data=d.on_bad_data,
                   vocab_size=load_config(cfg.rollout.hf_checkpoint).vocab_size)
     train = PromptDataset(d.prompt_data, shuffle=d.rollout_shuffle, seed=cfg.run.seed, **common)

@@ -11,9 +11,11 @@ estimator is also a small public function. Shapes:
   broadcasts it over the sequence's loss tokens); [N, T] per token, zero where
   ``loss_mask`` is 0, for ``reinforce_plus_plus`` and ``ppo``.
 
-Group statistics follow slime: the GRPO std is the unbiased (Bessel) std of the group plus
-eps = 1e-6; a group of one sequence has std 0 and advantage 0. A group whose rewards are
-all equal gets advantage exactly 0 (no NaN).
+Group statistics follow slime by default: the GRPO std is the unbiased (Bessel) std of the
+group plus eps = 1e-6 (``--grpo-std-eps``; TRL uses 1e-4); ``--grpo-std-level batch`` takes
+the std over the whole batch instead (TRL's ``scale_rewards="batch"``), and
+``--no-grpo-std-unbiased`` the population std. A group of one sequence has std 0 and
+advantage 0. A group whose rewards are all equal gets advantage exactly 0 (no NaN).
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ STD_EPS = 1e-6
 
 
 def _group_stats(
-    rewards: Tensor, group_index: Tensor
+    rewards: Tensor, group_index: Tensor, *, unbiased: bool = True
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Per-sequence (group sum, count, mean, unbiased std, whether all rewards are equal)."""
+    """Per-sequence (group sum, count, mean, std, whether all rewards are equal)."""
     _, inverse = torch.unique(group_index, return_inverse=True)
     num_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
     r = rewards.to(torch.float64)  # group moments in double: exact zeros for equal rewards
@@ -41,7 +43,8 @@ def _group_stats(
     )
     mean = sums / counts
     sq = torch.zeros_like(sums).index_add_(0, inverse, (r - mean[inverse]) ** 2)
-    std = torch.where(counts > 1, (sq / (counts - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq))
+    dof = (counts - 1).clamp(min=1) if unbiased else counts
+    std = torch.where(counts > 1, (sq / dof).sqrt(), torch.zeros_like(sq))
     # Floating-point means of equal rewards need not equal the rewards (0.1·3/3 != 0.1), and
     # GRPO divides by std + eps: force exact zeros for constant groups instead.
     lo = torch.full_like(sums, float("inf")).scatter_reduce(0, inverse, r, "amin")
@@ -50,9 +53,19 @@ def _group_stats(
     return sums[inverse], counts[inverse], mean[inverse], std[inverse], constant[inverse]
 
 
-def grpo_advantages(rewards: Tensor, group_index: Tensor, *, eps: float = STD_EPS) -> Tensor:
-    """GRPO: (r - mean_group) / (std_group + eps). [N]"""
-    _, _, mean, std, constant = _group_stats(rewards, group_index)
+def grpo_advantages(
+    rewards: Tensor, group_index: Tensor, *, eps: float = STD_EPS, level: str = "group", unbiased: bool = True
+) -> Tensor:
+    """GRPO: (r - mean_group) / (std + eps), std of the group or (``level="batch"``) of
+    the whole batch, with Bessel's correction unless ``unbiased`` is False. [N]"""
+    _, _, mean, std, constant = _group_stats(rewards, group_index, unbiased=unbiased)
+    if level == "batch":
+        r = rewards.to(torch.float64)
+        n = r.numel()
+        batch_std = r.std(correction=1 if unbiased else 0) if n > 1 else r.new_zeros(())
+        std = batch_std.expand_as(r)
+    elif level != "group":
+        raise ValueError(f"std level must be 'group' or 'batch', got {level!r}")
     adv = (rewards.to(torch.float64) - mean) / (std + eps)
     return torch.where(constant, torch.zeros_like(adv), adv).to(rewards.dtype)
 
@@ -174,8 +187,12 @@ def compute_advantages(
     kl_coef: float = 0.0,
     gamma: float = 1.0,
     lam: float = 1.0,
+    std_eps: float = STD_EPS,
+    std_level: str = "group",
+    std_unbiased: bool = True,
 ) -> Tensor:
     """Advantages for estimator ``name`` (an ``AlgorithmConfig.advantage_estimator`` value).
+    ``std_*`` shape GRPO's / GSPO's normalisation (see ``grpo_advantages``).
 
     [N] for grpo / dr_grpo / rloo / gspo; [N, T] for reinforce_plus_plus (needs
     ``loss_mask``; ``kl`` [N, T] with ``kl_coef`` > 0 folds a KL penalty into the reward)
@@ -192,7 +209,7 @@ def compute_advantages(
     if not rewards.is_floating_point():
         rewards = rewards.float()
     if name in ("grpo", "gspo"):
-        return grpo_advantages(rewards, group_index)
+        return grpo_advantages(rewards, group_index, eps=std_eps, level=std_level, unbiased=std_unbiased)
     if name == "dr_grpo":
         return dr_grpo_advantages(rewards, group_index)
     if name == "rloo":

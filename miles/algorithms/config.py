@@ -32,7 +32,12 @@ TisLevel = Literal["token", "sequence", "geometric"]
 TisMode = Literal["truncate", "mask"]
 ProxLogp = Literal["recompute", "loglinear"]
 KlType = Literal["k1", "k2", "k3"]
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "grpo", "bnpo", "dapo", "dr_grpo"]
+StdLevel = Literal["group", "batch"]
+# TRL's ``loss_type`` names for the same aggregations (TRL's "dr_grpo" divides by the
+# generation budget: set --loss-agg-max-tokens to --rollout-max-response-len for its scale).
+LOSS_AGG_ALIASES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
+                    "dr_grpo": "seq-mean-token-sum-norm"}
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "advantage_estimator": ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "ppo", "gspo"),
@@ -41,6 +46,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "prox_logp": ("recompute", "loglinear"),
     "kl_type": ("k1", "k2", "k3"),
     "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "grpo_std_level": ("group", "batch"),
 }
 
 
@@ -50,6 +56,36 @@ class AlgorithmConfigError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"AlgorithmConfig.{field}: {message}")
         self.field = field
+
+
+# The correction a stale mode gets unless the user picks one: masked importance sampling
+# with IcePop's bounds. benchmarks/off_policy.py found it the one correction that recovers
+# η = 0's reward at η = 8 in every seed of both invocations, where truncated IS and
+# decoupled PPO collapse in some seeds (benchmarks/RESULTS.md, "off_policy").
+STALE_MODE_CORRECTION: dict[str, object] = {"use_tis": True, "tis_mode": "mask", "tis_clip": 5.0, "tis_clip_low": 0.5}
+STALE_MODES = ("async", "one-step-off")
+_CORRECTION_SWITCHES = ("use_tis", "use_decoupled_loss")
+
+
+def resolve_correction(values: dict[str, object], mode: str) -> dict[str, object]:
+    """Flat flag values with ``off_policy_correction`` decided (True/False) and, where it
+    is on and no correction was named, ``STALE_MODE_CORRECTION``'s fields the user left
+    unset. A switch the user set (either value) is their choice and is kept."""
+    out = dict(values)
+    chosen = any(bool(out.get(k)) for k in _CORRECTION_SWITCHES)
+    want = out.get("off_policy_correction")
+    if want is None:
+        explicit = any(k in out for k in _CORRECTION_SWITCHES)
+        want = chosen if explicit else mode in STALE_MODES
+    if not want and chosen:
+        raise AlgorithmConfigError("off_policy_correction",
+                                   "--no-off-policy-correction contradicts --use-tis / --use-decoupled-loss")
+    if want and not chosen:
+        for key, value in STALE_MODE_CORRECTION.items():
+            if key == "use_tis" or key not in out:
+                out[key] = value
+    out["off_policy_correction"] = bool(want)
+    return out
 
 
 class AlgorithmConfig(msgspec.Struct, kw_only=True):
@@ -62,6 +98,9 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True):
     # REINFORCE++ only: per-token KL(π_behav‖π_ref) penalty folded into the reward
     # (slime calls this --kl-coef; here --kl-coef is the KL *loss* term, as the issue asks).
     reward_kl_coef: float = 0.0
+    grpo_std_eps: float = 1e-6  # GRPO's std + eps denominator (slime 1e-6; TRL 1e-4)
+    grpo_std_level: StdLevel = "group"  # the std of each group (slime, TRL default) or of the whole batch (TRL "batch")
+    grpo_std_unbiased: bool = True  # Bessel's correction (n - 1) in that std, as torch.std, slime and TRL
 
     # --- PPO clip -----------------------------------------------------------------------
     # For GSPO the clip applies to the sequence's geometric-mean ratio, which moves far less
@@ -71,6 +110,9 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True):
     dual_clip_c: float | None = None  # dual-clip lower bound for A < 0 (must be > 1)
 
     # --- rollout corrections (importance_weights) ---------------------------------------
+    # Correct stale samples: None → on in --mode async and one-step-off, off in sync. On
+    # with neither --use-tis nor --use-decoupled-loss set means MIS (STALE_MODE_CORRECTION).
+    off_policy_correction: bool | None = None
     use_tis: bool = False
     tis_clip: float = 2.0  # importance_weights' ``high``
     tis_clip_low: float | None = None  # ``low``; None → 0 (truncate) or 1/tis_clip (mask)
@@ -88,12 +130,16 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True):
     entropy_coef: float = 0.0  # entropy bonus in the loss
 
     # --- aggregation --------------------------------------------------------------------
+    # per sequence mean then batch mean (slime's default; TRL "grpo"), all loss tokens' mean
+    # (slime --calculate-per-token-loss; TRL "bnpo"/"dapo"), or token sums over a constant
+    # (Dr. GRPO); TRL's names are accepted and resolved to these.
     loss_agg: LossAgg = "seq-mean-token-mean"
     # Constant normalizer of "seq-mean-token-sum-norm" (Dr. GRPO uses the generation
     # budget); None → the padded response length of the batch.
     loss_agg_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        self.loss_agg = LOSS_AGG_ALIASES.get(self.loss_agg, self.loss_agg)  # type: ignore[assignment]
         validate(self)
 
     # ---- derived ---------------------------------------------------------------------
@@ -129,6 +175,8 @@ def validate(cfg: AlgorithmConfig) -> None:
     for field in ("gamma", "lam"):
         value = getattr(cfg, field)
         _check(_finite(value) and 0.0 <= value <= 1.0, field, f"must be in [0, 1], got {value!r}")
+    _check(_finite(cfg.grpo_std_eps) and cfg.grpo_std_eps >= 0.0, "grpo_std_eps",
+           f"must be a finite number >= 0, got {cfg.grpo_std_eps!r}")
     for field in ("reward_kl_coef", "kl_coef", "entropy_coef"):
         value = getattr(cfg, field)
         _check(_finite(value) and value >= 0.0, field, f"must be a finite number >= 0, got {value!r}")

@@ -250,7 +250,9 @@ class _Episode:
 
     def _set_prompt(self, first: str | list[dict[str, Any]]) -> None:
         text = self.template.prompt_text(first)
-        tokens = self.tokenizer.encode(text)
+        data = getattr(getattr(self.ctx, "config", None), "data", None)
+        tokens = self.tokenizer.encode_prompt(text, chat=self.template.mode == "chat",
+                                              add_special_tokens=getattr(data, "add_special_tokens", None))
         if not tokens or len(tokens) >= self.context_limit:
             raise EnvFailure("env_invalid", f"reset's prompt has {len(tokens)} tokens; the context holds "
                                             f"{self.context_limit} (one response token at least)")

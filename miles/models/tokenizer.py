@@ -63,6 +63,15 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_prompt(self, text: str, *, chat: bool = False, add_special_tokens: bool | None = None) -> list[int]:
+        """A prompt's ids as ``transformers`` encodes it by default: raw text through the
+        tokenizer's post-processor (a BOS where it adds one, as the checkpoint's SFT data
+        had), a rendered chat template as it is (the template writes its own BOS, and
+        ``apply_chat_template(tokenize=True)`` adds none). ``add_special_tokens`` overrides
+        either (``--add-special-tokens`` / ``--no-add-special-tokens``)."""
+        special = (not chat) if add_special_tokens is None else add_special_tokens
+        return self.encode(text, add_special_tokens=special)
+
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

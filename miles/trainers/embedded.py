@@ -293,8 +293,8 @@ class EmbeddedTrainer:
         adv = compute_advantages(
             self.algo.advantage_estimator, rewards, torch.tensor(group_index, device=self.device),
             loss_mask=batch.loss_mask, kl=kl, kl_coef=self.algo.reward_kl_coef, gamma=self.algo.gamma,
-            lam=self.algo.lam,
-        )
+            lam=self.algo.lam, std_eps=self.algo.grpo_std_eps, std_level=self.algo.grpo_std_level,
+            std_unbiased=self.algo.grpo_std_unbiased)
         if adv.ndim == 1:
             adv = adv[:, None].expand_as(batch.loss_mask)
         return adv * batch.loss_mask

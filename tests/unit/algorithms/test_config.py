@@ -9,7 +9,7 @@ FLAGS = {
     "advantage_estimator", "gamma", "lam", "reward_kl_coef", "eps_clip", "eps_clip_high",
     "dual_clip_c", "use_tis", "tis_clip", "tis_clip_low", "tis_level", "tis_mode", "tis_veto",
     "use_decoupled_loss", "prox_logp", "kl_coef", "kl_type", "entropy_coef", "loss_agg",
-    "loss_agg_max_tokens",
+    "loss_agg_max_tokens", "off_policy_correction", "grpo_std_eps", "grpo_std_level", "grpo_std_unbiased",
 }
 
 
