@@ -88,3 +88,32 @@ def test_batch_invariant_model_gives_zero_across_batch_composition_and_split_k_b
     with invariant.mode(keys=64, linear_fn=_split_k):
         m = trainer().train_step(groups)
     assert m["train/rollout_logprob_abs_diff_max"] > 0.0
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_engine_logprobs_equal_the_trainers_in_the_invariant_mode(moe: bool) -> None:
+    """The embedded engine's recorded log-probs (continuous batching: rows of different
+    prompt lengths prefill, decode together and finish) against the trainer's recompute, in
+    invariant.mode with the torch decode path (sdpa decode attention, no CPU decode kernel,
+    no residual GEMM): bitwise equal; and the train step reports it."""
+    import asyncio
+    import copy
+
+    from miles.engines import EmbeddedEngine, EngineConfig
+    from miles.models import invariant
+    from tests.unit.trainers.test_engine_consistency import _rollout
+
+    extra = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if moe else {}
+    model = make_model(**extra)
+    with invariant.mode(keys=model.config.max_position_embeddings):
+        engine = EmbeddedEngine(copy.deepcopy(model).eval(), config=EngineConfig(
+            max_batch_size=8, max_seq_len=128, decode_attention="sdpa", cpu_decode_kernel=False,
+            decode_residual_gemm=False))
+        tr = EmbeddedTrainer(model, config=TrainerConfig(lr=1e-2, use_rollout_routing_replay=moe,
+                                                         true_on_policy_check="strict"),
+                             algo=AlgorithmConfig(use_tis=True))
+        trajs = asyncio.run(_rollout(engine, [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10], [9, 10, 11, 12, 13]], 1.0, moe))
+        got = tr.compute_logprobs(trajs)
+        assert all(a == t.logprobs for a, t in zip(got, trajs))
+        m = tr.train_step([trajs[:2], trajs[2:]])
+    assert m["train/rollout_logprob_abs_diff_max"] == 0.0 and m["train/tis_ratio_max"] == 1.0
