@@ -103,6 +103,7 @@ class Driver:
         cfg, a = self.cfg, self.actors
         version = self.scheduler.version
         t0 = time.monotonic()
+        self.out.metrics.start_train_clock()  # train_time: from the first step's request for data
         batch_ref = a.buffer.get_batch_async.remote(cfg.scheduler.rollout_batch_size, version)
         groups = await self._until_stopped(batch_ref)
         if groups is None:

@@ -24,13 +24,21 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsRecorder:
-    """Appends one JSON object per ``log`` call to ``metrics.jsonl`` in the output dir."""
+    """Appends one JSON object per ``log`` call to ``metrics.jsonl`` in the output dir.
 
-    def __init__(self, output_dir: str | Path | None, *, tensorboard: bool = False) -> None:
+    ``wall_time`` counts from the recorder's creation (start-up included: Ray, actors, model
+    loads); ``train_time`` from ``start_train_clock()``, which the driver calls as the first
+    step begins (or, where nobody calls it, the first row), so runs compare without their
+    start-up."""
+
+    def __init__(self, output_dir: str | Path | None, *, tensorboard: bool = False,
+                 clock: Any = time.monotonic) -> None:
+        self._clock = clock
+        self._train_start: float | None = None
         self.output_dir = Path(output_dir) if output_dir else None
         self._file: IO[str] | None = None
         self._tb: Any = None
-        self._start = time.monotonic()
+        self._start = clock()
         if self.output_dir is not None:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             self._file = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")
@@ -45,7 +53,11 @@ class MetricsRecorder:
         self.last: dict[str, Any] = {}
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
-        row = {"step": step, "wall_time": round(time.monotonic() - self._start, 4)}
+        now = self._clock()
+        if self._train_start is None:
+            self._train_start = now
+        row = {"step": step, "wall_time": round(now - self._start, 4),
+               "train_time": round(now - self._train_start, 4)}
         row.update({k: _clean(v) for k, v in metrics.items()})
         self.last = row
         if self._file is not None:
@@ -56,6 +68,11 @@ class MetricsRecorder:
                 if isinstance(value, (int, float)) and key != "step":
                     self._tb.add_scalar(key, value, step)
         return row
+
+    def start_train_clock(self) -> None:
+        """Start ``train_time`` now (once; later calls keep the first start)."""
+        if self._train_start is None:
+            self._train_start = self._clock()
 
     def close(self) -> None:
         if self._file is not None:
