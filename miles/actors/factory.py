@@ -35,9 +35,13 @@ def configure_process(cfg: MilesConfig, threads: int) -> None:
     random.seed(cfg.run.seed)
     np.random.seed(cfg.run.seed % (2**32))
     torch.manual_seed(cfg.run.seed)
-    if cfg.run.deterministic:
+    if cfg.run.deterministic or cfg.run.true_on_policy:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if cfg.run.true_on_policy:  # every actor process: the engine's and the trainer's forwards alike
+        from miles.models import invariant
+
+        invariant.enable(keys=context_len(cfg))
 
 
 def load_tokenizer(cfg: MilesConfig) -> Any:
@@ -109,6 +113,9 @@ def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0) -> A
 
     tokenizer = load_tokenizer(cfg)
     engine_cfg = msgspec.structs.replace(cfg.engine, seed=cfg.run.seed + seed_offset, max_seq_len=context_len(cfg))
+    if cfg.run.true_on_policy:  # the torch decode path, whose GEMMs and attention invariant.enable replaces
+        engine_cfg = msgspec.structs.replace(engine_cfg, decode_attention="sdpa", cpu_decode_kernel=False,
+                                             decode_residual_gemm=False, decode_fused_mlp=False)
     model = load_pretrained(cfg.rollout.hf_checkpoint, device=engine_cfg.device)
     from miles.models.quant import apply_quantization
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -108,16 +109,27 @@ def _sdpa(keys: int):
     return sdpa
 
 
+def enable(keys: int, linear_fn: Any = None) -> None:
+    """Route every ``F.linear`` and ``F.scaled_dot_product_attention`` of this process
+    through the batch-invariant forms (``--true-on-policy``: each actor process calls it
+    once, with the run's context length as ``keys``)."""
+    torch.nn.functional.linear = linear_fn or linear
+    torch.nn.functional.scaled_dot_product_attention = _sdpa(keys)
+
+
+def disable() -> None:
+    torch.nn.functional.linear = _F_LINEAR
+    torch.nn.functional.scaled_dot_product_attention = _F_SDPA
+
+
 @contextlib.contextmanager
 def mode(keys: int, linear_fn=None) -> Iterator[None]:
     """Within it, every ``F.linear`` (the model's projections, experts, router and LM head)
     and every ``F.scaled_dot_product_attention`` runs in its batch-invariant form, attention
     over ``keys`` fixed key positions. ``linear_fn`` swaps in another GEMM (tests break the
     invariance on purpose with it)."""
-    torch.nn.functional.linear = linear_fn or linear
-    torch.nn.functional.scaled_dot_product_attention = _sdpa(keys)
+    enable(keys, linear_fn)
     try:
         yield
     finally:
-        torch.nn.functional.linear = _F_LINEAR
-        torch.nn.functional.scaled_dot_product_attention = _F_SDPA
+        disable()
