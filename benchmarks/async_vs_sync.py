@@ -212,6 +212,14 @@ def measure(rows: list[dict]) -> dict[str, float]:
         "rows_per_step": _delta_ratio(first, last, "engine/decode_rows", "engine/decode_steps"),
         # the share of the engines' busy time spent prefilling (re-prefills of recycled partials)
         "engine_prefill": _delta_ratio(first, last, "engine/prefill_s", "engine/busy_s"),
+        # where the prefilled tokens came from: fresh prompts, resumed partial rollouts, rows
+        # recomputing their cache after an update that did not keep it (shares of all)
+        **{f"prefill_{cause}": _delta_ratio(first, last, f"engine/prefill_tokens_{cause}", "engine/prefill_tokens")
+           for cause in ("fresh", "resumed", "recompute")},
+        "mixed_version_kv_frac": statistics.fmean(r.get("train/mixed_version_kv_frac", 0.0) for r in rows[1:])
+        if len(rows) > 1 else float("nan"),
+        "mismatch_kl": statistics.fmean(r.get("train/mismatch_kl_k1", float("nan")) for r in rows[1:])
+        if len(rows) > 1 else float("nan"),
         # the workers over the span (summed over workers): seconds with room for work that
         # the buffer left empty, and seconds their event loops woke up late, per second
         "worker_starved": _delta(first, last, "rollout/starved_s") / span,
@@ -272,6 +280,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--max-len", type=int, default=2048, help="GPU: longest response")
     parser.add_argument("--disaggregated", action="store_true", help="GPU: trainer and engine on GPUs of their own")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="runs per config (seeds 1..N); the table gives the median and the spread")
     parser.add_argument("--only", nargs="*", default=None,
                         help="configs to run, by name or slug (sync, one-step-off, async_eta2, async_eta2_partial; default all)")
     parser.add_argument("--compile", action="store_true",
@@ -334,11 +344,13 @@ def main() -> None:
                          interrupted=f"stopped by signal {signum} during {running[0]!r}"), args.results)
         os._exit(128 + signum)
 
-    for name, extra in configs:
+    runs = [(f"{name} s{seed}" if args.seeds > 1 else name, name, extra, seed)
+            for name, extra in configs for seed in range(1, args.seeds + 1)]
+    for name, _config, extra, seed in runs:
         running[0] = name
         signal.signal(signal.SIGTERM, on_term)  # again each time: ray.init (in the first run) sets its own
         out = work / name.replace(" ", "_").replace("=", "").replace("+", "")
-        flags = dict(base, output_dir=str(out), num_rollout=steps, progress=False, seed=1, **extra)
+        flags = dict(base, output_dir=str(out), num_rollout=steps, progress=False, seed=seed, **extra)
         if args.compile:
             flags["compile"] = True
         start = time.monotonic()
@@ -432,7 +444,8 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
     """The benchmark-log section for the configs in ``results`` (all of them, or those that ran
     before ``interrupted`` says the run was stopped)."""
     gpu = args.device == "cuda"
-    sync = results.get("sync")
+    sync = results.get("sync") or results.get("sync s1")
+    headline = headline_table(results)
     gpu_cols = sorted({k for r in results.values() for k in r if k.startswith("gpu")})
     lines = ["| config | trained samples/s | × sync | tokens/s | × sync | raw trained/s | stock drawn | final reward | "
              "wait for data | buffer busy | buffer CPU | buffer calls/traj | admission | max staleness | rollout tok/s | graph capture | KV read useful | engine idle | engine prefill | rows/step | worker starved | loop lag |"
@@ -463,7 +476,16 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
         + (f"in {len(lanes)} concurrent lanes of one run, one after another within a lane ({'; '.join(lanes)})."
            if lanes else "run one after another in one process."),
         "",
+        *headline,
+        "",
         *lines,
+        "",
+        "Headline: trained tokens/s against sync (median over seeds, and the range: each seed's "
+        "run against the same seed's sync), samples/s beside it; 'prefill by cause' splits the "
+        "engines' prefilled tokens into fresh prompts / resumed partial rollouts / rows recomputing "
+        "their cache after an update that did not keep it; 'mixed KV' is the mean per step of "
+        "train/mixed_version_kv_frac (loss tokens sampled on a cache holding an older version's "
+        "entries), 'mismatch KL' the mean train/mismatch_kl_k1. Per-run rows below.",
         "",
         "Ratios are trained samples/s against sync over the same number of trained samples, counting only "
         "the samples the rollout side completed within the measured span: 'raw trained/s' is what the trainer "
@@ -490,6 +512,37 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
         "",
     ])
     return section
+
+
+def headline_table(results: dict[str, dict[str, float]]) -> list[str]:
+    """One row per config: the tokens/s ratio to sync first (median over seeds with the
+    spread), samples/s beside it, the prefill causes and the mixed-version KV share."""
+    by_config: dict[str, dict[str, dict[str, float]]] = {}
+    for name, r in results.items():
+        config, _, seed = name.rpartition(" s")
+        if not (config and seed.isdigit()):
+            config, seed = name, "1"
+        by_config.setdefault(config, {})[seed] = r
+    sync = by_config.get("sync", {})
+    lines = ["| config | seeds | tokens/s × sync (median, range) | samples/s × sync | tokens/s | final reward | "
+             "engine prefill | prefill by cause (fresh/resumed/recompute) | wait for data | loop lag | mixed KV | mismatch KL |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    med = statistics.median
+    for config, seeds in by_config.items():
+        rs = list(seeds.values())
+        tr = [r["tokens_per_s"] / sync[s]["tokens_per_s"] for s, r in seeds.items() if s in sync]
+        sr = [r["samples_per_s"] / sync[s]["samples_per_s"] for s, r in seeds.items() if s in sync]
+        rng = f" ({min(tr):.2f}–{max(tr):.2f})" if len(tr) > 1 else ""
+        cause = "/".join(f"{100 * med(r.get(f'prefill_{c}', float('nan')) for r in rs):.0f}%"
+                         for c in ("fresh", "resumed", "recompute"))
+        lines.append(
+            f"| {config} | {len(rs)} | {med(tr) if tr else float('nan'):.2f}×{rng} | {med(sr) if sr else float('nan'):.2f}× | "
+            f"{med(r['tokens_per_s'] for r in rs):.0f} | {med(r['reward'] for r in rs):.3f} | "
+            f"{100 * med(r.get('engine_prefill', float('nan')) for r in rs):.0f}% | {cause} | "
+            f"{100 * med(r['wait_share'] for r in rs):.0f}% | {1e3 * med(r.get('loop_lag', float('nan')) for r in rs):.1f} ms/s | "
+            f"{100 * med(r.get('mixed_version_kv_frac', float('nan')) for r in rs):.1f}% | "
+            f"{med(r.get('mismatch_kl', float('nan')) for r in rs):.2e} |")
+    return lines
 
 
 def write(section: str, path: str) -> None:

@@ -76,7 +76,8 @@ class RunOutputs:
         if self._bar is not None:
             self._bar.update(1)
             post = {k.split("/")[-1]: round(v, 3) for k, v in row.items()
-                    if k in ("rollout/reward_mean", "buffer/staleness_max", "perf/trained_samples_per_s")
+                    if k in ("rollout/reward_mean", "buffer/staleness_max", "perf/trained_tokens_per_s",
+                             "perf/trained_samples_per_s")
                     and isinstance(v, (int, float))}
             self._bar.set_postfix(post)
         return row
@@ -116,6 +117,8 @@ def batch_metrics(groups: Sequence[Sequence[Trajectory]], trainer_version: int,
     lengths = [len(t.response_tokens) for t in trajs]
     stale = [trainer_version - v for t in trajs for v, m in zip(t.versions, t.loss_mask) if m]
     spans = [len(set(t.loss_versions())) for t in trajs]
+    kv = [kv < v for t in trajs if len(t.kv_versions) == len(t.versions)
+          for v, kv, m in zip(t.versions, t.kv_versions, t.loss_mask) if m]
     out = {
         "rollout/reward_mean": statistics.fmean(rewards) if rewards else math.nan,
         "rollout/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
@@ -125,6 +128,8 @@ def batch_metrics(groups: Sequence[Sequence[Trajectory]], trainer_version: int,
         "buffer/staleness_mean": statistics.fmean(stale) if stale else 0.0,
         "buffer/staleness_max": float(max(stale, default=0)),
         "rollout/versions_per_traj_max": float(max(spans, default=0)),
+        # Loss tokens sampled on a cache still holding an older policy's K/V entries.
+        "train/mixed_version_kv_frac": sum(kv) / len(kv) if kv else 0.0,
         "rollout/resumed_frac": sum(t.num_segments > 1 for t in trajs) / max(len(trajs), 1),
         "perf/trained_samples": float(len(trajs)),
         "perf/trained_tokens": float(sum(lengths)),

@@ -76,7 +76,8 @@ class GenerateContext:
 
 def apply_output(traj: Trajectory, out: GenerateOutput, *, kind: str = "model") -> None:
     """Append an engine output to a trajectory and set its status from the finish reason."""
-    traj.append(out.output_ids, out.logprobs, out.versions, kind=kind)  # type: ignore[arg-type]
+    traj.append(out.output_ids, out.logprobs, out.versions, kind=kind,  # type: ignore[arg-type]
+                kv_versions=out.kv_versions)
     if out.routed_experts is not None and traj.routed_experts is not None:
         traj.routed_experts.extend(out.routed_experts)
     if out.finish_reason == "abort":

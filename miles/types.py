@@ -92,6 +92,10 @@ class Trajectory(msgspec.Struct, kw_only=True):
     versions: list[int] = []
     loss_mask: list[int] = []
     segments: list[Segment] = []
+    # Per response token: the oldest policy version in the engine's K/V cache for the row
+    # when the token was sampled (``versions[i]`` itself where the engine does not say).
+    # Below ``versions[i]`` means the token continued on a cache kept across an update.
+    kv_versions: list[int] = []
     # Optional MoE routing decisions per response token: [token][layer][top_k expert ids].
     routed_experts: list[list[list[int]]] | None = None
     status: Status = Status.PENDING
@@ -150,6 +154,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
         versions: list[int] | int,
         *,
         kind: SegmentKind = "model",
+        kv_versions: list[int] | None = None,
     ) -> None:
         """Append a model- or environment-written span; env spans carry no loss."""
         n = len(tokens)
@@ -162,6 +167,8 @@ class Trajectory(msgspec.Struct, kw_only=True):
         if n == 0:
             return
         start = len(self.response_tokens)
+        if len(self.kv_versions) == start:  # kept in step (a trajectory from before it is not)
+            self.kv_versions.extend(kv_versions if kv_versions and len(kv_versions) == n else versions)
         self.response_tokens.extend(tokens)
         self.logprobs.extend(logprobs)
         self.versions.extend(versions)
@@ -318,6 +325,9 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     output_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
+    # Per token: the oldest policy version in the row's K/V cache when it was sampled
+    # (empty when the engine does not track it).
+    kv_versions: list[int] = []
     finish_reason: FinishReason = "stop"
     matched_stop: int | str | None = None
     error: str | None = None

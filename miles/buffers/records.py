@@ -77,6 +77,7 @@ def reset(traj: Trajectory) -> None:
     traj.response_tokens = []
     traj.logprobs = []
     traj.versions = []
+    traj.kv_versions = []
     traj.loss_mask = []
     traj.segments = []
     traj.routed_experts = None
@@ -105,6 +106,7 @@ def restore(traj: Trajectory, snap: tuple[int, int]) -> Trajectory:
         response_tokens=traj.response_tokens[:n],
         logprobs=traj.logprobs[:n],
         versions=traj.versions[:n],
+        kv_versions=traj.kv_versions[:n],
         loss_mask=traj.loss_mask[:n],
         segments=segments,
         routed_experts=None if routed is None else routed[:n],

@@ -32,6 +32,10 @@ class Request:
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        # Oldest policy version among the K/V entries in the slot (-1 before the first
+        # prefill): a kept cache across an in-place update holds the older version's entries.
+        self.kv_version = -1
+        self.kv_versions: list[int] = []  # kv_version when each output token was sampled
         self.routed: list[list[list[int]]] | None = [] if req.return_routed_experts else None
         self.hidden: list[Tensor] | None = [] if req.return_hidden_states else None
         self.budget = req.sampling.max_new_tokens - req.num_prefix_tokens
@@ -61,6 +65,7 @@ class Request:
         self.output_ids.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
+        self.kv_versions.append(version if self.kv_version < 0 else min(self.kv_version, version))
         self.context.append(token)
         sp = self.sampling
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in eos_ids):
@@ -86,6 +91,7 @@ class Request:
             output_ids=list(self.output_ids),
             logprobs=list(self.logprobs),
             versions=list(self.versions),
+            kv_versions=list(self.kv_versions),
             finish_reason=finish,
             matched_stop=self.matched_stop,
             error=self.error,

@@ -58,7 +58,8 @@ class _InFlight:
 class EngineStats:
     def __init__(self) -> None:
         self.counters = dict.fromkeys(
-            ("tokens_generated", "decode_steps", "decode_rows", "prefill_tokens", "weight_updates",
+            ("tokens_generated", "decode_steps", "decode_rows", "prefill_tokens", "prefill_tokens_fresh",
+             "prefill_tokens_resumed", "prefill_tokens_recompute", "weight_updates",
              "requests_finished", "requests_aborted", "requests_failed", "spec_rounds",
              "draft_updates"), 0)
         self.occupancy: deque[float] = deque(maxlen=256)
@@ -153,9 +154,10 @@ class Stepper:
         out = self.runner.prefill([r.slot for r in rows], seqs, logits=bool(fresh),
                                   hidden=any(r.hidden is not None for r in rows),
                                   routing=any(r.routed is not None for r in rows))
-        self.stats.counters["prefill_tokens"] += sum(len(s) for s in seqs)
+        self._count_prefill(rows, seqs)
         for i, (r, seq) in enumerate(zip(rows, seqs)):
             r.needs_prefill = False
+            r.kv_version = self.version
             if r.kv_len == 0 and r.hidden is not None:
                 r.hidden.append(out.hidden[i, : len(seq)].clone())
             r.kv_len = len(seq)
@@ -176,7 +178,7 @@ class Stepper:
             seqs = [r.context[:-1] for r in work]
             out = self.runner.prefill([r.slot for r in work], seqs, logits=False,
                                       hidden=drafter.needs_hidden or any(r.hidden is not None for r in work))
-            self.stats.counters["prefill_tokens"] += sum(len(s) for s in seqs)
+            self._count_prefill(work, seqs)
             for i, r in enumerate(work):
                 if r.kv_len == 0 and r.hidden is not None:
                     r.hidden.append(out.hidden[i, : len(seqs[i])].clone())
@@ -186,6 +188,18 @@ class Stepper:
         for r in rows:
             r.needs_prefill = False
             r.kv_len = len(r.context) - 1
+            r.kv_version = self.version
+
+    def _count_prefill(self, rows: list[Request], seqs: list[list[int]]) -> None:
+        """Prefill tokens by cause: a fresh prompt, a resumed partial rollout (its earlier
+        response comes back as context), or a running row recomputing its cache after a
+        weight update that did not keep it."""
+        c = self.stats.counters
+        for r, seq in zip(rows, seqs):
+            n = len(seq)
+            c["prefill_tokens"] += n
+            cause = "recompute" if r.kv_len else ("resumed" if r.req.num_prefix_tokens else "fresh")
+            c[f"prefill_tokens_{cause}"] += n
 
     # ---- decode ------------------------------------------------------------------------
     def decode(self) -> None:

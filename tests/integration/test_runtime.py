@@ -103,6 +103,24 @@ def test_partial_rollout_spans_versions(ray_cluster, tiny_ckpt, task, tmp_path) 
     assert max(spans) >= 2, "no trajectory spanned two policy versions"
     for r in rows:  # versions never decrease along a trajectory
         assert r["token_versions"] == sorted(r["token_versions"])
+        kv = r["kv_versions"]  # the oldest version in the row's cache: never above the token's
+        assert len(kv) == len(r["token_versions"]) and kv == sorted(kv)
+        assert all(k <= v for k, v in zip(kv, r["token_versions"]))
+    # rows continued across an in-place update on their kept cache (--keep-kv-cache-on-update)
+    mixed = [sum(k < v for k, v, m in zip(r["kv_versions"], r["token_versions"], r["loss_mask"]) if m)
+             for r in rows]
+    assert sum(mixed) > 0, "no loss token was sampled on a cache holding an older version"
+    metrics = read_jsonl(out / "metrics.jsonl")
+    n_loss = [sum(r["loss_mask"]) for r in rows]
+    by_step: dict[int, list[int]] = {}
+    for r, m_, n in zip(rows, mixed, n_loss):
+        by_step.setdefault(r["step"], [0, 0])
+        by_step[r["step"]][0] += m_
+        by_step[r["step"]][1] += n
+    for m in metrics:  # the logged share is exactly the dumped rows' share
+        got, total = by_step[m["step"]]
+        assert m["train/mixed_version_kv_frac"] == pytest.approx(got / total if total else 0.0)
+    assert summary["ledger"]["trained"] == len(rows) == len({r["id"] for r in rows})
 
 
 def test_sglang_backend_end_to_end(ray_cluster, tiny_ckpt, task, tmp_path) -> None:

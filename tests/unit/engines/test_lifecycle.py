@@ -126,11 +126,19 @@ def test_weight_update_mid_generation_records_versions(keep_kv_cache: bool, over
         assert engine.version == 1
         await engine.resume()
         out = await task
+        stats = engine.stats()
         await engine.close()
-        return k, out
+        return k, out, stats
 
-    k, out = run(go)
+    k, out, stats = run(go)
     assert out.versions == [0] * k + [1] * (40 - k)
+    # the oldest version in the row's cache at each token: a kept cache still holds the
+    # old weights' entries; a recomputed one holds only the new weights'
+    assert out.kv_versions == ([0] * 40 if keep_kv_cache else [0] * k + [1] * (40 - k))
+    assert stats["engine/prefill_tokens_fresh"] == len(prompt)
+    recompute = stats["engine/prefill_tokens_recompute"]
+    assert recompute == (0 if keep_kv_cache else len(prompt) + k - 1)  # all but its pending token
+    assert stats["engine/prefill_tokens"] == len(prompt) + recompute
     ids = torch.tensor([prompt + out.output_ids])
     P = len(prompt)
     with torch.no_grad():
