@@ -126,7 +126,7 @@ def run_mode(mode: str, out: Path, ckpt: Path, data: Path, args: argparse.Namesp
     argv = ["train", "--hf-checkpoint", str(ckpt), "--prompt-data", str(data), "--output-dir", str(out), *task,
             "--rollout-max-response-len", "1000", "--rollout-batch-size", str(args.batch),
             "--n-samples-per-prompt", str(args.n), "--num-rollout", str(args.steps), "--lr", "1e-5",
-            "--max-inflight-per-worker", str(args.inflight), "--max-batch-size", str(args.inflight),
+            "--dev", f"max_inflight_per_worker={args.inflight}", "--max-batch-size", str(args.inflight),
             "--no-progress", *MODES[mode], *_device_flags(args.device)]
     if miles_main(argv) != 0:
         raise RuntimeError(f"{mode} run failed; see {out}")

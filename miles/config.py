@@ -37,6 +37,41 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# Developer settings: config fields that are not ``miles train`` flags. They are the engine's
+# kernel and scheduling switches (each default is the measured best; ``benchmarks/engine.py
+# --side`` compares the alternatives), backend plumbing with working defaults, and tuning
+# constants few runs need. A run still sets them, by name, in its YAML file or with
+# ``--dev KEY=VALUE`` (repeatable); the resolved config.yaml lists them like every field.
+DEV_FIELDS = frozenset({
+    # run, data, rollout, scheduler, buffer
+    "ray_num_cpus", "health_check_interval_s", "max_failed_groups_in_a_row", "update_weight_buffer_size",
+    "save_debug_rollout_data", "load_debug_rollout_data",
+    "metadata_key", "eval_max_prompts",
+    "rollout_stop_token_ids", "max_inflight_per_worker", "max_inflight", "capacity", "lease_timeout_s",
+    # engine: kernel and admission switches
+    "max_prefill_tokens", "admit_min", "admit_max_wait_steps", "kv_block", "decode_split",
+    "capture_graphs_at_start", "overlap", "cpu_decode_kernel", "fused_sampling", "decode_fuse_rope",
+    "decode_residual_gemm", "decode_fused_mlp", "decode_attention_chunk", "decode_merge_in_kernel",
+    # trainer and algorithm constants
+    "min_lr", "lr_decay_steps", "adam_beta1", "adam_beta2", "adam_eps", "skip_nonfinite_steps",
+    "max_consecutive_nonfinite", "gamma", "lam", "reward_kl_coef", "dual_clip_c", "tis_veto",
+    "loss_agg_max_tokens",
+    # Megatron-core internals
+    "expert_tensor_parallel_size", "local_core_attention", "make_vocab_size_divisible_by",
+    "recompute_method", "recompute_num_layers", "moe_token_dispatcher_type", "moe_router_dtype",
+    "moe_aux_loss_coeff", "use_distributed_optimizer",
+    # SGLang plumbing
+    "sglang_launch_command", "sglang_host", "sglang_port", "sglang_weight_backend",
+    "sglang_weight_master_address", "sglang_weight_master_port", "sglang_weight_dir", "sglang_pause_mode",
+    "sglang_timeout_s", "sglang_startup_timeout_s",
+    # environments, speculative decoding, the draft's training, transports
+    "env_stop_token_ids", "env_threads",
+    "speculative_num_draft_tokens", "speculative_sampling", "speculative_max_batch_size",
+    "speculative_probe_interval", "draft_num_hidden_layers", "draft_hidden_size", "draft_lr", "draft_train_interval",
+    "draft_kl_coef", "draft_micro_batch_size", "draft_max_queue", "weight_transport_timeout_s",
+})
+
+
 def _field_table() -> dict[str, list[tuple[str, msgspec.structs.FieldInfo]]]:
     """field name → [(section, field info)], in section order."""
     table: dict[str, list[tuple[str, msgspec.structs.FieldInfo]]] = {}
@@ -103,6 +138,17 @@ def _parse_mapping(text: str) -> dict[str, Any]:
     return out
 
 
+def _parse_dev(text: str) -> tuple[str, Any]:
+    """``--dev key=value``: a config field by its name (dashes or underscores), value as YAML."""
+    key, sep, raw = text.partition("=")
+    key = key.strip().lstrip("-").replace("-", "_")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    if key not in _field_table():
+        raise argparse.ArgumentTypeError(f"unknown setting {key!r}")
+    return key, yaml.safe_load(raw) if raw.strip() else None
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but an error is one line (the full usage of ~100 flags would bury it)."""
 
@@ -114,7 +160,12 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
     # allow_abbrev=False: a passthrough --sglang-X must never be read as an abbreviation.
     parser = _Parser(prog=prog, description="Run asynchronous RL (see README.md).", allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of flag values (flags override it)")
+    parser.add_argument("--dev", "--engine-dev", dest="dev", action="append", default=argparse.SUPPRESS, metavar="KEY=VALUE",
+                        type=_parse_dev, help="set a developer setting (a config field that is not a flag, "
+                        "e.g. decode_attention_chunk=512); repeatable")
     for name, owners in _field_table().items():
+        if name in DEV_FIELDS:
+            continue
         section, info = owners[0]
         where = ", ".join(s for s, _ in owners)
         text = next((t for s, _ in owners if (t := field_comments(SECTIONS[s]).get(name))), "")
@@ -138,7 +189,11 @@ def field_comments(cls: type) -> dict[str, str]:
         if text.startswith(("def ", "@", "class ")):
             break  # the fields come first
         if text.startswith("#"):
-            above.append(text.lstrip("#").strip())
+            note = text.lstrip("#").strip()
+            if re.match(r"-{3,}\s", note):  # a "--- section ---" divider titles a group, not a field
+                above = []
+            else:
+                above.append(note)
             continue
         field = re.match(r"(\w+)\s*:[^#]*?(?:#\s*(.*))?$", text)
         if field and not text.startswith(('"', "'")):
@@ -238,7 +293,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "miles train") -> 
     values: dict[str, Any] = {}
     if ns.config:
         values.update(load_yaml(ns.config))
+    dev = dict(vars(ns).pop("dev", []))
     values.update({k: v for k, v in vars(ns).items() if k != "config"})
+    values.update(dev)
     if passthrough:
         merged = dict(values.get(PASSTHROUGH_FIELD) or {})
         merged.update(passthrough)

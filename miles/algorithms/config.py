@@ -92,7 +92,7 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True):
     """Advantage estimator, policy loss and off-policy correction flags."""
 
     # --- advantages ---------------------------------------------------------------------
-    advantage_estimator: AdvantageEstimator = "grpo"
+    advantage_estimator: AdvantageEstimator = "grpo"  # how rewards become per-token advantages
     gamma: float = 1.0  # discount (GAE, REINFORCE++ returns)
     lam: float = 1.0  # GAE lambda (slime: --lambd)
     # REINFORCE++ only: per-token KL(π_behav‖π_ref) penalty folded into the reward
@@ -113,7 +113,7 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True):
     # Correct stale samples: None → on in --mode async and one-step-off, off in sync. On
     # with neither --use-tis nor --use-decoupled-loss set means MIS (STALE_MODE_CORRECTION).
     off_policy_correction: bool | None = None
-    use_tis: bool = False
+    use_tis: bool = False  # weight the loss by truncated (TIS) or masked (MIS) importance ratios
     tis_clip: float = 2.0  # importance_weights' ``high``
     tis_clip_low: float | None = None  # ``low``; None → 0 (truncate) or 1/tis_clip (mask)
     tis_level: TisLevel = "token"  # importance ratios per token, per sequence (product), or their geometric mean
@@ -121,12 +121,12 @@ class AlgorithmConfig(msgspec.Struct, kw_only=True):
     tis_veto: float | None = None  # mask a sequence if any token ratio < veto
 
     # --- decoupled PPO ------------------------------------------------------------------
-    use_decoupled_loss: bool = False
-    prox_logp: ProxLogp = "recompute"
+    use_decoupled_loss: bool = False  # decoupled PPO: clip against a proximal policy, correct behaviour by ratio
+    prox_logp: ProxLogp = "recompute"  # the proximal log-probs: recomputed by the trainer, or interpolated
 
     # --- regularizers -------------------------------------------------------------------
     kl_coef: float = 0.0  # KL(π_θ‖π_ref) loss term; needs a reference model when > 0
-    kl_type: KlType = "k1"
+    kl_type: KlType = "k1"  # the KL estimator of --kl-coef (k1, k2 or k3)
     entropy_coef: float = 0.0  # entropy bonus in the loss
 
     # --- aggregation --------------------------------------------------------------------

@@ -30,10 +30,10 @@ class EnvConfig(msgspec.Struct, kw_only=True):
     env_path: str | None = None
     env_kwargs: dict[str, Any] = {}  # keyword arguments for the environment (JSON or k=v,...)
     max_turns: int = 8  # model turns per episode
-    max_total_tokens: int | None = None
-    max_turn_tokens: int | None = None
-    turn_timeout_s: float = 60.0
-    episode_timeout_s: float | None = None
+    max_total_tokens: int | None = None  # most tokens of a whole episode (prompt, turns, observations)
+    max_turn_tokens: int | None = None  # most tokens of one model turn
+    turn_timeout_s: float = 60.0  # longest call into the environment
+    episode_timeout_s: float | None = None  # longest episode, wall clock
     # Extra stop strings / token ids that end a model turn (besides EOS, the --rollout-stop*
     # ones and what the Env declares in its ``stop`` / ``stop_token_ids`` attributes).
     env_stop: list[str] = []
@@ -43,7 +43,7 @@ class EnvConfig(msgspec.Struct, kw_only=True):
     # where the tokenizer has a chat template, else raw; decided once before the run starts),
     # or a format string containing "{observation}" (e.g. "\n<obs>{observation}</obs>\n").
     env_turn_template: str = "auto"
-    env_observation_role: str = "user"
+    env_observation_role: str = "user"  # the chat role of an observation message (e.g. tool)
     # The episode's reward: the sum or the last of the step rewards, or "none" to leave it
     # to --custom-rm-path (which then scores the whole transcript).
     env_reward: Literal["sum", "last", "none"] = "sum"

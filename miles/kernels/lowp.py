@@ -4,15 +4,14 @@
   block-wise recipe (1 × 128 activation scales, 128 × 128 weight scales; cuBLAS on SM90).
   The forms are probed once on real operands and the first that matches the dequantized
   product is kept; where none does, the same quantized operands are multiplied dequantized
-  (the quantizer's semantics, at well below bf16 speed). On the H200 with torch 2.11+cu130
-  cuBLAS refused every form tried (``FP8_ERRORS``; benchmarks/log/low_precision.md), so FP8
-  runs dequantized there: a block-scaled FP8 GEMM that runs is still to be written.
+  (the quantizer's semantics, at well below bf16 speed). Where cuBLAS refuses every form
+  (``FP8_ERRORS`` records why; benchmarks/log/low_precision.md), FP8 runs dequantized.
   ``FP8_PATH`` says which path ran per shape.
 - INT4 (W4A16): a Triton GEMM that reads the packed INT4 weight (two a byte), dequantizes a
   tile with its group scales in registers and accumulates in float32; split-K over a few
   programs when the output alone gives too few (decode). Deterministic: partial sums go to
-  a buffer summed in a fixed order. On the H200 it matches the dequantized product (2e-3,
-  bf16 round-off) but is no faster than bf16 cuBLAS yet (0.97x a decode step at batch 1).
+  a buffer summed in a fixed order. It matches the dequantized product to bf16 round-off;
+  benchmarks/low_precision.py compares its speed with bf16 cuBLAS.
 """
 
 from __future__ import annotations

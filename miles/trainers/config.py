@@ -28,12 +28,12 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     """Optimizer, schedule, batching and precision of the embedded trainer."""
 
     # --- optimizer (AdamW; no weight decay on 1-D params: norms and biases) ---------------
-    lr: float = 1e-6
+    lr: float = 1e-6  # AdamW learning rate (peak, after warmup)
     min_lr: float = 0.0
-    lr_warmup_steps: int = 0
-    lr_decay_style: DecayStyle = "constant"
+    lr_warmup_steps: int = 0  # linear warmup steps from 0 to --lr
+    lr_decay_style: DecayStyle = "constant"  # the learning rate after warmup: constant, or a decay towards --min-lr
     lr_decay_steps: int | None = None  # steps after warmup to decay over (cosine/linear)
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # AdamW weight decay (not on norms and biases)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -45,7 +45,7 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     # batching.micro_batch_cost) is least (batching.plan_micro_batches), so long-tailed
     # batches are not padded to their longest.
     micro_batch_size: int | None = None
-    max_tokens_per_micro_batch: int | None = None
+    max_tokens_per_micro_batch: int | None = None  # most padded tokens (rows × longest) in one micro-batch
     num_steps_per_rollout: int = 1  # optimizer steps per train_step (PPO mini-batches)
 
     # --- numerics and placement ----------------------------------------------------------
@@ -81,7 +81,7 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     true_on_policy_check: Literal["report", "strict"] = "report"  # strict: stop the run if a rollout log-prob differs from the trainer's
 
     # --- MoE / rewards -------------------------------------------------------------------
-    use_rollout_routing_replay: bool = False
+    use_rollout_routing_replay: bool = False  # MoE: the trainer routes each token to the experts the engine chose (R3)
     reward_key: str | None = None  # which entry of a dict reward to train on (None → sum)
 
     def __post_init__(self) -> None:

@@ -134,7 +134,7 @@ def test_driver_killed_and_resumed(ray_cluster, tiny_ckpt, task, tmp_path) -> No
             "--prompt-data", task["data"], "--custom-rm-path", task["rm"], "--output-dir", str(out),
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "6",
             "--rollout-max-response-len", "24", "--save", str(ck), "--save-interval", "1",
-            "--dump-trajectories", "--no-progress", "--ray-num-cpus", "2"]
+            "--dump-trajectories", "--no-progress", "--dev", "ray_num_cpus=2"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     proc = subprocess.Popen(argv, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

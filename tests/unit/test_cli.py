@@ -113,9 +113,9 @@ def test_incompatible_flags(files, capsys) -> None:
     _fails(_argv(files, "--advantage-estimator", "ppo"), capsys, "no critic yet")
     _fails(_argv(files, "--decode-attention", "triton"), capsys, "--decode-attention triton is a CUDA kernel")
     _fails(_argv(files, "--decode-attention", "flash"), capsys, "choose auto, matmul, sdpa or triton")
-    _fails(_argv(files, "--decode-attention-chunk", "100"), capsys, "--decode-attention-chunk 100: 0 (auto) or a power")
+    _fails(_argv(files, "--dev", "decode_attention_chunk=100"), capsys, "--decode-attention-chunk 100: 0 (auto) or a power")
     _fails(_argv(files, "--kv-cache-dtype", "int4"), capsys, "--kv-cache-dtype 'int4': choose auto, fp8_e4m3, fp8_e5m2")
-    _fails(_argv(files, "--kv-cache-dtype", "fp8_e4m3", "--cpu-decode-kernel"), capsys, "reads a cache in the engine's own dtype")
+    _fails(_argv(files, "--kv-cache-dtype", "fp8_e4m3", "--dev", "cpu_decode_kernel=true"), capsys, "reads a cache in the engine's own dtype")
     _fails(_argv(files, "--kv-cache-dtype", "fp8_e4m3", "--rollout-backend", "sglang"), capsys,
            "--sglang-kv-cache-dtype fp8_e4m3")
     # GPU layouts that Ray could not place (a worker past the placement group's last GPU, or
@@ -171,7 +171,7 @@ def test_bad_function_path(files, capsys) -> None:
 
 
 def test_deterministic_refuses_the_cpu_kernel(files, capsys) -> None:
-    argv = _argv(files, "--mode", "sync", "--deterministic", "--cpu-decode-kernel")
+    argv = _argv(files, "--mode", "sync", "--deterministic", "--dev", "cpu_decode_kernel=true")
     _fails(argv, capsys, "--deterministic keeps the torch decode path")
     assert not files["out"].exists()
 
@@ -213,3 +213,31 @@ def test_max_staleness_outside_async_mode_is_noted_not_refused(files) -> None:
     assert notes(cfg("--mode", "one-step-off", "--max-staleness", "4"))[0].endswith("η = 1")
     assert notes(cfg("--mode", "async", "--max-staleness", "4")) == []
     assert notes(cfg("--mode", "sync")) == []
+
+
+def test_help_lists_at_most_140_flags_and_quotes_no_timing() -> None:
+    """``miles train --help`` is for users: developer settings are reached through ``--dev``,
+    and a help line says what a flag does, not how fast it was."""
+    import re
+
+    from miles.config import DEV_FIELDS, build_parser
+
+    parser = build_parser()
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) <= 140, f"{len(flags)} flags"
+    shown = {a.dest for a in flags}
+    assert not shown & DEV_FIELDS
+    timing = re.compile(r"20[0-9]{2}-[0-9]{2}-[0-9]{2}|H200|[0-9] ?(µs|us|ms)\b|[0-9]x faster")
+    assert [a.option_strings[0] for a in flags if timing.search(a.help or "")] == []
+
+
+def test_dev_sets_a_field_that_is_not_a_flag(capsys) -> None:
+    from miles.config import build_parser, parse_args
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--decode-attention-chunk", "512"])
+    cfg_values = build_parser().parse_args(["--dev", "decode-attention-chunk=512", "--engine-dev", "admit_min=4"])
+    assert dict(cfg_values.dev) == {"decode_attention_chunk": 512, "admit_min": 4}
+    with pytest.raises(SystemExit):
+        parse_args(["--dev", "no_such_setting=1"])
+    assert "unknown setting 'no_such_setting'" in capsys.readouterr().err

@@ -21,7 +21,7 @@ class SGLangConfig(msgspec.Struct, kw_only=True):
     # Connect: rollout worker i drives sglang_urls[i] (one server per worker: each worker
     # updates its server's weights). Or launch one server per worker on the worker's host.
     sglang_urls: list[str] = []
-    sglang_launch: bool = False
+    sglang_launch: bool = False  # launch one SGLang server per rollout worker instead of connecting
     # The launch command before the flags; empty = [python, -m, sglang.launch_server].
     # (["python", "-m", "miles", "serve"] launches the embedded engine instead.)
     sglang_launch_command: list[str] = []

@@ -56,7 +56,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True):
     draft_num_hidden_layers: int = 1
     draft_hidden_size: int = 0  # the independent LM's width (0: a quarter of the policy's)
     # ---- DraftTrainer ------------------------------------------------------------------
-    enable_draft_training: bool = False
+    enable_draft_training: bool = False  # train the draft online on fresh rollouts (the DraftTrainer)
     draft_lr: float = 1e-4  # the DraftTrainer's learning rate
     draft_train_interval: int = 1  # publish a draft version every N trained policy batches
     draft_kl_coef: float = 0.0  # + KL(policy ‖ draft) on the policy copy's full distribution

@@ -34,10 +34,10 @@ class MegatronConfig(msgspec.Struct, kw_only=True):
     """Parallelism, layer implementation and memory options of the Megatron-core trainer."""
 
     # --- parallelism (Megatron-LM names) --------------------------------------------------
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1  # ranks that split each layer's weights (TP)
+    pipeline_model_parallel_size: int = 1  # ranks that split the layers into stages (PP)
     context_parallel_size: int = 1  # needs transformer_engine attention
-    expert_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1  # ranks that split the MoE experts (EP)
     expert_tensor_parallel_size: int | None = None  # None → same as tensor_model_parallel_size
     sequence_parallel: bool = False  # needs tensor_model_parallel_size > 1
 
