@@ -41,6 +41,18 @@ from miles.scheduler import Scheduler
 from miles.utils.proc import rss_mb
 
 
+# A replacement rollout worker's construction (engine build, checkpoint load, a gloo or NCCL
+# group rebuild) may take minutes on a loaded node: it has this long to answer its first
+# ping, where a running worker has only the health-ping timeout.
+STARTUP_DEADLINE_S = 600.0
+
+
+def backoff_s(attempts: int) -> float:
+    """Seconds before the ``attempts``-th replacement of one worker: doubling, capped, so a
+    worker that keeps dying does not spin the cluster."""
+    return min(30.0, 0.5 * 2 ** max(0, attempts - 1))
+
+
 class RunFailed(RuntimeError):
     """The run cannot continue (e.g. the trainer died); the message says why and what was kept."""
 
@@ -59,7 +71,10 @@ class Driver:
         self.failure: str | None = None
         self.worker_runs: dict[str, Any] = {}
         self.worker_stats: dict[str, dict[str, float]] = {}
-        self.restarts: dict[str, int] = {}
+        self.restarts: dict[str, int] = {}  # crashes of each worker name (the failure limit)
+        self.slow_starts: dict[str, int] = {}  # replacements that missed their start-up deadline
+        self.starting: dict[str, Any] = {}  # replacements built but not yet answering a ping
+        self.respawns: set[asyncio.Task[None]] = set()
         self.eval_tasks: list[asyncio.Task[None]] = []
         self.draft_run: Any = None
         self.step = 0
@@ -168,7 +183,9 @@ class Driver:
         while not self.stop.is_set():
             await asyncio.sleep(self.cfg.run.health_check_interval_s)
             for worker_id, handle in list(self.actors.workers.items()):
-                run_ref = self.worker_runs[worker_id]
+                run_ref = self.worker_runs.get(worker_id)
+                if run_ref is None:  # replaced while this loop awaited
+                    continue
                 done, _ = ray.wait([run_ref], timeout=0)
                 try:
                     if done:
@@ -198,23 +215,61 @@ class Driver:
                        f"{reason}); check --custom-rm-path, the generate function or the environment"
                        f"{self._checkpoint_note()}")
 
-    async def _replace_worker(self, worker_id: str, cause: Exception) -> None:
+    async def _replace_worker(self, worker_id: str, cause: BaseException, *, slow: bool = False) -> None:
+        """Return the worker's leases to the queue (exactly once) and start a replacement after
+        a backoff. A replacement that misses its start-up deadline is a slow start, not a crash:
+        it is retried without counting against ``--max-worker-restarts`` (which counts crashes),
+        up to as many slow starts again."""
         a, cfg = self.actors, self.cfg
         name = worker_id.rsplit("-", 1)[0]
-        self.restarts[name] = self.restarts.get(name, 0) + 1
-        ray_actors.kill(a.workers.pop(worker_id))
+        counts = self.slow_starts if slow else self.restarts
+        counts[name] = counts.get(name, 0) + 1
+        handle = a.workers.pop(worker_id, None) or self.starting.pop(worker_id, None)
+        if handle is not None:
+            ray_actors.kill(handle)
         self.worker_runs.pop(worker_id, None)
         self.worker_stats.pop(worker_id, None)
         await a.broadcaster.unregister.remote(worker_id)
         if a.draft_broadcaster is not None:
             await a.draft_broadcaster.unregister.remote(worker_id)
         returned = await a.buffer.release_worker.remote(worker_id)
-        print(f"[miles] rollout worker {worker_id} died ({type(cause).__name__}); "
-              f"{returned} leased trajectories returned to the queue", flush=True)
-        if self.restarts[name] > cfg.run.max_worker_restarts:
-            self._fail(f"rollout worker {name} died {self.restarts[name]} times: {cause}")
+        what = f"did not start within {STARTUP_DEADLINE_S:.0f} s" if slow else f"died ({type(cause).__name__})"
+        print(f"[miles] rollout worker {worker_id} {what}; {returned} leased trajectories returned to the queue",
+              flush=True)
+        if counts[name] > cfg.run.max_worker_restarts:
+            self._fail(f"rollout worker {name} {'missed its start-up deadline' if slow else 'died'} "
+                       f"{counts[name]} times: {cause}")
             return
-        await self._start_worker(*ray_actors.start_worker(cfg, a, name))
+        attempts = self.restarts.get(name, 0) + self.slow_starts.get(name, 0)
+        task = asyncio.create_task(self._respawn(name, backoff_s(attempts)))
+        self.respawns.add(task)
+        task.add_done_callback(self.respawns.discard)
+
+    async def _respawn(self, name: str, delay: float) -> None:
+        """Start a replacement for ``name`` after ``delay`` and wait for its first answer under
+        the start-up deadline (building an engine and loading a checkpoint on a loaded node
+        takes far longer than a health ping may); only then does it join the run."""
+        await asyncio.sleep(delay)
+        if self.stop.is_set():
+            return
+        worker_id, handle = ray_actors.start_worker(self.cfg, self.actors, name, join=False)
+        self.starting[worker_id] = handle
+        try:
+            await asyncio.wait_for(handle.ping.remote(), STARTUP_DEADLINE_S)
+        except asyncio.TimeoutError as exc:
+            if not self.stop.is_set():
+                await self._replace_worker(worker_id, exc, slow=True)
+            return
+        except Exception as exc:  # its constructor raised, or the process died: a crash
+            if not self.stop.is_set():
+                await self._replace_worker(worker_id, exc)
+            return
+        self.starting.pop(worker_id, None)
+        if self.stop.is_set():
+            ray_actors.kill(handle)
+            return
+        self.actors.workers[worker_id] = handle
+        await self._start_worker(worker_id, handle)
 
     async def _start_worker(self, worker_id: str, handle: Any) -> None:
         latest = await self.actors.broadcaster.register.remote(worker_id, handle)
@@ -346,8 +401,10 @@ class Driver:
             # The evaluation due at the last step is part of the run's result: let it finish.
             await asyncio.wait(self.eval_tasks, timeout=600)
         self.stop.set()
-        for task in self.eval_tasks:
+        for task in [*self.eval_tasks, *self.respawns]:
             task.cancel()
+        for handle in self.starting.values():
+            ray_actors.kill(handle)
         if status == "completed" and self.cfg.run.save_hf:
             await a.trainer.export_hf.remote(self.cfg.run.save_hf, self.cfg.rollout.hf_checkpoint)
         stopped = await asyncio.gather(*(w.stop.remote() for w in a.workers.values()), return_exceptions=True)
@@ -368,6 +425,7 @@ class Driver:
             "ledger_ok": _ledger_ok(ledger),
             "data": self.dataset.stats(),
             "worker_restarts": self.restarts,
+            "worker_slow_starts": self.slow_starts,
             "workers": [s for s in stopped if isinstance(s, dict)],
             "checkpoint": self.ckpt.latest() if self.ckpt else None,
             "startup": self.startup,

@@ -144,8 +144,10 @@ for _name in ("renew", "ledger", "prompt_room", "failures"):
 
 
 class _RolloutWorkerActor(RolloutWorker):
-    def __init__(self, worker_id: str, flat: dict[str, Any], threads: int, buffer: Any, rewards: list[Any]) -> None:
+    def __init__(self, worker_id: str, flat: dict[str, Any], threads: int, buffer: Any, rewards: list[Any],
+                 start_delay_s: float = 0.0) -> None:
         start = time.monotonic()
+        time.sleep(start_delay_s)  # TEST_START_DELAY_S: a slow start, in tests only
         cfg = resolve(flat)
         configure_process(cfg, threads)
         super().__init__(worker_id, **build_rollout_worker(cfg, worker_id, buffer=buffer, rewards=rewards))
@@ -287,17 +289,24 @@ def launch(cfg: MilesConfig) -> Actors:
     return actors
 
 
-def start_worker(cfg: MilesConfig, actors: Actors, name: str) -> tuple[str, Any]:
-    """Start one rollout worker under a fresh id (a restarted worker never reuses leases)."""
+# Test-only hook: seconds each rollout worker's constructor waits first, to stand in for a
+# slow start on a loaded node (tests set it; no flag reaches it).
+TEST_START_DELAY_S = 0.0
+
+
+def start_worker(cfg: MilesConfig, actors: Actors, name: str, *, join: bool = True) -> tuple[str, Any]:
+    """Start one rollout worker under a fresh id (a restarted worker never reuses leases);
+    ``join=False`` leaves it out of ``actors.workers`` until the caller admits it."""
     worker_id = f"{name}-{os.urandom(3).hex()}"
     ordinal = int(name.removeprefix("worker") or 0) if name.removeprefix("worker").isdigit() else 0
     options = actors.worker_options[ordinal % len(actors.worker_options)] if actors.worker_options else {}
     handle = (
         ray.remote(_RolloutWorkerActor)
         .options(max_concurrency=1000, **options)
-        .remote(worker_id, cfg.to_flat(), actors.threads, actors.buffer, actors.rewards)
+        .remote(worker_id, cfg.to_flat(), actors.threads, actors.buffer, actors.rewards, TEST_START_DELAY_S)
     )
-    actors.workers[worker_id] = handle
+    if join:
+        actors.workers[worker_id] = handle
     return worker_id, handle
 
 
