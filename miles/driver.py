@@ -328,7 +328,9 @@ class Driver:
             for key in ("rollout/tokens", "rollout/busy_s", "rollout/partial", "rollout/drain_s", "rollout/swap_s",
                         "rollout/stage_s", "engine/graph_captures", "engine/graph_capture_s", "engine/idle_s",
                         "engine/busy_s", "engine/prefill_s", "engine/decode_steps", "engine/decode_rows",
-                        "rollout/starved_s", "rollout/loop_lag_s", "rollout/put_calls", "rollout/lease_calls"):
+                        "rollout/starved_s", "rollout/loop_lag_s", "rollout/put_calls", "rollout/lease_calls",
+                        "engine/prefill_tokens", "engine/prefill_tokens_fresh", "engine/prefill_tokens_resumed",
+                        "engine/prefill_tokens_recompute"):
                 totals[key] = totals.get(key, 0.0) + ws.get(key, 0.0)
             # the worst worker's: the longest decode pause a weight swap caused, the latest its
             # event loop woke up
