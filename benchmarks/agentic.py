@@ -274,7 +274,8 @@ async def measure_overhead(args: argparse.Namespace) -> dict[str, Any]:
 
     from miles.agent import AgentRollout
     from miles.engines import EmbeddedEngine, EngineConfig
-    from miles.envs import EnvConfig, EnvRollout
+    from miles.envs import EnvConfig
+    from miles.rollout import EnvRollout
     from miles.models import CausalLM, build_tiny_tokenizer, tiny_config
     from miles.rollout import GenerateContext
     from miles.types import SamplingParams, Trajectory

@@ -61,7 +61,7 @@ from miles.trainers import EmbeddedTrainer, TrainerConfig  # noqa: E402
 from miles.trainers.draft import DraftLearner  # noqa: E402
 from miles.types import GenerateRequest, SamplingParams, Status, Trajectory  # noqa: E402
 from miles.utils import gcpolicy  # noqa: E402
-from miles.weights import pack_all  # noqa: E402
+from miles.transports.weights import pack_all  # noqa: E402
 
 PRESETS = {
     # CPU: the engine benchmark's small model.

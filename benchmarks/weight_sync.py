@@ -61,7 +61,7 @@ from miles.models import CausalLM, ModelConfig, tiny_config  # noqa: E402
 from miles.transports import make_sender  # noqa: E402
 from miles.transports.cuda_ipc import capture_graph  # noqa: E402
 from miles.transports.changed import fingerprints  # noqa: E402
-from miles.weights import MEMCPY_BYTES, layout, pack_into, plan_buckets, slots  # noqa: E402
+from miles.transports.weights import MEMCPY_BYTES, layout, pack_into, plan_buckets, slots  # noqa: E402
 from weight_sync_engine import EngineSide, serve  # noqa: E402
 
 PHASES = ("prepare_s", "trip_s", "receive_s", "wait_s")  # the parts of 'to staged'

@@ -1,7 +1,8 @@
 """The run's configuration: one typed struct per component, one flat flag namespace.
 
-Each component owns a msgspec struct (``BufferConfig`` in ``miles.buffers``, ``TrainerConfig``
-in ``miles.trainers``, ...). ``MilesConfig`` holds one of each, by section name. Flags are the
+Each component owns a msgspec struct in its ``config.py`` (``BufferConfig`` in ``miles.buffers``,
+``RolloutConfig`` in ``miles.rollout``, ...); the run's own two (``RunConfig``, ``DataConfig``)
+are here, and ``SECTIONS`` lists them all. ``MilesConfig`` holds one of each, by section name. Flags are the
 field names with ``_`` → ``-`` (``--rollout-batch-size``), following slime's names where slime
 has one. A field that two components share (``max_staleness`` is read by the scheduler and
 the buffer) is one flag that sets both, so they can never disagree.
@@ -26,7 +27,106 @@ from typing import Any, Literal
 import msgspec
 import yaml
 
-from miles.sections import SECTIONS
+
+
+class RunConfig(msgspec.Struct, kw_only=True):
+    """Where outputs go, how long to run, placement, checkpoints, debugging."""
+
+    output_dir: str = "outputs/run"  # metrics.jsonl, summary.json, dumps, config.yaml go here
+    # backends: the embedded torch ones run anywhere; megatron / sglang are optional extras
+    train_backend: Literal["embedded", "megatron"] = "embedded"  # the trainer: torch (anywhere) or Megatron-core
+    rollout_backend: Literal["embedded", "sglang"] = "embedded"  # the engines: torch (anywhere) or SGLang servers
+    num_rollout: int = 10  # trainer steps (slime: --num-rollout)
+    seed: int = 1234  # seeds sampling, data order and initialisation
+    deterministic: bool = False  # batch-invariant steps and fixed orders: a resumed run repeats exactly
+    true_on_policy: bool = False  # batch-invariant engine and trainer (CPU float32): rollout log-probs bitwise the trainer's
+    # placement (GPUs; 0 means CPU)
+    actor_num_nodes: int = 1  # nodes of trainer ranks (Megatron)
+    actor_num_gpus_per_node: int = 0  # the trainer's GPUs per node (0: CPU)
+    rollout_num_gpus: int = 0  # GPUs of the rollout engines, apart from the trainer's (one worker each)
+    rollout_num_gpus_per_engine: int = 1  # GPUs per engine (SGLang tensor parallelism)
+    num_rollout_workers: int = 1  # rollout workers (one engine each); on the CPU, processes
+    num_reward_workers: int = 0  # 0: rewards run inside the rollout workers
+    colocate: bool = False  # the engines share the trainer's first GPU (weights by CUDA IPC)
+    ray_address: str | None = None  # join this Ray cluster instead of starting a local one
+    ray_num_cpus: int | None = None  # CPUs of the local Ray cluster (default: the machine's)
+    # checkpoints
+    save: str | None = None  # checkpoint directory (trainer, buffer with partial trajectories, data cursor)
+    save_interval: int = 0  # also save every N steps (a run saves at its end and on Ctrl-C anyway)
+    keep_checkpoints: int = 3  # newest checkpoints kept under --save
+    load: str | None = None  # resume from a --save directory (its newest checkpoint) or one checkpoint
+    save_hf: str | None = None  # at the end, write the policy as a Hugging Face checkpoint dir
+    # outputs and debugging
+    dump_trajectories: bool = False  # every trained trajectory to trajectories.jsonl (miles inspect reads it)
+    save_debug_rollout_data: str | None = None  # record every trained batch here (slime's debug mode)
+    load_debug_rollout_data: str | None = None  # train on recorded batches only: no rollouts
+    eval_interval: int = 0  # evaluate --eval-prompt-data every N steps (and before step 1)
+    tensorboard: bool = False  # also write TensorBoard events to OUTPUT_DIR/tb
+    progress: bool = True  # a progress bar on the terminal
+    update_weight_buffer_size: int = 512 * 1024 * 1024  # bytes per weight bucket
+    health_check_interval_s: float = 1.0  # how often actors are pinged (and workers report stats)
+    max_worker_restarts: int = 3  # replacements of a dead rollout worker before the run stops
+    # Stop the run when this many groups in a row were dropped because a member FAILED
+    # (a reward function or environment that always fails would otherwise spin forever);
+    # 0 never stops.
+    max_failed_groups_in_a_row: int = 200
+
+
+class DataConfig(msgspec.Struct, kw_only=True):
+    """Prompt data in JSONL (slime's format): one object per line with input/label keys."""
+
+    prompt_data: str | None = None  # training prompts, JSONL
+    input_key: str = "input"  # the prompt's key in each JSONL object
+    label_key: str | None = "label"  # the label's key (handed to the reward as sample.label)
+    metadata_key: str | None = "metadata"  # free metadata's key (sample.metadata)
+    apply_chat_template: bool = False  # the input is a list of chat messages: render it with the tokenizer's template
+    # Special tokens around a prompt (None: as transformers encodes by default — raw text
+    # through the tokenizer's post-processor, BOS where it adds one; a chat template as rendered).
+    add_special_tokens: bool | None = None
+    rollout_shuffle: bool = False  # shuffle the prompts each epoch
+    eval_prompt_data: str | None = None  # held-out prompts, JSONL (see --eval-interval)
+    n_samples_per_eval_prompt: int = 1  # samples per eval prompt (pass@k up to this k)
+    eval_max_prompts: int | None = None  # evaluate only the first N eval prompts
+    on_bad_data: Literal["skip", "fail"] = "skip"  # a bad JSONL line: skip it (counted) or stop with its line number
+    max_prompt_len: int | None = None  # longer prompts are bad lines (default: the context minus one token)
+
+
+def _sections() -> dict[str, type[Any]]:
+    # Imported here so that this registry is the one place that knows every component.
+    from miles.agent.config import AgentConfig
+    from miles.algorithms import AlgorithmConfig
+    from miles.buffers import BufferConfig
+    from miles.engines import EngineConfig
+    from miles.engines.sglang import SGLangConfig
+    from miles.envs.config import EnvConfig
+    from miles.engines.spec import SpeculativeConfig
+    from miles.models.quant import QuantConfig
+    from miles.rollout.config import RolloutConfig
+    from miles.scheduler import SchedulerConfig
+    from miles.trainers import TrainerConfig
+    from miles.trainers.megatron.config import MegatronConfig
+    from miles.transports.config import WeightsConfig
+
+    return {
+        "run": RunConfig,
+        "data": DataConfig,
+        "rollout": RolloutConfig,
+        "scheduler": SchedulerConfig,
+        "buffer": BufferConfig,
+        "engine": EngineConfig,
+        "trainer": TrainerConfig,
+        "megatron": MegatronConfig,
+        "algorithm": AlgorithmConfig,
+        "sglang": SGLangConfig,
+        "env": EnvConfig,
+        "agent": AgentConfig,
+        "speculative": SpeculativeConfig,
+        "weights": WeightsConfig,
+        "quant": QuantConfig,
+    }
+
+
+SECTIONS: dict[str, type[Any]] = _sections()
 
 
 class ConfigError(ValueError):

@@ -29,7 +29,7 @@ from miles.trainers.draft import DraftLearner, usable
 from miles.types import Trajectory
 from miles.utils.compute import ComputeThread
 from miles.utils.proc import rss_mb
-from miles.weights import WeightBucket, pack_all, unpack
+from miles.transports.weights import WeightBucket, pack_all, unpack
 
 log = logging.getLogger(__name__)
 

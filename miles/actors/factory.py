@@ -178,7 +178,7 @@ def build_generate_fn(cfg: MilesConfig, tokenizer: Any) -> Any:
 
         return build_agent_rollout(cfg)
     if cfg.env.env_path:
-        from miles.envs import build_env_rollout
+        from miles.rollout import build_env_rollout
 
         return build_env_rollout(cfg, tokenizer)
     return load_generate_fn(cfg.rollout.custom_generate_function_path)

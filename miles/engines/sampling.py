@@ -34,15 +34,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from miles.kernels.constants import GOLDEN as _GOLDEN
+from miles.kernels.constants import GREEDY_EPS, UNIFORM_BITS, UNIFORM_SHIFT
+from miles.kernels.constants import MIX1 as _MIX1
+from miles.kernels.constants import MIX2 as _MIX2
 from miles.types import SamplingParams
 from miles.utils.device import to_device
 
 log = logging.getLogger(__name__)
 
-GREEDY_EPS = 1e-6
 _M64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's multipliers (unsigned)
 
 
 def _signed(x: int) -> int:
@@ -71,12 +72,7 @@ def _lsr(x: Tensor, s: int) -> Tensor:
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
-# u = (k + 0.5) / 2^23 from the hash's top 23 bits k: exact in float32 and strictly inside
-# (0, 1). With 24 bits, k + 0.5 needs 25 bits of mantissa: float32 rounded it to an even
-# integer, and k = 2^24 - 1 gave u = 1.0, so -log(-log u) = +inf and that vocabulary entry won
-# the draw whatever its logit — in ~0.9% of the draws of a 152k vocabulary (V / 2^24).
-UNIFORM_BITS = 23
-UNIFORM_SHIFT = 64 - UNIFORM_BITS
+# UNIFORM_BITS: why 23 bits, see miles.kernels.constants
 
 
 def counter_uniform(keys: Tensor, vocab: int) -> Tensor:
@@ -224,6 +220,10 @@ class SamplingBatch:
             top_k=[p.top_k for p in params],
             keys=[None if p.seed is None else row_key(p.seed, pos) for p, pos in zip(params, positions)],
         )
+
+    def uniforms(self, rows: list[int], V: int, dev: torch.device, gen: torch.Generator | None) -> Tensor:
+        """``uniforms`` for these rows: what a kernel adds its Gumbel noise from."""
+        return uniforms([self.keys[i] for i in rows], V, dev, gen)
 
     def truncates(self, rows: Any = None) -> bool:
         """Whether any of ``rows`` (default: all) samples from a top-k / top-p truncation."""

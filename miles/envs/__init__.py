@@ -3,10 +3,9 @@
 An environment is any object with ``reset(sample) -> str`` and ``step(action_text) ->
 (observation, reward, done, info)`` (``miles.protocols.Env``; sync or async methods), built
 once per episode from ``--env-path pkg.mod:Env`` with ``--env-kwargs``. With ``--env-path``
-set, every rollout worker rolls its trajectories out with ``EnvRollout`` (``rollout.py``).
+set, every rollout worker rolls its trajectories out with ``miles.rollout.EnvRollout``.
 
 - ``config.py``    EnvConfig: the ``--env-*`` / ``--max-turns`` ... flags
-- ``rollout.py``   EnvRollout: the multi-turn generate function (budgets, failures, parking)
 - ``templates.py`` how an observation is joined to the conversation (chat template / raw)
 - ``episode.py``   the episode record kept in the trajectory (resume, replay)
 - ``calls.py``     calling Env methods: thread pool, timeouts, checking their returns
@@ -15,29 +14,17 @@ set, every rollout worker rolls its trajectories out with ``EnvRollout`` (``roll
 
 from __future__ import annotations
 
-from typing import Any
-
 from miles.envs.calls import EnvCaller, EnvFailure, StepResult, check_reset, check_step, load_env_factory
 from miles.envs.config import EnvConfig
 from miles.envs.episode import EpisodeState, TurnRecord
-from miles.envs.rollout import EnvRollout
 from miles.envs.templates import TemplateError, TurnTemplate, chat_separators
 from miles.envs.tools import ToolCall, ToolCallError, ToolEnv, format_tool_result, parse_tagged, parse_tool_calls
-
-
-def build_env_rollout(cfg: Any, tokenizer: Any = None) -> EnvRollout:
-    """The generate function for a run with ``--env-path`` (called by the actor factory)."""
-    env_cfg: EnvConfig = cfg.env
-    if not env_cfg.env_path:
-        raise ValueError("build_env_rollout needs --env-path")
-    return EnvRollout(load_env_factory(env_cfg.env_path, env_cfg.env_kwargs), env_cfg, tokenizer=tokenizer)
 
 
 __all__ = [
     "EnvCaller",
     "EnvConfig",
     "EnvFailure",
-    "EnvRollout",
     "EpisodeState",
     "StepResult",
     "TemplateError",
@@ -46,7 +33,6 @@ __all__ = [
     "ToolEnv",
     "TurnRecord",
     "TurnTemplate",
-    "build_env_rollout",
     "chat_separators",
     "check_reset",
     "check_step",

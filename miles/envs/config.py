@@ -1,7 +1,7 @@
 """EnvConfig: the flags of multi-turn environment rollouts (section ``env``).
 
 Field names are the CLI flags (``--env-path``, ``--max-turns`` ...). Setting ``--env-path``
-makes every rollout worker roll episodes out with ``miles.envs.EnvRollout`` instead of the
+makes every rollout worker roll episodes out with ``miles.rollout.EnvRollout`` instead of the
 single-turn generate function (``miles.actors.factory``).
 
 Budgets, from the outside in: ``--episode-timeout-s`` (wall time spent on one episode by

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from miles.engines.sampling import GREEDY_EPS, SamplingBatch, uniforms
+from miles.kernels.constants import GREEDY_EPS
 from miles.utils import blas
 
 log = logging.getLogger(__name__)
@@ -260,9 +260,10 @@ class CpuDecoder:
             raise ValueError(f"decode step refused: {_ERRORS.get(rc, f'error {rc}')}")
         return logits, hidden
 
-    def sample(self, logits: Tensor, batch: SamplingBatch, generator: torch.Generator | None
+    def sample(self, logits: Tensor, batch: Any, generator: torch.Generator | None
                ) -> tuple[Tensor, Tensor] | None:
-        """``sampling.sample`` plus the finite check in one call: (tokens [n] int64, host
+        """``sampling.sample`` plus the finite check in one call (``batch``: the engine's
+        ``SamplingBatch``): (tokens [n] int64, host
         [3, n] float64 rows token / log-prob / finite), the same tokens as ``sample`` draws
         from the same generator state. None where a row truncates (top-k / top-p): the
         caller samples with torch ops then."""
@@ -273,7 +274,7 @@ class CpuDecoder:
         drawn = [i for i, t in enumerate(temps) if t > 0.0]
         noise = None
         if drawn:
-            u = uniforms([batch.keys[i] for i in drawn], V, logits.device, generator)
+            u = batch.uniforms(drawn, V, logits.device, generator)
             noise = torch.log(-torch.log(u))
         temperature = torch.tensor(temps, dtype=torch.float32)
         tokens = torch.empty(n, dtype=torch.int64)

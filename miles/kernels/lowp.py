@@ -79,7 +79,7 @@ def linear(x: Tensor, stored: tuple[Tensor, ...], spec, bias: Tensor | None = No
 
 
 def fp8_linear(x: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype) -> Tensor:
-    from miles.models.quant import BLOCK, fp8_dequantize_weight, fp8_quantize_act
+    from miles.kernels.quantize import BLOCK, fp8_dequantize_weight, fp8_quantize_act
 
     N, K = wq.shape
     xq, xs = fp8_quantize_act(x)
@@ -99,7 +99,7 @@ def fp8_linear(x: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype) -> Ten
 def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, group: int) -> Tensor:
     """``x [M, K] @ dequant(W)ᵀ``: Triton on CUDA, dequantize-and-matmul elsewhere."""
     if not x.is_cuda:
-        from miles.models.quant import int4_dequantize, unpack_int4
+        from miles.kernels.quantize import int4_dequantize, unpack_int4
 
         return F.linear(x, int4_dequantize(unpack_int4(packed), scale, x.dtype))
     return _int4_triton(x, packed, scale, group)

@@ -36,7 +36,10 @@ except ImportError:  # the CPU install has no triton
     triton = None
 
 # the torch draw's constants: bitwise the same u
-from miles.engines.sampling import _GOLDEN, _MIX1, _MIX2, GREEDY_EPS, UNIFORM_SHIFT
+from miles.kernels.constants import GOLDEN as _GOLDEN
+from miles.kernels.constants import GREEDY_EPS, UNIFORM_SHIFT
+from miles.kernels.constants import MIX1 as _MIX1
+from miles.kernels.constants import MIX2 as _MIX2
 from miles.kernels.decode_attention import available  # the same rule: CUDA, or the interpreter
 
 __all__ = ["BLOCK", "CHUNK", "WARPS", "available", "sample"]

@@ -237,7 +237,7 @@ class Server:
         self.closing = True
         await self.engine.abort(None)
         await self.engine.resume()
-        from miles.serving.weight_sync import destroy_group
+        from miles.transports.weight_sync import destroy_group
 
         for group, _ in self.groups.values():
             await asyncio.to_thread(destroy_group, group)

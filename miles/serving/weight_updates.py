@@ -1,6 +1,6 @@
 """Weight-update endpoints of ``miles serve`` (SGLang's, REFERENCES A.7).
 
-- ``/init_weights_update_group`` joins a sender's group (``miles.serving.weight_sync``) as
+- ``/init_weights_update_group`` joins a sender's group (``miles.transports.weight_sync``) as
   rank ``rank_offset`` — the server is a single engine rank.
 - ``/update_weights_from_distributed`` receives the broadcasts described by ``names``,
   ``dtypes``, ``shapes`` (one per tensor, or one ``flattened_bucket`` buffer), stages them
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from miles.engines import WeightError
-from miles.serving import weight_sync
+from miles.transports import weight_sync
 from miles.serving.protocol import ProtocolError
 from miles.serving.server import error_response, json_response, parse_version, read_json
 

@@ -50,7 +50,7 @@ from miles.trainers.offload import OptimizerOffloader
 from miles.trainers.oom import OOMGuard
 from miles.types import Trajectory
 from miles.utils.device import to_device
-from miles.weights import plan_buckets
+from miles.transports.weights import plan_buckets
 
 
 class NonFiniteError(FloatingPointError):

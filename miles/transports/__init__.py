@@ -11,6 +11,8 @@ worker then commits the version (the engine's only pause). Files:
 - ``distributed.py``: NCCL (or gloo) broadcast over a trainer + engines group;
 - ``cuda_ipc.py``: colocated engines map the trainer's GPU buffers;
 - ``changed.py``: changed-tensors-only updates (fingerprints);
+- ``weights.py``: packed weight buckets, the wire format of every transport;
+- ``weight_sync.py``: the torch.distributed group and transfers a sender and an HTTP server share;
 - ``config.py``: the flags and the ``auto`` choice.
 """
 

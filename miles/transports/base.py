@@ -26,7 +26,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 from torch import Tensor
 
-from miles.weights import TensorMeta, WeightBucket
+from miles.transports.weights import TensorMeta, WeightBucket
 
 TransportKind = Literal["object_store", "distributed", "cuda_ipc"]
 NamedTensors = list[tuple[str, Tensor]]

@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from miles.transports.base import IpcBucket, IpcHandle, NamedTensors, Stage, TransportError, WeightUpdate
-from miles.weights import TensorMeta, layout, pack_into, slots, views
+from miles.transports.weights import TensorMeta, layout, pack_into, slots, views
 
 POOL = 2  # full-update buffers a sender keeps for reuse, and mappings a receiver keeps open
 

@@ -1,6 +1,6 @@
 """Weights by torch.distributed broadcast: the trainer is rank 0, each rollout engine one rank.
 
-The group is built with ``miles.serving.weight_sync.init_group`` (the same TCP rendezvous +
+The group is built with ``miles.transports.weight_sync.init_group`` (the same TCP rendezvous +
 ``PrefixStore(group_name)`` helper the SGLang path uses; a standalone group beside any the
 processes already have). The trainer's side picks a free port on its node, the broadcaster
 tells every member its rank (``RolloutWorker.join_weight_group``), and all ranks rendezvous;
@@ -33,10 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles.serving import weight_sync
+from miles.transports import weight_sync
 from miles.transports.base import GroupSpec, NamedTensors, Stage, TransportError, WeightUpdate, WireBucket
 from miles.utils.net import free_port
-from miles.weights import TensorMeta, layout, pack_into, views
+from miles.transports.weights import TensorMeta, layout, pack_into, views
 
 _epochs = itertools.count(1)
 

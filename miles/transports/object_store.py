@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from miles.transports.base import BucketRef, NamedTensors, Stage, TransportError, WeightUpdate
-from miles.weights import WeightBucket, layout, pack, unpack
+from miles.transports.weights import WeightBucket, layout, pack, unpack
 
 
 class ObjectStoreSender:

@@ -24,7 +24,7 @@ from miles.models import CausalLM, tiny_config  # noqa: E402
 from miles.transports import make_receiver, make_sender  # noqa: E402
 from miles.transports.changed import ChangeTracker, fingerprints  # noqa: E402
 from miles.types import GenerateRequest, SamplingParams  # noqa: E402
-from miles.weights import plan_buckets  # noqa: E402
+from miles.transports.weights import plan_buckets  # noqa: E402
 
 TIMEOUT = 120
 
@@ -241,7 +241,7 @@ def _step(named: list[tuple[str, torch.Tensor]]) -> None:
 
 
 def _assert_packed(sender: Any, version: int, update: Any, named: list[tuple[str, torch.Tensor]]) -> None:
-    from miles.weights import views
+    from miles.transports.weights import views
 
     got = dict(views(sender.live[version].data, update.buckets[0].metas))
     for name, t in named:

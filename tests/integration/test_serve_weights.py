@@ -20,9 +20,9 @@ from miles.utils.net import free_port
 from miles.models import build_tiny_tokenizer
 from miles.protocols import RolloutEngine
 from miles.rollout import GenerateContext, generate_single_turn
-from miles.serving import weight_sync
+from miles.transports import weight_sync
 from miles.types import GenerateRequest, SamplingParams, Status, Trajectory
-from miles.weights import pack
+from miles.transports.weights import pack
 
 from .serve_util import full_forward_logprobs, load, make_checkpoint, request, run, serve, wait_running
 

@@ -17,7 +17,7 @@ import torch
 from miles.config import resolve
 from miles.driver import Driver, train
 from miles.transports.distributed import DistributedReceiver, DistributedSender
-from miles.weights import plan_buckets
+from miles.transports.weights import plan_buckets
 from tests.integration.conftest import read_jsonl, run_flags
 
 

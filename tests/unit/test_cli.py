@@ -180,7 +180,7 @@ def test_help_describes_every_flag_of_the_main_sections(capsys) -> None:
     """`miles train --help` exits 0 and says what the flags do: the comment at each config
     field (every field of the run, data and rollout sections has one)."""
     from miles.config import _field_table, field_comments
-    from miles.sections import SECTIONS
+    from miles.config import SECTIONS
 
     with pytest.raises(SystemExit) as done:
         main(["train", "--help"])

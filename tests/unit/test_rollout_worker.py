@@ -14,7 +14,7 @@ from miles.engines import EmbeddedEngine, EngineConfig
 from miles.models import CausalLM, build_tiny_tokenizer, tiny_config
 from miles.rollout import GenerateContext, generate_single_turn
 from miles.types import PromptSample, SamplingParams, Status, Trajectory
-from miles.weights import pack_all
+from miles.transports.weights import pack_all
 
 from .engines.helpers import paced
 

@@ -49,10 +49,10 @@ from miles.engines.sglang.config import SGLangConfig
 from miles.engines.sglang.launch import ServerProcess, build_launch_command, server_port
 from miles.engines.sglang.responses import generate_body, output_from_response, parse_version_label
 from miles.protocols import NamedTensors
-from miles.serving import weight_sync
+from miles.transports import weight_sync
 from miles.types import GenerateOutput, GenerateRequest
 from miles.utils.net import free_port
-from miles.weights import plan_buckets
+from miles.transports.weights import plan_buckets
 
 log = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ from miles.trainers.megatron.sequence import MicroBatch, make_micro_batch, repla
 from miles.trainers.megatron.weights import HFReader, export_hf, load_hf, mapping_getter
 from miles.trainers.metrics import MetricAccumulator, batch_metrics
 from miles.types import Trajectory
-from miles.weights import plan_buckets
+from miles.transports.weights import plan_buckets
 
 Weights = str | Path | Mapping[str, Tensor] | None
 LOSS_SUMS = ("train/loss", "train/pg_loss")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from miles.engines.sglang.responses import generate_body, output_from_response
-from miles.serving import weight_sync
+from miles.transports import weight_sync
 from miles.serving.protocol import ProtocolError, build_response, finish_reason, parse_generate, version_spans
 from miles.types import GenerateRequest, SamplingParams
 

@@ -13,7 +13,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from miles.envs import EnvConfig, EnvRollout
+from miles.envs import EnvConfig
+from miles.rollout import EnvRollout
 from miles.models import build_tiny_tokenizer
 from miles.rollout import GenerateContext
 from miles.types import GenerateOutput, GenerateRequest, SamplingParams, Trajectory

@@ -6,7 +6,8 @@ import pytest
 
 from miles.actors.factory import build_generate_fn
 from miles.config import ConfigError, build_parser, default_config, resolve
-from miles.envs import EnvConfig, EnvRollout
+from miles.envs import EnvConfig
+from miles.rollout import EnvRollout
 from miles.models import CausalLM, build_tiny_tokenizer, save_pretrained, tiny_config
 from miles.rollout import generate_single_turn
 

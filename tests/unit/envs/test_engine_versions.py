@@ -13,7 +13,8 @@ import copy
 import torch
 
 from miles.engines import EmbeddedEngine, EngineConfig
-from miles.envs import EnvConfig, EnvRollout
+from miles.envs import EnvConfig
+from miles.rollout import EnvRollout
 from miles.models import CausalLM, tiny_config, token_logprobs
 from miles.types import Status, Trajectory
 from tests.unit.engines.helpers import paced

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from miles.envs import EnvRollout, EnvConfig, TurnTemplate
+from miles.envs import EnvConfig, TurnTemplate
+from miles.rollout import EnvRollout
 from miles.types import Status
 from tests.unit.envs.helpers import (
     EOS,

@@ -19,7 +19,7 @@ from miles.engines.spec import SpeculativeConfig
 from miles.models.draft import build_draft
 from miles.trainers.draft import DraftLearner
 from miles.types import GenerateRequest, SamplingParams
-from miles.weights import pack_all
+from miles.transports.weights import pack_all
 
 from .draft_helpers import bigram_policy, sample_trajectories
 

@@ -17,7 +17,7 @@ from miles.buffers import BufferConfig, ReplayBuffer
 from miles.rollout import GenerateContext, generate_single_turn
 from miles.transports import ObjectStoreSender, TransportError, WeightUpdate, as_update
 from miles.types import SamplingParams
-from miles.weights import pack_all, plan_buckets
+from miles.transports.weights import pack_all, plan_buckets
 from tests.unit.engines.helpers import make_engine, make_model
 
 

@@ -17,7 +17,7 @@ import torch
 from miles.transports import cuda_ipc
 from miles.transports.base import IpcHandle
 from miles.transports.cuda_ipc import POOL, CudaIpcSender, GraphPacker, source_signature
-from miles.weights import layout, views
+from miles.transports.weights import layout, views
 
 
 class FakeCapture:

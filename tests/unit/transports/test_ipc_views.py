@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from miles.transports.cuda_ipc import POOL, CudaIpcReceiver
-from miles.weights import layout
+from miles.transports.weights import layout
 
 
 def test_views_are_reused_for_the_same_buffer_and_layout_only() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.weights import layout, pack, pack_all, pack_into, unpack, views
+from miles.transports.weights import layout, pack, pack_all, pack_into, unpack, views
 
 
 def _named() -> list[tuple[str, torch.Tensor]]:

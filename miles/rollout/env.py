@@ -42,7 +42,8 @@ from miles.envs.calls import EnvCaller, EnvFailure, check_reset, check_step
 from miles.envs.config import EnvConfig, resolve_turn_template
 from miles.envs.episode import EpisodeState, TurnRecord, json_safe
 from miles.envs.templates import TurnTemplate, fingerprint, stop_text
-from miles.rollout import GenerateContext, apply_output
+from miles.envs.calls import load_env_factory
+from miles.rollout.context import GenerateContext, apply_output
 from miles.types import Status, Trajectory
 
 _NO_LIMIT = 1 << 60
@@ -343,3 +344,11 @@ class _Episode:
         s.status, s.finish_reason, s.reward = Status.FAILED, f"{kind}: {detail}"[:500], None
         self.owner.counters[f"failed/{kind}"] += 1
         self.owner.counters["turns_of_ended"] += len(self.state.turns)
+
+
+def build_env_rollout(cfg: Any, tokenizer: Any = None) -> EnvRollout:
+    """The generate function for a run with ``--env-path`` (called by the actor factory)."""
+    env_cfg: EnvConfig = cfg.env
+    if not env_cfg.env_path:
+        raise ValueError("build_env_rollout needs --env-path")
+    return EnvRollout(load_env_factory(env_cfg.env_path, env_cfg.env_kwargs), env_cfg, tokenizer=tokenizer)

@@ -11,7 +11,7 @@ rendezvous differently hang (pitfall C.6), which is why both ends share this cod
 Transfers: one ``broadcast`` from rank 0 per tensor, in list order, or — with
 ``load_format="flattened_bucket"`` — one ``uint8`` buffer holding the tensors' bytes back to
 back in list order, without padding (SGLang's FlattenedTensorBucket layout; miles' own
-``miles.weights`` buckets pad to 16 bytes and are not this wire format). The sender builds a
+``miles.transports.weights`` buckets pad to 16 bytes and are not this wire format). The sender builds a
 fresh buffer per call (pitfall C.5). Backend "gloo" moves CPU tensors, "nccl" CUDA tensors.
 """
 
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles.weights import TensorMeta, dtype_name
+from miles.transports.weights import TensorMeta, dtype_name
 
 _BACKENDS = ("gloo", "nccl")
 

@@ -24,7 +24,6 @@ import msgspec
 
 from miles.protocols import RolloutEngine
 from miles.types import GenerateOutput, GenerateRequest, SamplingParams, Status, Trajectory, finish_to_status
-from miles.utils.loading import load_function, positional_arity
 
 
 @dataclass
@@ -91,33 +90,7 @@ def apply_output(traj: Trajectory, out: GenerateOutput, *, kind: str = "model") 
         traj.finish_reason = out.finish_reason
 
 
-async def generate_single_turn(sample: Trajectory, ctx: GenerateContext) -> Trajectory:
-    """The default: continue the response until stop, length, abort or error."""
-    request = ctx.request_for(sample)
-    if request.sampling.max_new_tokens <= request.num_prefix_tokens:
-        sample.status = Status.TRUNCATED
-        sample.finish_reason = "length"
-        return sample
-    out = await ctx.engine.generate(request)
-    apply_output(sample, out)
-    return sample
-
-
 GenerateFn = Callable[[Trajectory, GenerateContext], Any]
-
-
-def load_generate_fn(ref: str | None) -> GenerateFn:
-    """The default single-turn function, or the user's (adapting slime's 3-argument form)."""
-    if not ref:
-        return generate_single_turn
-    fn = load_function(ref)
-    if positional_arity(fn) >= 3:
-        async def slime_style(sample: Trajectory, ctx: GenerateContext) -> Trajectory:
-            result = fn(ctx, sample, msgspec.to_builtins(ctx.sampling))
-            return await result if inspect.isawaitable(result) else result
-
-        return slime_style
-    return fn
 
 
 async def call_generate(fn: GenerateFn, sample: Trajectory, ctx: GenerateContext) -> Trajectory:
