@@ -116,7 +116,17 @@ def test_gloo_group_is_rebuilt_after_a_worker_dies(ray_cluster, tiny_ckpt, task,
         while driver.step < 1 and not run.done():  # event-based: no wall-clock bound on a loaded machine
             await asyncio.sleep(0.05)
         assert not run.done(), f"the run ended before step 1: {run.result()}"
-        victim = next(iter(driver.actors.workers.values()))
+        victim_id, victim = next(iter(driver.actors.workers.items()))
+        name = victim_id.rsplit("-", 1)[0]
+        train_step = driver._train_step
+
+        async def after_the_replacement_joined() -> None:  # the replacement joins asynchronously
+            while not driver.stop.is_set() and not any(
+                    w != victim_id and w.startswith(name + "-") for w in driver.worker_runs):
+                await asyncio.sleep(0.05)
+            await train_step()
+
+        driver._train_step = after_the_replacement_joined
         monkeypatch.setattr(ray_actors, "TEST_START_DELAY_S", start_delay_s)  # the replacement only
         os.kill(int((await victim.ping.remote())["rollout/pid"]), signal.SIGKILL)
         return await run
