@@ -198,7 +198,9 @@ def test_quantized_run_ships_quantized_weights_and_exports_beside_bf16(ray_clust
     from miles.models.quant import QuantSpec, qdq_weight
 
     out = tmp_path / "q"
-    cfg, summary = _run(tiny_ckpt, task, out, save_hf=str(tmp_path / "hf"), num_rollout=2, **flags)
+    # Synchronous, so step 2 trains on tokens sampled after the first quantized update whatever
+    # the timing (an async run may train both steps on version 0).
+    cfg, summary = _run(tiny_ckpt, task, out, save_hf=str(tmp_path / "hf"), num_rollout=2, mode="sync", **flags)
     assert summary["status"] == "completed" and summary["ledger_ok"]
     kind = "fp8" if flags["quantization"] == "fp8" else "int4"
     bf16 = load_pretrained(tmp_path / "hf")
