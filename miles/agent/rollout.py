@@ -48,7 +48,7 @@ class ClientFactory:
             raise ImportError("--custom-agent-function-path needs the openai package: "
                               "pip install 'miles[agent]'") from exc
         if self.http is None:
-            self.http = openai.DefaultAsyncHttpxClient(timeout=timeout_s)
+            self.http = _http_client(openai, timeout_s)
         # No retries: a refused request (4xx) is the agent's to see, and a 5xx ends the episode.
         return openai.AsyncOpenAI(base_url=base_url, api_key="miles", max_retries=0, timeout=timeout_s,
                                   http_client=self.http)
@@ -57,6 +57,16 @@ class ClientFactory:
         if self.http is not None:
             await self.http.aclose()
             self.http = None
+
+
+def _http_client(openai: Any, timeout_s: float) -> Any:
+    """The aiohttp transport where this ``openai`` has it (aiohttp is a miles dependency): a
+    loopback round trip through it costs a fraction of one through httpx, which matters when
+    every turn of an episode is a call."""
+    try:
+        return openai.DefaultAioHttpClient(timeout=timeout_s)
+    except (AttributeError, RuntimeError):  # an openai without the aiohttp transport
+        return openai.DefaultAsyncHttpxClient(timeout=timeout_s)
 
 
 class AgentRollout:
