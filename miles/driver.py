@@ -145,6 +145,9 @@ class Driver:
         step_s = time.monotonic() - t0
         metrics.update(batch_metrics(groups, version, cfg.rollout.reward_key))
         metrics.update(await self._rollout_and_buffer_stats())
+        # OOMs turned into a slowdown, the trainer's (smaller micro-batches) and the engines' (parked rows)
+        metrics["mem/train_oom_recovered"] = metrics.get("mem/oom_recovered", 0.0)
+        metrics["mem/oom_recovered"] = metrics["mem/train_oom_recovered"] + metrics.get("mem/engine_oom_recovered", 0.0)
         n = metrics["perf/trained_samples"]
         metrics.update({
             "train/version": float(new_version), "perf/step_s": step_s, "perf/wait_for_data_s": wait_s,
@@ -194,6 +197,10 @@ class Driver:
                     self.worker_stats[worker_id] = await asyncio.wait_for(handle.ping.remote(), timeout)
                 except Exception as exc:
                     await self._replace_worker(worker_id, exc)
+                    continue
+                if self.worker_stats[worker_id].get("engine/oom_fatal"):  # a restart would run out again
+                    self._fail(f"rollout worker {worker_id}: {await handle.engine_failure.remote()}"
+                               f"{self._checkpoint_note()}")
             await self.actors.buffer.expire_leases.remote()  # hung workers' work goes back
             await self._check_failures()
             try:
@@ -330,7 +337,7 @@ class Driver:
                         "engine/busy_s", "engine/prefill_s", "engine/decode_steps", "engine/decode_rows",
                         "rollout/starved_s", "rollout/loop_lag_s", "rollout/put_calls", "rollout/lease_calls",
                         "engine/prefill_tokens", "engine/prefill_tokens_fresh", "engine/prefill_tokens_resumed",
-                        "engine/prefill_tokens_recompute"):
+                        "engine/prefill_tokens_recompute", "mem/engine_oom_recovered", "mem/offload_rollout_s"):
                 totals[key] = totals.get(key, 0.0) + ws.get(key, 0.0)
             # the worst worker's: the longest decode pause a weight swap caused, the latest its
             # event loop woke up
@@ -344,6 +351,9 @@ class Driver:
             vals = [ws[key] for ws in self.worker_stats.values() if key in ws]
             if vals:  # the worker that runs least of its step fused (seeded draws; the CPU kernel)
                 totals[key] = min(vals)
+        limits = [ws["engine/batch_limit"] for ws in self.worker_stats.values() if "engine/batch_limit" in ws]
+        if limits:  # the smallest admission cap an engine's OOMs left it with
+            totals["engine/batch_limit"] = min(limits)
         stats.update(totals)
         stats.update(self.scheduler.stats())
         mean_keys = {k for ws in self.worker_stats.values() for k in ws

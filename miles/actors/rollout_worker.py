@@ -355,6 +355,11 @@ class RolloutWorker:
 
         return list(await asyncio.gather(*(one(t) for t in trajs)))
 
+    def engine_failure(self) -> str | None:
+        """Why the engine can serve nothing more (one request alone ran out of memory), or None."""
+        oom = getattr(self.engine, "oom", None)
+        return getattr(oom, "fatal", None)
+
     def ping(self) -> dict[str, float]:
         return self.stats()
 

@@ -53,6 +53,7 @@ import msgspec
 import torch
 
 from miles.engines.config import EngineConfig
+from miles.engines.oom import EngineOOM
 from miles.engines.requests import Request
 from miles.engines.runner import GRAPH_CAPTURES, ModelRunner
 from miles.engines.sampling import compile_counter_uniform, fused_draw_classes
@@ -112,6 +113,7 @@ class EmbeddedEngine:
             stats=self.stats_, on_done=self._done, spec=self.spec,
         )
         self.stepper.version = version
+        self.oom = EngineOOM(config.max_batch_size, config.max_prefill_tokens, config.inject_oom_steps)
         self._cv = threading.Condition()  # guards queues and control flags
         self._stage_lock = threading.Lock()  # staging vs applying weights, not decoding
         self._waiting: deque[Request] = deque()
@@ -161,7 +163,7 @@ class EmbeddedEngine:
                 self._thread.start()
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
-        error = self._validate(request)
+        error = self._validate(request) or self.oom.fatal
         if error is not None:
             return GenerateOutput(rid=request.rid, finish_reason="error", error=error)
         if request.sampling.max_new_tokens - request.num_prefix_tokens <= 0:
@@ -343,6 +345,10 @@ class EmbeddedEngine:
             "engine/cpu_decode_kernel": float(self.runner.cpu_kernel is not None),
             # 1 where untruncated steps draw their tokens through the fused Triton sampler
             "engine/fused_sampling": float(self.stepper.fused_sampling),
+            # OOMs turned into parked rows and a smaller batch; the rows the engine now runs at once
+            "mem/engine_oom_recovered": float(self.oom.recovered),
+            "engine/batch_limit": float(self.oom.batch_limit),
+            "engine/oom_fatal": float(self.oom.fatal is not None),
         })
         pauses = list(self.swap_pauses)
         if pauses:
@@ -412,17 +418,56 @@ class EmbeddedEngine:
                 self._control()
                 if self._paused:
                     continue
+                new: list[Request] = []
+                phase = "prefill"
                 try:
                     new = self._take_waiting() if self._admit_now() else []
                     if new or any(r.needs_prefill for r in self.stepper.running):
+                        self.oom.tick()
                         self.stepper.admit(new)
                     if self.stepper.running:
+                        phase = "decode"
+                        self.oom.tick()
                         self.stepper.decode()
                     else:
                         self.stepper.drain()
+                except torch.OutOfMemoryError as exc:  # a slowdown: park the step's rows (``oom``)
+                    self._out_of_memory(exc, phase, new)
                 except Exception as exc:  # keep serving: fail what was in the step
                     log.exception("engine step failed")
                     self.stepper.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+
+    def _out_of_memory(self, exc: BaseException, phase: str, new: list[Request]) -> None:
+        """Park every row of the failed step as an abort (a PARTIAL trajectory for the
+        worker) and shrink the admission limits; with one row, fail it and what waits."""
+        try:  # what the last good step sampled is kept where it can still be read back
+            self.stepper.drain()
+        except Exception:
+            self.stepper.inflight = None
+        unadmitted = [r for r in new if r.slot < 0 and r.finish is None and not r.aborted]
+        rows = [*self.stepper.running, *unadmitted]
+        longest = max((len(r.context) for r in rows), default=0)
+        if self.oom.recover(len(rows), longest, phase, exc):
+            self.stepper.prefill_tokens = self.oom.prefill_limit
+            for r in unadmitted:  # taken from the queue but never admitted
+                r.aborted = True
+                self.stats_.counters["requests_aborted"] += 1
+                r.resolve()
+            for r in list(self.stepper.running):
+                r.aborted = True
+                self.stepper.release(r)
+            return
+        for r in unadmitted:
+            r.fail(self.oom.fatal)
+            self.stats_.counters["requests_failed"] += 1
+            r.resolve()
+        self.stepper.fail_all(self.oom.fatal)
+        with self._cv:
+            waiting, self._waiting = self._waiting, deque()
+        for r in waiting:
+            r.fail(self.oom.fatal)
+            self.stats_.counters["requests_failed"] += 1
+            r.resolve()
 
     def _has_work(self) -> bool:
         if self._closed or self._commits or self._draft_commits or self._abort_all or self._abort_rids:
@@ -490,7 +535,7 @@ class EmbeddedEngine:
         (enough waiting and enough free slots: a full engine whose requests finish one by one
         must not admit one by one either) or the oldest waited long enough."""
         waiting = len(self._waiting)
-        free = self.config.max_batch_size - len(self.stepper.running)
+        free = self.oom.batch_limit - len(self.stepper.running)
         if not waiting or free <= 0:
             return False
         running = self.stepper.running
@@ -507,12 +552,12 @@ class EmbeddedEngine:
         recompute = [r for r in self.stepper.running if r.needs_prefill]
         longest = max((len(r.context) for r in recompute), default=0)
         rows, new = len(recompute), []
-        free = self.config.max_batch_size - len(self.stepper.running)
+        free = self.oom.batch_limit - len(self.stepper.running)
         with self._cv:
             while self._waiting and len(new) < free:
                 nxt = self._waiting[0]
                 new_longest = max(longest, len(nxt.context))
-                if rows and new_longest * (rows + 1) > self.config.max_prefill_tokens:
+                if rows and new_longest * (rows + 1) > self.oom.prefill_limit:
                     break
                 new.append(self._waiting.popleft())
                 rows, longest = rows + 1, new_longest

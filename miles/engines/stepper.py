@@ -115,6 +115,7 @@ class Stepper:
         self.fused_sampling = config.use_fused_sampling()
         self.running: list[Request] = []
         self.inflight: _InFlight | None = None
+        self.prefill_tokens = config.max_prefill_tokens  # a prefill group's budget (lowered on an OOM)
         self.version = 0
 
     @property
@@ -142,7 +143,7 @@ class Stepper:
             groups = [[i] for i in range(len(rows))]  # alone: its padded length never depends on its neighbours
         else:  # resumed long contexts among fresh prompts: not all padded to one
             groups = cut_by_length(range(len(rows)), [len(r.context) for r in rows], max_rows=None,
-                                   max_tokens=self.config.max_prefill_tokens, cost=PREFILL_COST)
+                                   max_tokens=self.prefill_tokens, cost=PREFILL_COST)
         for g in groups:
             self._prefill_group([rows[i] for i in g])
 
