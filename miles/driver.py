@@ -17,7 +17,9 @@ to the workers on its own channel (``miles.actors.draft_trainer``).
 
 Modes differ only in η and in one wait: ``sync`` (η = 0) waits until every worker runs the
 new weights before admitting the next batch, so no token is ever off-policy; ``one-step-off``
-(η = 1) and ``async`` (η = --max-staleness) never wait. Ctrl-C parks in-flight generations in
+(η = 1) and ``async`` (η = --max-staleness) never wait. With ``--offload-rollout`` (colocated)
+every engine releases its KV cache and weights before a train step and takes them back when
+the new weights land, so rollout and training take turns on the GPU. Ctrl-C parks in-flight generations in
 the buffer as partial trajectories, saves a checkpoint when ``--save`` is set, and writes the
 ledger to summary.json.
 """
@@ -128,6 +130,8 @@ class Driver:
             # Over-sampled generations still running would be off-policy after this step:
             # park them now; they resume on the new weights.
             await asyncio.gather(*(w.abort_inflight.remote(version + 1) for w in a.workers.values()))
+        if cfg.engine.offload_rollout:  # colocated turns: the engines' memory goes to the trainer until v+1 lands
+            await asyncio.gather(*(w.offload_rollout.remote(version + 1) for w in a.workers.values()))
         self.out.dump_batch(self.step + 1, version, groups)
         if a.draft_trainer is not None:  # fresh trajectories for the draft; fire and forget
             a.draft_trainer.add_batch.remote(batch_ref)
@@ -337,7 +341,8 @@ class Driver:
                         "engine/busy_s", "engine/prefill_s", "engine/decode_steps", "engine/decode_rows",
                         "rollout/starved_s", "rollout/loop_lag_s", "rollout/put_calls", "rollout/lease_calls",
                         "engine/prefill_tokens", "engine/prefill_tokens_fresh", "engine/prefill_tokens_resumed",
-                        "engine/prefill_tokens_recompute", "mem/engine_oom_recovered", "mem/offload_rollout_s"):
+                        "engine/prefill_tokens_recompute", "mem/engine_oom_recovered", "mem/offload_rollout_s",
+                        "mem/offload_rollout_bytes"):
                 totals[key] = totals.get(key, 0.0) + ws.get(key, 0.0)
             # the worst worker's: the longest decode pause a weight swap caused, the latest its
             # event loop woke up

@@ -192,6 +192,12 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
         yield ("--offload-train moves the trainer's optimizer state off the GPU while colocated engines "
                "generate: it needs --colocate, --train-backend embedded and the trainer on a GPU "
                "(--device cuda); without them nothing shares its memory")
+    if cfg.engine.offload_rollout and not run.colocate:
+        yield (f"--offload-rollout releases the engines' memory while a trainer on the same GPU runs: it needs "
+               f"--colocate (--mode {sched.mode} without it gives the engines GPUs of their own, and in async "
+               f"modes they never wait for the trainer)")
+    if cfg.engine.offload_rollout and run.rollout_backend != "embedded":
+        yield "--offload-rollout needs --rollout-backend embedded (an SGLang server manages its own memory)"
     spec = getattr(cfg, "speculative", None)
     if spec is not None and spec.draft_model_path and not (Path(spec.draft_model_path) / "config.json").is_file():
         yield f"--draft-model-path {spec.draft_model_path}: no config.json there"

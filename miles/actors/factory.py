@@ -227,6 +227,9 @@ def build_rollout_worker(cfg: MilesConfig, worker_id: str, *, buffer: Any, rewar
         "keep_kv_cache": cfg.engine.keep_kv_cache_on_update,
         "lease_timeout_s": cfg.buffer.lease_timeout_s,
         "reward_key": cfg.rollout.reward_key,
+        # updates that carry adapters or changed tensors only cannot refill released weights
+        "offload_weights": ("host" if cfg.trainer.lora_rank > 0 or cfg.weights.weight_update_changed_only
+                            else "discard"),
     }
 
 

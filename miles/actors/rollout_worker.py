@@ -73,6 +73,7 @@ class RolloutWorker:
         poll_interval_s: float = 0.01,
         reward_key: str | None = None,
         buffer_call_interval_s: float = BUFFER_CALL_INTERVAL_S,
+        offload_weights: str = "discard",
     ) -> None:
         self.worker_id = worker_id
         self.init_s = 0.0  # construction seconds (set by the Ray actor that builds the engine)
@@ -89,6 +90,7 @@ class RolloutWorker:
         self.poll_interval_s = poll_interval_s
         self.buffer_call_interval_s = buffer_call_interval_s
         self.reward_key = reward_key
+        self.offload_weights = offload_weights  # --offload-rollout: how the engine lets go of its weights
         self._warned_sum = False
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._outbox: list[Trajectory] = []
@@ -321,6 +323,16 @@ class RolloutWorker:
             await asyncio.gather(*self._inflight.values(), return_exceptions=True)
             await self._flush()
         return n
+
+    async def offload_rollout(self, hold_until_version: int) -> int:
+        """``--offload-rollout``: park in-flight work, lease nothing before ``hold_until_version``,
+        and have the engine release its memory until that version's weights arrive (their commit
+        re-allocates it). Returns the bytes released."""
+        await self.abort_inflight(hold_until_version)
+        offload = getattr(self.engine, "offload", None)
+        if offload is None:
+            return 0
+        return await offload(self.offload_weights)
 
     async def stop(self) -> dict[str, float]:
         """Stop leasing, park in-flight work in the buffer, return counters."""

@@ -125,11 +125,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # max_batch_size rows over the whole cache length, and each prompt is prefilled alone, so
     # a request's logits never depend on which other requests share its batch. Slower.
     deterministic: bool = False
-    # --offload-rollout: where rollout and training take turns on one GPU, the engine
-    # releases its KV cache (and its weights, which the next weight update refills, or a
-    # pinned host copy restores where an update does not carry them all) while the trainer
-    # runs, and re-allocates them before generating (miles.engines.offload).
-    offload_rollout: bool = False
+    # Colocated turns: the engine's KV cache and weights (refilled by the next weight update,
+    # or from a pinned host copy where updates carry adapters or changed tensors only).
+    offload_rollout: bool = False  # free the engines' KV cache and weights while the trainer runs (--colocate)
     # Test seam (a developer setting): the engine steps, counted from 1 over its life
     # (every prefill admission and decode step), at which it raises torch.OutOfMemoryError,
     # as a GPU that ran out would (miles.engines.oom).

@@ -53,13 +53,14 @@ import msgspec
 import torch
 
 from miles.engines.config import EngineConfig
+from miles.engines.offload import EngineOffloader, WeightsMode
 from miles.engines.oom import EngineOOM
 from miles.engines.requests import Request
 from miles.engines.runner import GRAPH_CAPTURES, ModelRunner
 from miles.engines.sampling import compile_counter_uniform, fused_draw_classes
 from miles.engines.spec.config import MAX_STEPS, SpeculativeConfig
 from miles.engines.stepper import EngineStats, Stepper
-from miles.engines.weights import WeightStager
+from miles.engines.weights import WeightError, WeightStager
 from miles.models import quant
 from miles.models.quant_io import WireDecoder
 from miles.models.checkpoint import load_pretrained
@@ -99,6 +100,7 @@ class EmbeddedEngine:
         self.runner = ModelRunner(self.model, config, headroom=MAX_STEPS + 2 if spec_on else 0)
         self.spec = self._build_spec(draft, speculative, draft_version) if spec_on else None
         self.stager = WeightStager(self.model, self.device, self.dtype)
+        self.offloader = EngineOffloader(self.runner, self.stager.params)  # --offload-rollout (``offload``)
         self.wire = WireDecoder(self.dtype)  # quantized weight updates -> the parameters' dtype
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -217,6 +219,21 @@ class EmbeddedEngine:
         with self._cv:
             self._pause_requested = self._paused = False
             self._cv.notify()
+
+    async def offload(self, weights: WeightsMode = "discard") -> int:
+        """Release the KV cache (and the weights: ``offload.py`` says how) until the next
+        weight commit, which re-allocates them; returns the bytes released. Work in flight is
+        aborted first (it comes back as partial rollouts) and the engine stays paused until
+        that commit. A quantized or speculative engine releases its KV cache alone."""
+        if self.quant is not None or self.spec is not None:
+            weights = "keep"
+        await self.abort()
+        await self.pause()
+        return await asyncio.to_thread(self._release, weights)
+
+    def _release(self, weights: WeightsMode) -> int:
+        with self._stage_lock:  # no commit re-allocates while this releases
+            return self.offloader.release(weights)
 
     def stage_weights(self, named_tensors: NamedTensors, *, borrow: bool = False) -> int:
         """Validate and stage tensors (HF names) while decoding continues; returns how many.
@@ -349,6 +366,10 @@ class EmbeddedEngine:
             "mem/engine_oom_recovered": float(self.oom.recovered),
             "engine/batch_limit": float(self.oom.batch_limit),
             "engine/oom_fatal": float(self.oom.fatal is not None),
+            # --offload-rollout: seconds releasing and re-allocating, bytes released last time
+            "mem/offload_rollout_s": self.offloader.seconds,
+            "mem/offload_rollout_bytes": float(self.offloader.released_bytes),
+            "engine/offloaded": float(self.offloader.released),
         })
         pauses = list(self.swap_pauses)
         if pauses:
@@ -511,7 +532,15 @@ class EmbeddedEngine:
 
     def _commit(self, version: int, keep_kv_cache: bool) -> None:
         start = time.perf_counter()
+        woke = False
         with self._stage_lock:
+            if self.offloader.released:  # --offload-rollout: the memory comes back first
+                missing = self.offloader.missing(set(self.stager.staged))
+                if missing:
+                    raise WeightError(f"--offload-rollout released the engine's weights, and this update does not "
+                                      f"refill them ({len(missing)} missing, e.g. {missing[0]!r})")
+                self.offloader.reacquire()
+                woke = True
             self.stager.apply()  # waits for its copies on CUDA: the pause is all in here
             if self.quant is not None:
                 quant.refresh(self.model)  # in place: captured graphs keep reading the same buffers
@@ -521,6 +550,10 @@ class EmbeddedEngine:
         if not keep_kv_cache:
             for r in self.stepper.running:
                 r.needs_prefill = True
+        if woke:  # generate again
+            with self._cv:
+                self._pause_requested = self._paused = False
+                self._cv.notify()
 
     def _commit_draft(self, version: int) -> None:
         with self._stage_lock:

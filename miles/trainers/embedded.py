@@ -192,7 +192,7 @@ class EmbeddedTrainer:
             "mem/oom_recovered": float(self.oom.recovered),
         })
         if self.offloader is not None:
-            metrics["mem/offload_s"] = self.offloader.seconds
+            metrics["mem/offload_train_s"] = self.offloader.seconds
         if self.compiled:  # graphs dynamo built in this process: one more mid-run is a recompile
             from torch._dynamo.utils import counters
 

@@ -8,8 +8,10 @@ while the trainer runs; gradients are already freed after each step (``zero_grad
 
 The host copies are pinned buffers allocated once and reused, so a move is one
 device-to-host (or host-to-device) copy per tensor and nothing is allocated per step; the
-values round-trip bit for bit (a copy, no cast). Seconds spent moving are reported as
-``mem/offload_s``.
+values round-trip bit for bit (a copy, no cast). After the moments leave, the caching
+allocator's free blocks (theirs, and the step's activations) go back to the device, where a
+colocated engine in another process can take them. Seconds spent moving are reported as
+``mem/offload_train_s``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class OptimizerOffloader:
             state[key] = buf
         if pin:
             torch.cuda.synchronize(self.device)  # the buffers hold the values before the GPU copies go
+            torch.cuda.empty_cache()  # the moments' and the step's freed blocks go back to the engines' process
         self.offloaded = True
         self.seconds += time.perf_counter() - start
 

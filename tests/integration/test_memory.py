@@ -12,7 +12,8 @@ from miles.config import resolve
 from miles.driver import RunFailed, train
 from tests.integration.conftest import read_jsonl, run_flags
 
-SYNC = dict(mode="sync", deterministic=True, num_rollout=3, rollout_max_response_len=12, max_batch_size=16)
+SYNC = dict(mode="sync", deterministic=True, num_rollout=2, rollout_max_response_len=12, max_batch_size=16,
+            max_seq_len=48)
 
 
 def _trained(out) -> dict[int, list[tuple[str, list[int]]]]:
@@ -22,17 +23,25 @@ def _trained(out) -> dict[int, list[tuple[str, list[int]]]]:
     return {k: sorted(v) for k, v in by_step.items()}
 
 
-def test_engine_oom_mid_run_is_a_slowdown(ray_cluster, tiny_ckpt, task, tmp_path) -> None:
-    clean = asyncio.run(train(resolve(run_flags(tiny_ckpt, task, tmp_path / "clean", **SYNC))))
+@pytest.fixture(scope="module")
+def clean(ray_cluster, tiny_ckpt, task, tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean")
+    summary = asyncio.run(train(resolve(run_flags(tiny_ckpt, task, out, **SYNC))))
+    assert summary["status"] == "completed" and summary["ledger_ok"]
+    return out
+
+
+def test_engine_oom_mid_run_is_a_slowdown(ray_cluster, tiny_ckpt, task, tmp_path, clean) -> None:
     # an OOM in the first prefill, and in a decode step of the second step's rollout
     hit = asyncio.run(train(resolve(run_flags(tiny_ckpt, task, tmp_path / "hit", inject_oom_steps=[1, 20],
                                               **SYNC))))
-    assert clean["status"] == hit["status"] == "completed" and hit["ledger_ok"] and clean["ledger_ok"]
-    rows = read_jsonl(tmp_path / "hit" / "metrics.jsonl")
-    assert rows[-1]["mem/engine_oom_recovered"] == 2 and rows[-1]["mem/oom_recovered"] == 2
-    assert rows[-1]["engine/batch_limit"] < 16
-    assert read_jsonl(tmp_path / "clean" / "metrics.jsonl")[-1]["mem/oom_recovered"] == 0
-    assert _trained(tmp_path / "hit") == _trained(tmp_path / "clean")  # the same tokens trained
+    assert hit["status"] == "completed" and hit["ledger_ok"]
+    worker = hit["workers"][0]  # the worker's counters at the end of the run
+    assert worker["mem/engine_oom_recovered"] == 2 and worker["engine/batch_limit"] < 16
+    for row in read_jsonl(tmp_path / "hit" / "metrics.jsonl"):  # the engines' count as last pinged, plus the trainer's
+        assert row["mem/oom_recovered"] == row["mem/train_oom_recovered"] + row.get("mem/engine_oom_recovered", 0)
+    assert all(r["mem/oom_recovered"] == 0 for r in read_jsonl(clean / "metrics.jsonl"))
+    assert _trained(tmp_path / "hit") == _trained(clean)  # the same tokens trained
 
 
 def test_engine_oom_on_one_row_stops_the_run_naming_the_knobs(ray_cluster, tiny_ckpt, task, tmp_path) -> None:
@@ -41,3 +50,29 @@ def test_engine_oom_on_one_row_stops_the_run_naming_the_knobs(ray_cluster, tiny_
                             health_check_interval_s=0.2, **{k: v for k, v in SYNC.items() if k != "max_batch_size"}))
     with pytest.raises(RunFailed, match="--engine-mem-fraction.*--max-batch-size"):
         asyncio.run(train(cfg))
+
+
+def test_offload_rollout_releases_between_steps_and_trains_the_same(ray_cluster, tiny_ckpt, task, tmp_path,
+                                                                   clean) -> None:
+    summary = asyncio.run(train(resolve(run_flags(tiny_ckpt, task, tmp_path / "off", colocate=True,
+                                                  offload_rollout=True, **SYNC))))
+    assert summary["status"] == "completed" and summary["ledger_ok"]
+    worker = summary["workers"][0]
+    assert worker["mem/offload_rollout_s"] > 0 and worker["mem/offload_rollout_bytes"] > 0
+    assert worker["engine/weight_updates"] >= 2  # each step's weights re-filled what was released
+    assert _trained(tmp_path / "off") == _trained(clean)  # released, refilled, the same run
+
+
+@pytest.mark.parametrize("extra, match", [
+    (dict(mode="async", offload_rollout=True), "--offload-rollout .* needs --colocate"),
+    (dict(mode="sync", offload_rollout=True, colocate=True, rollout_backend="sglang"), "--rollout-backend embedded"),
+    (dict(lora_rank=8, lora_target_modules=["qkv"]), "matches no linear layer"),
+    (dict(lora_rank=4096), "larger than"),
+    (dict(offload_train=True), "--offload-train .* needs --colocate"),
+])
+def test_bad_memory_settings_fail_before_anything_starts(tiny_ckpt, task, tmp_path, extra, match) -> None:
+    from miles.config import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        resolve(run_flags(tiny_ckpt, task, tmp_path / "out", **extra))
+    assert not (tmp_path / "out").exists()

@@ -23,7 +23,7 @@ def test_offload_round_trips_optimizer_state_bitwise() -> None:
     groups = random_groups()
     set_behaviour(tr, groups)
     m = tr.train_step(groups)
-    assert tr.offloader.offloaded and "mem/offload_s" in m
+    assert tr.offloader.offloaded and "mem/offload_train_s" in m
     hosted = _moments(tr)
     assert hosted and tr.offloader.host_bytes() == sum(t.numel() * t.element_size() for t in hosted)
     tr.offloader.reload()
