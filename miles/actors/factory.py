@@ -256,7 +256,11 @@ def build_policy_trainer(cfg: MilesConfig) -> Any:
     from miles.trainers import EmbeddedTrainer
 
     trainer_cfg = msgspec.structs.replace(cfg.trainer, seed=cfg.run.seed)
-    model = load_pretrained(cfg.rollout.hf_checkpoint, dtype=torch.float32, device=trainer_cfg.device)
+    # A LoRA trainer keeps its frozen base in the compute dtype: loaded so, it never holds a float32 copy.
+    from miles.trainers.embedded import _dtype
+
+    load_dtype = _dtype(trainer_cfg.dtype, trainer_cfg.device) if trainer_cfg.lora_rank > 0 else torch.float32
+    model = load_pretrained(cfg.rollout.hf_checkpoint, dtype=load_dtype, device=trainer_cfg.device)
     from miles.models.quant import apply_quantization
 
     apply_quantization(model, cfg.quant.trainer_spec())

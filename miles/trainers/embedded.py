@@ -18,8 +18,8 @@ One ``train_step(groups)`` is one published policy version:
    ``max_consecutive_nonfinite`` in a row the trainer raises ``NonFiniteError``;
 5. ``version += 1`` and metrics named ``train/...``.
 
-Parameters and AdamW state are float32; ``dtype="bfloat16"`` runs forward/backward under
-autocast. On CUDA the decoder layers run under torch.compile, warmed up at construction for
+Parameters and AdamW state are float32 (a LoRA run's frozen base: the compute dtype);
+``dtype="bfloat16"`` runs forward/backward under autocast. On CUDA the decoder layers run under torch.compile, warmed up at construction for
 every micro-batch shape class (``compilation``). ``state_dict`` returns CPU copies of every
 tensor plus plain Python values, so a checkpoint writer can store it with safetensors + JSON
 without pickle.
@@ -99,12 +99,15 @@ class EmbeddedTrainer:
         self.device = torch.device(config.device)
         self.compute_dtype = _dtype(config.dtype, config.device)
         torch.manual_seed(config.seed)
-        self.model = model.to(device=self.device, dtype=torch.float32)
-        self.model.train()
         self.lora = config.lora_rank > 0
         if self.lora:  # before FSDP, compile and the optimizer: they see the adapters
+            self.model = model.to(device=self.device)
             lora.apply_lora(self.model, config.lora_rank, config.lora_alpha, config.lora_dropout,
                             config.lora_target_modules)
+            lora.cast_for_training(self.model, self.compute_dtype)  # the frozen base in the compute dtype
+        else:
+            self.model = model.to(device=self.device, dtype=torch.float32)
+        self.model.train()
         self.is_moe = bool(getattr(model.config, "is_moe", False))
         self.sharded = maybe_fully_shard(self.model, config.fsdp, self.compute_dtype)
         # The fused LM-head log-prob path (see ``logprobs``); benchmarks flip it to compare.

@@ -8,8 +8,9 @@ parameter names are PEFT's without the ``base_model.model.`` prefix and the adap
 ``adapter_config.json`` + ``adapter_model.safetensors`` that ``peft.PeftModel.from_pretrained``
 loads onto the transformers model as is.
 
-Only the adapters train, so the optimizer holds AdamW state for them alone, and a weight
-update ships only them (``adapter_update``): ``lora_A`` and ``lora_B`` pre-multiplied by
+Only the adapters train, so the optimizer holds AdamW state for them alone, the frozen base
+is kept in the training compute dtype (bf16 on a GPU: half a float32 copy; ``cast_for_training``),
+and a weight update ships only them (``adapter_update``): ``lora_A`` and ``lora_B`` pre-multiplied by
 α/r, so an engine needs no LoRA settings to merge them (``miles.engines.lora``).
 
 Target names are PEFT's: a module name's last part (``q_proj`` ... ``down_proj``), or
@@ -99,6 +100,31 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
         parent = model.get_submodule(parent_name)
         setattr(parent, leaf, LoRALinear(getattr(parent, leaf), rank, alpha, dropout))
     return names
+
+
+def cast_for_training(model: nn.Module, base_dtype: torch.dtype) -> int:
+    """Store the frozen base's matrices (every linear and expert weight, the LM head) in
+    ``base_dtype``, the forward's compute dtype, and everything else — the adapters, norms,
+    biases, the embedding (the residual stream starts there, as in full-parameter training)
+    and buffers — in float32. Under autocast the base GEMMs ran in ``base_dtype`` already, so
+    the forward is the same while the base takes half the memory of a float32 copy (the
+    weights are frozen: no update is lost to rounding). Returns the base matrices' numel."""
+    embed = model.model.embed_tokens.weight
+    cast = 0
+    for p in model.parameters():
+        if not p.is_floating_point():
+            continue
+        base = not p.requires_grad and p.ndim >= 2 and p is not embed
+        want = base_dtype if base else torch.float32
+        if base:
+            cast += p.numel()
+        if p.dtype != want:
+            p.data = p.data.to(want)
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf.is_floating_point() and buf.dtype != torch.float32:
+                setattr(module, name, buf.float())
+    return cast
 
 
 def is_lora(model: nn.Module) -> bool:

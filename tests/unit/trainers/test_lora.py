@@ -140,3 +140,35 @@ def test_engine_refuses_adapter_of_unknown_module_or_wrong_shape() -> None:
         engine.stage_weights([("model.layers.0.self_attn.nope.lora_A.weight", torch.zeros(2, h))])
     with pytest.raises(WeightError, match="expected"):
         engine.stage_weights([("model.layers.0.self_attn.q_proj.lora_A.weight", torch.zeros(2, h + 1))])
+
+
+def test_lora_base_is_kept_in_the_compute_dtype() -> None:
+    """With bf16 compute the frozen base matrices are stored in bf16 (half a float32 copy), the
+    adapters, norms and embedding in float32; a step trains the adapters and leaves the base
+    bit for bit; the forward equals the float32-base trainer's under the same autocast."""
+    model = make_model()
+    cfg = dict(lr=3e-2, lora_rank=4, lora_alpha=8.0, dtype="bfloat16")
+    half = EmbeddedTrainer(copy.deepcopy(model), config=TrainerConfig(**cfg), algo=AlgorithmConfig())
+    full = EmbeddedTrainer(copy.deepcopy(model), config=TrainerConfig(**{**cfg, "dtype": "float32"}),
+                           algo=AlgorithmConfig())
+    params = dict(half.model.named_parameters())
+    base = {n: p for n, p in params.items() if not p.requires_grad and p.ndim == 2 and "embed_tokens" not in n}
+    assert base and all(p.dtype == torch.bfloat16 for p in base.values())
+    assert all(p.dtype == torch.float32 for n, p in params.items() if n not in base)
+    assert params["model.embed_tokens.weight"].dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in full.model.parameters())
+    bytes_of = lambda t: sum(p.numel() * p.element_size() for p in t.model.parameters())  # noqa: E731
+    assert bytes_of(half) < 0.8 * bytes_of(full)
+    frozen = {n: p.detach().clone() for n, p in base.items()}
+    groups = [[Trajectory(id=f"g{g}m{m}", prompt_id=f"p{g}", group_id=f"g{g}", prompt_tokens=[5, 6, 7],
+                          response_tokens=[8 + m, 9, 10 + g], logprobs=[-1.0] * 3, versions=[0] * 3,
+                          loss_mask=[1] * 3, reward=float(m)) for m in range(4)] for g in range(2)]
+    flat = [t for g in groups for t in g]
+    a, b = half.compute_logprobs(flat), full.compute_logprobs(flat)
+    assert max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)) < 0.05  # both bf16 GEMMs
+    m = half.train_step(groups)
+    assert m["train/optimizer_steps"] == 1.0
+    assert all(torch.equal(p, frozen[n]) for n, p in base.items())
+    assert any(p.grad is None and p.requires_grad for p in params.values())  # adapters trained, grads freed
+    assert max((p - q).abs().max().item() for n, p in half.model.state_dict().items()
+               if ".lora_B." in n for q in [torch.zeros_like(p)]) > 0
