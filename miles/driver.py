@@ -177,8 +177,7 @@ class Driver:
             version = sched.version
             async with self.admission_lock:
                 t0 = time.perf_counter()
-                sched.observe(ledger)
-                n = sched.capacity(room)
+                n = sched.admit(ledger, room)
                 prompts = self.dataset.next(n) if n > 0 else []
                 self.admit_s += time.perf_counter() - t0
                 if prompts:

@@ -12,9 +12,9 @@ Staleness of a token trained at trainer version ``v_t`` is ``v_t - v_token``; th
 
 Wiring: the driver builds one :class:`Scheduler` from a :class:`SchedulerConfig`, builds the
 buffer with ``BufferConfig(max_staleness=scheduler.staleness, ...)``, and on every loop
-iteration calls ``scheduler.observe(buffer.ledger())`` then
-``scheduler.capacity(buffer.prompt_room())`` to learn how many new prompts to admit. Nothing
-here knows about Ray or asyncio.
+iteration calls ``scheduler.admit(buffer.ledger(), buffer.prompt_room())`` (``observe`` then
+``capacity``) to learn how many new prompts to admit. Nothing here knows about Ray or
+asyncio, so ``benchmarks/simulate.py`` runs the same decision in simulated time.
 
 Units: the scheduler counts **groups** (one prompt = one group of ``n_samples_per_prompt``
 trajectories), as AReaL counts rollouts and the trainer consumes ``rollout_batch_size``
@@ -215,6 +215,12 @@ class Scheduler:
         self.admitted = groups.admitted
 
     # ---- decision ------------------------------------------------------------------
+    def admit(self, ledger: Ledger, room: int | None = None) -> int:
+        """The driver's admission decision after a buffer state change: take the counts from
+        the buffer's ledger, then return how many new prompts may start now."""
+        self.observe(ledger)
+        return self.capacity(room)
+
     def capacity(self, room: int | None = None) -> int:
         """How many new prompts may start now (``room``: buffer room in prompts)."""
         cfg = self.config

@@ -158,3 +158,14 @@ def test_over_sampling_feeds_a_filter() -> None:
     assert buf.ledger().groups.dropped["drop_uniform_rewards"] > 0
     # more than B start per version (the filter rejects some); the loop checks the budget
     assert max(list(admitted_at.values()).count(v) for v in range(4)) > 3
+
+
+def test_admit_is_observe_then_capacity() -> None:
+    """The driver's one admission call (and the simulator's) takes the ledger's counts first."""
+    buf = ReplayBuffer(BufferConfig(max_staleness=1, capacity=100))
+    sched = Scheduler(SchedulerConfig(mode="async", max_staleness=1, rollout_batch_size=4))
+    assert sched.admit(buf.ledger(), buf.prompt_room()) == 8
+    buf.add_prompts([PromptSample(prompt_id=f"p{i}") for i in range(5)])
+    assert sched.admit(buf.ledger(), buf.prompt_room()) == 3
+    assert (sched.running, sched.accepted, sched.admitted) == (5, 0, 5)
+    assert sched.admit(buf.ledger(), 2) == 2
