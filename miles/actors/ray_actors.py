@@ -211,9 +211,11 @@ def init_ray(cfg: MilesConfig) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
-    if cfg.run.ray_address:
-        kwargs["address"] = cfg.run.ray_address
-    else:
+    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        kwargs["address"] = address
+    else:  # a cluster of its own: never one that another process on this machine started
+        kwargs["address"] = "local"
         kwargs["num_cpus"] = cfg.run.ray_num_cpus or max(os.cpu_count() or 1, 2)
         kwargs["_node_ip_address"] = "127.0.0.1"
     ray.init(**kwargs)
