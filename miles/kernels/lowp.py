@@ -28,26 +28,32 @@ INT4_CONFIG: dict[str, int] = {}  # overrides of the INT4 launch (BN, warps, sta
 _FORM: list[str | None] = []  # the _scaled_mm form the first probe validated, or None
 
 
+ROWS = 16  # the block-wise GEMM's rows are padded to a multiple of this (cuBLAS refuses some row counts)
+
+
 def _outer_major(t: Tensor) -> Tensor:
-    return t.t().contiguous().t()
+    """``t`` with strides (1, rows): the outer dimension fastest, as cuBLAS's block-wise scales
+    are laid out. Built explicitly: ``t.t().contiguous().t()`` keeps a one-row tensor's strides."""
+    out = torch.empty_strided(t.shape, (1, t.shape[0]), dtype=t.dtype, device=t.device)
+    return out.copy_(t)
 
 
 @functools.cache
 def _mm_forms() -> dict[str, object]:
-    """Ways to ask for the 1x128 / 128x128 block-wise recipe across torch versions."""
-    forms: dict[str, object] = {
-        "scaled_mm": lambda xq, xs, wq, ws, dt: torch._scaled_mm(
-            xq, wq.t(), scale_a=_outer_major(xs), scale_b=ws.t(), out_dtype=dt),
-        "scaled_mm_b_contig": lambda xq, xs, wq, ws, dt: torch._scaled_mm(
-            xq, wq.t(), scale_a=_outer_major(xs), scale_b=ws.t().contiguous(), out_dtype=dt),
-        "scaled_mm_a_contig": lambda xq, xs, wq, ws, dt: torch._scaled_mm(
-            xq, wq.t(), scale_a=xs.contiguous(), scale_b=ws.t(), out_dtype=dt),
-    }
-    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
-        st = F.ScalingType
-        forms["F.scaled_mm"] = lambda xq, xs, wq, ws, dt: F.scaled_mm(
-            xq, wq.t(), scale_a=_outer_major(xs), scale_recipe_a=st.BlockWise1x128,
-            scale_b=ws.t(), scale_recipe_b=st.BlockWise128x128, output_dtype=dt)
+    """Ways to ask for the 1x128 / 128x128 block-wise recipe across torch versions: the
+    private and the public API, each scale outer-major or row-major."""
+    a_layouts = {"a_outer": _outer_major, "a_rows": lambda t: t.contiguous()}
+    b_layouts = {"b_view": lambda w: w.t(), "b_contig": lambda w: w.t().contiguous()}
+    forms: dict[str, object] = {}
+    for an, fa in a_layouts.items():
+        for bn, fb in b_layouts.items():
+            forms[f"scaled_mm/{an}/{bn}"] = (lambda fa, fb: lambda xq, xs, wq, ws, dt: torch._scaled_mm(
+                xq, wq.t(), scale_a=fa(xs), scale_b=fb(ws), out_dtype=dt))(fa, fb)
+            if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
+                st = F.ScalingType
+                forms[f"F.scaled_mm/{an}/{bn}"] = (lambda fa, fb: lambda xq, xs, wq, ws, dt: F.scaled_mm(
+                    xq, wq.t(), scale_a=fa(xs), scale_recipe_a=st.BlockWise1x128,
+                    scale_b=fb(ws), scale_recipe_b=st.BlockWise128x128, output_dtype=dt))(fa, fb)
     return forms
 
 
@@ -82,15 +88,22 @@ def fp8_linear(x: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype) -> Ten
     from miles.kernels.quantize import BLOCK, fp8_dequantize_weight, fp8_quantize_act
 
     N, K = wq.shape
-    xq, xs = fp8_quantize_act(x)
+    M = x.shape[0]
     key = f"{N}x{K}"
     if K % BLOCK == 0 and N % BLOCK == 0:
+        pad = -M % ROWS
+        xq, xs = fp8_quantize_act(F.pad(x, (0, 0, 0, pad)) if pad else x)
         if not _FORM:  # probed once, on real operands, outside any graph capture (the first call)
             xd = (xq.float() * xs.repeat_interleave(BLOCK, -1)[:, :K])
             _FORM.append(_probe(xq, xs, wq, ws, out_dtype, F.linear(xd, fp8_dequantize_weight(wq, ws))))
         if _FORM[0] is not None:
             FP8_PATH[key] = _FORM[0]
-            return _mm_forms()[_FORM[0]](xq, xs, wq, ws, out_dtype)
+            y = _mm_forms()[_FORM[0]](xq, xs, wq, ws, out_dtype)
+            return y[:M] if pad else y
+        if pad:
+            xq, xs = xq[:M], xs[:M]
+    else:
+        xq, xs = fp8_quantize_act(x)
     FP8_PATH[key] = "dequantized"
     xd = (xq.float() * xs.repeat_interleave(BLOCK, -1)[:, :K]).to(out_dtype)
     return F.linear(xd, fp8_dequantize_weight(wq, ws, out_dtype))
