@@ -42,7 +42,7 @@ def run_once(args: argparse.Namespace, inputs: dict[str, str], name: str, extra:
            *task, "--device", args.device, "--num-rollout", str(args.steps), "--rollout-max-response-len", str(args.max_len),
            "--output-dir", str(out), *extra]
     if args.device == "cuda":
-        cmd += ["--colocate"]
+        cmd += ["--colocate", "--actor-num-gpus-per-node", "1"]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first = None
