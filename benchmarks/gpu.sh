@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/RESULTS.md's H200 rows (raw sections: benchmarks/log/), one part per argument:
 #   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command; parts:
-#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing engine-matmul engine-attn engine-rollout profile engine engine-ab mlp attention long-tail trainer trainer-long-tail spec spec-overhead first-step megatron weights async async-x2 bg-start bg-wait)
+#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing engine-matmul engine-attn engine-rollout profile engine engine-ab mlp attention long-tail trainer trainer-long-tail spec spec-overhead first-step megatron weights memory async async-x2 bg-start bg-wait)
 # A run longer than one call: `BG_PARTS=async-x2 ... gpu.sh bg-start` in one call, then at once
 # `gpu.sh bg-wait [more parts]` in the next (the machine is given back ~30 s after a call).
 # On a machine without ray/msgspec/megatron-core, a .whl folder of their Python 3.12 wheels
 # (downloaded with pip where it works) is installed first. Env: TESTS (test paths), ATTN (engine-attn's --decode-attention values), TESTS_TIMEOUT (default 480: the trainer compiles on CUDA now), WEIGHTS_ARGS, WEIGHTS_TIMEOUT,
 # TLT_ARGS (trainer-long-tail, e.g. --compile; --profile), TRAINER_ARGS (trainer, e.g. --profile), ASYNC_ARGS / ASYNC_TIMEOUT (e.g. ASYNC_ARGS="--steps 8 --only sync async_eta2"; "--lanes 2" with async-x2 on nvidia-h200-x4: all ten configs in one call), SPEC_STEPS, SPEC_ARGS
-# (e.g. "--batches 1 4 16 64 --repeats 1": the full sweep and 8 steps overran 300 s on the H200). Extra outputs go to $OUT (default: runs/gpu).
+# (e.g. "--batches 1 4 16 64 --repeats 1": the full sweep and 8 steps overran 300 s on the H200),
+# MEMORY_8B_ARGS / MEMORY_32B_ARGS / MEMORY_TIMEOUT (memory; e.g. MEMORY_32B_ARGS="--engine-weights keep"). Extra outputs go to $OUT (default: runs/gpu).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-runs/gpu}
@@ -61,6 +62,11 @@ for part in "$@"; do
         spec-overhead) timeout 300 python3 benchmarks/spec_overhead.py --device cuda ;;
         first-step) timeout 400 python3 benchmarks/first_step.py --device cuda ${FIRST_STEP_ARGS:-} ;;
         megatron) timeout 300 python3 benchmarks/megatron_trainer.py --device cuda ;;
+        memory)   # one process per shape (benchmarks/memory.py), then the table; raw section in benchmarks/log/memory.md
+                  timeout ${MEMORY_TIMEOUT:-240} python3 benchmarks/memory.py --shape 8b --mode full --json "$OUT/memory-8b.json" ${MEMORY_8B_ARGS:-}; r8=$?
+                  timeout ${MEMORY_TIMEOUT:-240} python3 benchmarks/memory.py --shape 32b --mode lora --json "$OUT/memory-32b.json" ${MEMORY_32B_ARGS:-}; r32=$?
+                  python3 benchmarks/memory.py --summarize "$OUT/memory-8b.json" "$OUT/memory-32b.json"
+                  [ $r8 = 0 ] && [ $r32 = 0 ] ;;
         weights)  timeout ${WEIGHTS_TIMEOUT:-300} python3 benchmarks/weight_sync.py --device cuda ${WEIGHTS_ARGS:-} ;;
         async)    timeout ${ASYNC_TIMEOUT:-540} python3 benchmarks/async_vs_sync.py --device cuda ${ASYNC_ARGS:-} ;;
         async-x2) timeout ${ASYNC_TIMEOUT:-540} python3 benchmarks/async_vs_sync.py --device cuda --disaggregated ${ASYNC_ARGS:-} ;;
