@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/RESULTS.md's H200 rows (raw sections: benchmarks/log/), one part per argument:
 #   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command; parts:
-#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing engine-matmul engine-attn engine-rollout profile engine engine-ab mlp attention long-tail trainer trainer-long-tail spec spec-overhead first-step megatron weights memory async async-x2 bg-start bg-wait)
+#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing ontrue engine-matmul engine-attn engine-rollout profile engine engine-ab mlp attention long-tail trainer trainer-long-tail spec spec-overhead first-step megatron weights memory async async-x2 bg-start bg-wait)
 # A run longer than one call: `BG_PARTS=async-x2 ... gpu.sh bg-start` in one call, then at once
 # `gpu.sh bg-wait [more parts]` in the next (the machine is given back ~30 s after a call).
 # On a machine without ray/msgspec/megatron-core, a .whl folder of their Python 3.12 wheels
@@ -59,6 +59,11 @@ for part in "$@"; do
         trainer)  timeout 300 python3 benchmarks/trainer.py --device cuda --preset 0.5b --compile ${TRAINER_ARGS:-} ;;
         trainer-long-tail) timeout 300 python3 benchmarks/trainer_long_tail.py --device cuda ${TLT_ARGS:-} ;;
         spec)     timeout 480 python3 benchmarks/speculative.py --device cuda --steps ${SPEC_STEPS:-16} --plot "$OUT/speculative_cuda.png" ${SPEC_ARGS:-} ;;
+        ontrue)   # --true-on-policy on CUDA: the exact zero (dense + MoE) and the mode's decode tok/s vs the default's
+                  timeout 230 python3 benchmarks/true_on_policy.py --device cuda; rc=$?
+                  timeout 60 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/gpu/test_true_on_policy_gpu.py \
+                      > "$OUT/ontrue-tests.txt" 2>&1 || rc=1
+                  tail -15 "$OUT/ontrue-tests.txt"; (exit $rc) ;;
         spec-overhead) timeout 300 python3 benchmarks/spec_overhead.py --device cuda ;;
         first-step) timeout 400 python3 benchmarks/first_step.py --device cuda ${FIRST_STEP_ARGS:-} ;;
         megatron) timeout 300 python3 benchmarks/megatron_trainer.py --device cuda ;;

@@ -39,7 +39,7 @@ class RunConfig(msgspec.Struct, kw_only=True):
     num_rollout: int = 10  # trainer steps (slime: --num-rollout)
     seed: int = 1234  # seeds sampling, data order and initialisation
     deterministic: bool = False  # batch-invariant steps and fixed orders: a resumed run repeats exactly
-    true_on_policy: bool = False  # batch-invariant engine and trainer (CPU float32): rollout log-probs bitwise the trainer's
+    true_on_policy: bool = False  # batch-invariant engine and trainer (CPU float32, CUDA Triton bf16): rollout log-probs bitwise the trainer's
     # placement (GPUs; 0 means CPU)
     actor_num_nodes: int = 1  # nodes of trainer ranks (Megatron)
     actor_num_gpus_per_node: int = 0  # the trainer's GPUs per node (0: CPU)

@@ -143,8 +143,6 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
         # NCCL refuses two ranks of one group on one GPU, so disaggregated workers do not share.
         yield (f"--num-rollout-workers {run.num_rollout_workers} > --rollout-num-gpus {run.rollout_num_gpus}: "
                "each disaggregated rollout worker takes a GPU of its own (or --colocate them)")
-    if gpus and run.true_on_policy:
-        yield "--true-on-policy is the CPU float32 path (miles.models.invariant); it is not supported with GPUs"
     if run.true_on_policy and (run.train_backend != "embedded" or run.rollout_backend != "embedded"):
         yield "--true-on-policy needs the embedded trainer and engines (one model definition on both sides)"
     if gpus and run.deterministic:

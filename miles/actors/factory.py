@@ -41,7 +41,8 @@ def configure_process(cfg: MilesConfig, threads: int) -> None:
     if cfg.run.true_on_policy:  # every actor process: the engine's and the trainer's forwards alike
         from miles.models import invariant
 
-        invariant.enable(keys=context_len(cfg))
+        cuda = any(str(d).startswith("cuda") for d in (cfg.engine.device, cfg.trainer.device))
+        invariant.enable(keys=context_len(cfg), device="cuda" if cuda else "cpu")
 
 
 def load_tokenizer(cfg: MilesConfig) -> Any:
@@ -114,8 +115,11 @@ def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0) -> A
     tokenizer = load_tokenizer(cfg)
     engine_cfg = msgspec.structs.replace(cfg.engine, seed=cfg.run.seed + seed_offset, max_seq_len=context_len(cfg))
     if cfg.run.true_on_policy:  # the torch decode path, whose GEMMs and attention invariant.enable replaces
+        # (eager: compiled layer functions would fuse RMSNorm, RoPE and SiLU·up in their own
+        # rounding; the sampler's torch log-sum-exp is the mode's row kernel, as the trainer's)
         engine_cfg = msgspec.structs.replace(engine_cfg, decode_attention="sdpa", cpu_decode_kernel=False,
-                                             decode_residual_gemm=False, decode_fused_mlp=False)
+                                             decode_residual_gemm=False, decode_fused_mlp=False, compile=False,
+                                             fused_sampling=False)
     model = load_pretrained(cfg.rollout.hf_checkpoint, device=engine_cfg.device)
     from miles.models.quant import apply_quantization
 
@@ -256,6 +260,8 @@ def build_policy_trainer(cfg: MilesConfig) -> Any:
     from miles.trainers import EmbeddedTrainer
 
     trainer_cfg = msgspec.structs.replace(cfg.trainer, seed=cfg.run.seed)
+    if cfg.run.true_on_policy:  # eager layers: the engine's rounding of each op (models.invariant)
+        trainer_cfg = msgspec.structs.replace(trainer_cfg, compile=False)
     # A LoRA trainer keeps its frozen base in the compute dtype: loaded so, it never holds a float32 copy.
     from miles.trainers.embedded import _dtype
 

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from miles.models import invariant
+
 log = logging.getLogger(__name__)
 
 
@@ -40,7 +42,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     the result stays bf16 as in the engine, whose weights are the bf16 copies of the same
     floats: the product is the engine's, bit for bit. transformers would promote it to
     float32, and the trainer's q/k then ran RoPE in float32 and were cast back for
-    attention, both ways: a few percent of a train step."""
+    attention, both ways: a few percent of a train step. In ``--true-on-policy`` on CUDA it is
+    the per-row kernel (``miles.models.invariant.rms_norm``) with the same arithmetic."""
+    if invariant.on(x):
+        return invariant.rms_norm(x, weight, eps)
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # bitwise equal in float32
     x32 = x.float()

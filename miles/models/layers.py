@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from miles.models import invariant
 from miles.models.config import ModelConfig
 from miles.models.fused import FastPath, fuse_linears, fused_layer_forward, rms_norm, rope_qk_tokens
 
@@ -298,7 +299,7 @@ class SparseMoE(nn.Module):
             idx = routing.reshape(-1, self.top_k).to(device=flat.device, dtype=torch.long)
             weights = probs.gather(1, idx)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights / invariant.row_sum(weights)
         out = self._experts(flat, idx, weights.to(flat.dtype))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)

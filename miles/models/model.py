@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from miles.models import invariant
 from miles.models.config import ModelConfig
 from miles.models.fused import FastPath, layer_args
 from miles.models.layers import (
@@ -152,7 +153,7 @@ class CausalLM(nn.Module):
         backend = kv_cache
         if backend is None:
             backend = FullAttention(build_mask(attention_mask, segment_ids, T, input_ids.device))
-        h = self.model.embed_tokens(input_ids)
+        h = invariant.residual(self.model.embed_tokens(input_ids))
         cos, sin = self.rotary(position_ids, h.dtype)
         routes: list[Tensor] = []
         for layer in self.model.layers:
@@ -201,7 +202,12 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float | Tensor =
     without the same truncation); the trainer calls it with the same temperature.
     """
     logits = logits.float()
-    if isinstance(temperature, Tensor):
+    if invariant.on(logits) and not isinstance(temperature, Tensor) and temperature != 1.0:
+        # a true division, as the engine's by its [n, 1] tensor (torch divides a CUDA tensor
+        # by a Python float as a multiplication by its reciprocal)
+        temperature = torch.full((), temperature, device=logits.device)
+        logits = logits / temperature
+    elif isinstance(temperature, Tensor):
         logits = logits / temperature.to(logits.dtype).unsqueeze(-1)
     elif temperature != 1.0:
         logits = logits / temperature

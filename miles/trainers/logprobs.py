@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from miles.models import token_logprobs
+from miles.models import invariant, token_logprobs
 from miles.trainers.batching import TokenBatch
 
 CHUNK_BYTES = 1 << 30  # float32 working set per log-softmax chunk
@@ -250,6 +250,8 @@ def response_logprobs(
     rows, cols, pos = mb.response_positions()
     h = out.hidden[rows, pos]
     targets = mb.response_ids[rows, cols]
+    if invariant.on(mb.input_ids):
+        fused = False  # the LM head and log-softmax as the engine runs them (the mode's kernels)
     if fused and entropy != "grad":
         logp_flat, ent_flat = linear_logprobs(h, model.lm_head.weight, targets, temperature=temperature,
                                               dtype=dtype, with_entropy=entropy == "metric",

@@ -1,0 +1,107 @@
+"""The Triton kernels of ``--true-on-policy`` on CUDA (miles.kernels.invariant), run in triton's
+CPU interpreter (scripts/test.sh, MILES_KERNEL_TESTS=1): a row's output is bitwise the same in a
+batch of one or of many, and decode over a cache (the engine's call forms) is bitwise the full
+causal forward's row. Tiny shapes: the interpreter is slow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from miles.kernels import invariant as kernels
+from miles.models import invariant
+
+pytestmark = pytest.mark.skipif(not kernels.available("cpu"), reason="needs triton's interpreter (TRITON_INTERPRET=1)")
+
+
+@pytest.fixture
+def on_cpu():
+    with invariant.mode(keys=0, device="cpu", kernels=True):
+        yield
+
+
+def test_gemm_rows_and_columns_do_not_depend_on_the_batch() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(70, 96, generator=g), torch.randn(40, 96, generator=g), torch.randn(40, generator=g)
+    full = kernels.matmul(x, w, b)
+    assert (full - F.linear(x, w, b)).abs().max() < 1e-4
+    for rows in ([0], [69], [5, 20, 3], list(range(70))[::-1]):
+        assert torch.equal(kernels.matmul(x[rows], w, b), full[rows])
+    assert torch.equal(kernels.matmul(x[:3], w[7:30], b[7:30]), full[:3, 7:30])  # a fused projection's slice
+
+
+def test_row_kernels_do_not_depend_on_the_batch() -> None:
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(9, 48, generator=g), torch.randn(48, generator=g)
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    for fn, want in ((lambda t: kernels.rms_norm(t, w, 1e-6), ref), (kernels.logsumexp, torch.logsumexp(x, -1)),
+                     (kernels.softmax, torch.softmax(x, -1)), (kernels.log_softmax, torch.log_softmax(x, -1))):
+        full = fn(x)
+        assert (full - want).abs().max() < 1e-5
+        assert torch.equal(fn(x[4:5]), full[4:5]) and torch.equal(fn(x[[8, 0]]), full[[8, 0]])
+    wide = torch.randn(3, 5000, generator=g)  # more than one LSE_BLOCK of logits
+    assert (kernels.logsumexp(wide) - torch.logsumexp(wide, -1)).abs().max() < 1e-5
+
+
+def test_decode_over_a_cache_equals_the_full_causal_forward(on_cpu) -> None:
+    """The engine's call forms through ``F.scaled_dot_product_attention``: decode (the GQA group
+    as the query axis, a bool mask over a longer cache holding stale keys), prefill of a prefix
+    and the trainer's right-padded mask, against its causal forward, bitwise."""
+    g = torch.Generator().manual_seed(2)
+    B, H, Hkv, T, D, S = 2, 4, 2, 9, 16, 80  # S > one key chunk
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (H, Hkv, Hkv))
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    ref = invariant._F_SDPA(q, k, v, is_causal=True, enable_gqa=True)
+    assert (full - ref).abs().max() < 1e-5
+    kc, vc = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    kc[:, :, :T], vc[:, :, :T] = k, v
+    for t in (0, 5, T - 1):
+        mask = (torch.arange(S) <= t)[None, None, None, :].expand(B, 1, 1, S)
+        one = F.scaled_dot_product_attention(q[:, :, t].reshape(B, Hkv, H // Hkv, D), kc, vc, attn_mask=mask)
+        assert torch.equal(one.reshape(B, H, D), full[:, :, t])
+    alone = F.scaled_dot_product_attention(q[1:, :, :4], k[1:, :, :4], v[1:, :, :4], is_causal=True, enable_gqa=True)
+    assert torch.equal(alone[0], full[1, :, :4])  # a prefill, one row of the batch
+    real = torch.ones(B, T, dtype=torch.bool)
+    real[0, 6:] = False  # right padding: row 0 has 6 tokens
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & real[:, None, None, :]
+    padded = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | torch.eye(T, dtype=torch.bool), enable_gqa=True)
+    assert torch.equal(padded[0, :, :6], full[0, :, :6]) and torch.equal(padded[1], full[1])
+
+
+def test_gradients_flow_through_the_wrapped_kernels(on_cpu) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 32, generator=g, requires_grad=True)
+    w = torch.randn(24, 32, generator=g, requires_grad=True)
+    y = F.log_softmax(F.linear(x, w), dim=-1)
+    y[:, 3].sum().backward()
+    x2, w2 = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    invariant._F_LOG_SOFTMAX(invariant._F_LINEAR(x2, w2), -1)[:, 3].sum().backward()
+    assert torch.allclose(x.grad, x2.grad, atol=1e-5) and torch.allclose(w.grad, w2.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_engine_logprobs_equal_the_trainers_through_the_kernels(on_cpu, moe: bool) -> None:
+    """The embedded engine (continuous batching: rows of different prompt lengths prefill,
+    decode together and finish) against the trainer's recompute, with every GEMM, attention,
+    RMSNorm, softmax and log-softmax in the mode's Triton kernels: bitwise equal, as on CUDA."""
+    import asyncio
+    import copy
+
+    from miles.algorithms import AlgorithmConfig
+    from miles.engines import EmbeddedEngine, EngineConfig
+    from miles.trainers import EmbeddedTrainer, TrainerConfig
+    from tests.unit.trainers.conftest import make_model
+    from tests.unit.trainers.test_engine_consistency import _rollout
+
+    extra = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if moe else {}
+    model = make_model(**extra)
+    engine = EmbeddedEngine(copy.deepcopy(model).eval(), config=EngineConfig(
+        max_batch_size=4, max_seq_len=64, decode_attention="sdpa", cpu_decode_kernel=False,
+        decode_residual_gemm=False, decode_fused_mlp=False, compile=False))
+    tr = EmbeddedTrainer(model, config=TrainerConfig(lr=1e-2, use_rollout_routing_replay=moe,
+                                                     true_on_policy_check="strict"),
+                         algo=AlgorithmConfig(use_tis=True))
+    trajs = asyncio.run(_rollout(engine, [[5, 6, 7, 8], [9, 10], [9, 10, 11, 12, 13]], 1.0, moe))
+    got = tr.compute_logprobs(trajs)
+    assert all(a == t.logprobs for a, t in zip(got, trajs))
