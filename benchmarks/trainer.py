@@ -120,7 +120,7 @@ class Variant:
         with torch.device(args.device):
             self.model = CausalLM(self.cfg)
         tcfg = TrainerConfig(
-            lr=1e-6, device=args.device, dtype=args.dtype, compile="compile" in name, compile_background=False,
+            lr=1e-6, device=args.device, dtype=args.dtype, compile="compile" in name,
             max_tokens_per_micro_batch=args.max_tokens or max_tokens,
             gradient_checkpointing=args.gradient_checkpointing,
         )

@@ -117,8 +117,7 @@ def main() -> None:
         torch.manual_seed(0)
         with torch.device(args.device):
             model = CausalLM(cfg)
-        tcfg = TrainerConfig(lr=1e-6, device=args.device, max_tokens_per_micro_batch=max_tokens, compile=compiled,
-                             compile_background=False)
+        tcfg = TrainerConfig(lr=1e-6, device=args.device, max_tokens_per_micro_batch=max_tokens, compile=compiled)
         trainers[name] = EmbeddedTrainer(model, config=tcfg, algo=AlgorithmConfig())
     times: dict[str, list[float]] = {name: [] for name in variants}
     first: dict[str, float] = {}

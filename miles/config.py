@@ -154,7 +154,7 @@ DEV_FIELDS = frozenset({
     "decode_residual_gemm", "decode_fused_mlp", "decode_attention_chunk", "decode_merge_in_kernel",
     "inject_oom_steps",
     # trainer and algorithm constants
-    "compile_background", "min_lr", "lr_decay_steps", "adam_beta1", "adam_beta2", "adam_eps", "skip_nonfinite_steps",
+    "min_lr", "lr_decay_steps", "adam_beta1", "adam_beta2", "adam_eps", "skip_nonfinite_steps",
     "max_consecutive_nonfinite", "gamma", "lam", "reward_kl_coef", "dual_clip_c", "tis_veto",
     "loss_agg_max_tokens",
     # Megatron-core internals

@@ -17,23 +17,12 @@ time, with one row and with several. Any band at least ×2 wide holds a point of
 ladder. It runs the forward with and without gradients, since grad mode is guarded too.
 Smallest first: largest-first built more graphs than dynamo's per-function limit on the
 CPU. After the warm-up, a recompile logs the guard that failed.
-
-The warm-up runs in a thread of its own (``WarmUp``, the default): compiling the ladder takes
-longer than a run's first steps, so the trainer is ready at once and steps eagerly until the
-compiled layers are warm, then switches to them between two calls. Each layer's call goes
-through a gate that picks the compiled form in the warm-up's thread and, once it is done, in
-every thread. Dynamo's frame hook is per thread, so the eager steps never trace. The warm-up's
-backward asks autograd for the gradient of the first trainable weight only, which runs every
-layer's compiled backward without accumulating into any ``.grad`` the steps are using.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-import threading
-import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -48,75 +37,15 @@ WARM_MIN, WARM_STEP = 12, 2  # the warm-up's shortest rows, and the factor betwe
 WARM_DEFAULT_TOKENS = 16384  # the warm-up's largest micro-batch without max_tokens_per_micro_batch
 
 
-class WarmUp:
-    """The compiled layers' warm-up, in a thread of its own (``background``) or inline.
-
-    ``use_compiled()`` says whether the calling thread runs the compiled form now: always
-    inline; in the background, in the warm-up's own thread, and in every thread once it is done.
-    """
-
-    def __init__(self, background: bool) -> None:
-        self.background = background
-        self.done = threading.Event()
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        self.seconds = 0.0  # the warm-up's wall time, once done
-
-    def use_compiled(self) -> bool:
-        return not self.background or self.done.is_set() or threading.current_thread() is self.thread
-
-    def start(self, trainer: EmbeddedTrainer) -> None:
-        if not self.background:
-            self._run(trainer)
-            return
-        self.thread = threading.Thread(target=self._run, args=(trainer,), name="miles-compile-warm-up", daemon=True)
-        self.thread.start()
-
-    def _run(self, trainer: EmbeddedTrainer) -> None:
-        t0 = time.monotonic()
-        try:
-            warm_up(trainer, isolated=self.background)
-            log_recompiles()
-        except BaseException as exc:  # re-raised by the next step (``check``), in the trainer's thread
-            if not self.background:
-                raise
-            self.error = exc
-            print(f"miles: the trainer's compile warm-up failed: {exc!r}", file=sys.stderr, flush=True)
-        finally:
-            self.seconds = time.monotonic() - t0
-            if self.error is None:
-                self.done.set()
-
-    def check(self) -> None:
-        """Raise what the background warm-up raised (the trainer would meet it compiling)."""
-        if self.error is not None:
-            raise RuntimeError("the trainer's torch.compile warm-up failed (--no-compile runs eagerly)") from self.error
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the warm-up is done (benchmarks and tests); False on a timeout."""
-        return self.done.wait(timeout)
-
-
-def compile_layers(model: nn.Module, warm: WarmUp | None = None) -> None:
-    """Each decoder layer under ``torch.compile`` (dynamic shapes; the layers share graphs),
-    called through ``warm``'s gate when it warms up in the background.
+def compile_layers(model: nn.Module) -> None:
+    """Each decoder layer under ``torch.compile`` (dynamic shapes; the layers share graphs).
     Dynamo's default of 8 graphs per function is close to what the warm-up builds (7 for
     the attention block on the CPU: grad modes × size regimes × one row). Past that limit,
     new shapes run eager for the rest of the process, so the limit is raised."""
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     for layer in model.model.layers:
-        if warm is None or not warm.background:
-            layer.compile(dynamic=True)
-        else:  # what Module.compile does, behind the gate
-            layer._compiled_call_impl = _gated(layer._call_impl, torch.compile(layer._call_impl, dynamic=True), warm)
-
-
-def _gated(eager: Any, compiled: Any, warm: WarmUp) -> Any:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return compiled(*args, **kwargs) if warm.use_compiled() else eager(*args, **kwargs)
-
-    return call
+        layer.compile(dynamic=True)
 
 
 def warm_shapes(context: int, max_tokens: int | None) -> list[tuple[int, int]]:
@@ -138,12 +67,10 @@ def warm_shapes(context: int, max_tokens: int | None) -> list[tuple[int, int]]:
     return list(dict.fromkeys(shapes))
 
 
-def warm_up(trainer: EmbeddedTrainer, isolated: bool = False) -> None:
+def warm_up(trainer: EmbeddedTrainer) -> None:
     """Run every warm-up shape through the trainer's layers: the log-prob pass without
     gradients, and each planned micro-batch's forward and backward. The gradients are thrown
-    away; the weights do not change. ``isolated`` (beside running steps): the backward
-    reaches no ``.grad``, and the allocator's cache is left alone."""
-    first = next((p for p in trainer.model.parameters() if p.requires_grad), None)
+    away; the weights do not change."""
     cfg = trainer.model.config
     replay = trainer.config.use_rollout_routing_replay and trainer.is_moe
     g = torch.Generator().manual_seed(0)
@@ -165,13 +92,7 @@ def warm_up(trainer: EmbeddedTrainer, isolated: bool = False) -> None:
         for plan in batch.plan(range(batch.size), trainer.config):
             logp, entropy = trainer._forward(trainer.model, batch.select(plan), trainer._entropy_mode())
             grad_entropy = entropy is not None and entropy.requires_grad
-            loss = logp.sum() + (entropy.sum() if grad_entropy else 0.0)
-            if not isolated:
-                loss.backward()
-            elif first is not None and loss.requires_grad:
-                torch.autograd.grad(loss, [first], allow_unused=True)
-    if isolated:
-        return
+            (logp.sum() + (entropy.sum() if grad_entropy else 0.0)).backward()
     trainer.optimizer.zero_grad(set_to_none=True)
     if trainer.device.type == "cuda":  # the largest micro-batch's blocks: back to a colocated engine
         torch.cuda.empty_cache()

@@ -62,9 +62,6 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     # compile time outweighs its small gain there), for MoE (data-dependent expert dispatch) and under FSDP2, which were
     # not measured compiled.
     compile: bool | None = None
-    # the compiled layers' warm-up runs in a thread of its own while the first steps run eagerly
-    # (miles.trainers.compilation); off: the trainer is ready only once it is warm
-    compile_background: bool = True
     gradient_checkpointing: bool = False  # recompute decoder layers in backward
     fsdp: bool | None = None  # None → FSDP2 when torch.distributed has > 1 rank
 

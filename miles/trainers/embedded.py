@@ -118,9 +118,8 @@ class EmbeddedTrainer:
         if compiled is None:  # auto: see TrainerConfig.compile
             compiled = self.device.type == "cuda" and not self.is_moe and not self.sharded
         self.compiled = bool(compiled)
-        self.warm = compilation.WarmUp(config.compile_background) if compiled else None
-        if self.warm is not None:
-            compilation.compile_layers(self.model, self.warm)
+        if compiled:
+            compilation.compile_layers(self.model)
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.to(self.device).eval().requires_grad_(False)
@@ -132,8 +131,9 @@ class EmbeddedTrainer:
         self.consecutive_nonfinite = 0
         self.skipped_steps_total = 0
         self._shuffle = torch.Generator().manual_seed(config.seed)
-        if self.warm is not None:  # the last thing built: the warm-up reads everything above
-            self.warm.start(self)
+        if compiled:
+            self._warm_compiled()
+            compilation.log_recompiles()
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         decay, no_decay = [], []
@@ -153,8 +153,6 @@ class EmbeddedTrainer:
 
     def train_step(self, groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
         start = time.perf_counter()
-        if self.warm is not None:
-            self.warm.check()
         trajs, group_index = trajectories_of(groups)
         rewards = rewards_of(trajs, self.config.reward_key)
         batch = self._build(trajs)  # validates everything before any state changes
@@ -200,8 +198,6 @@ class EmbeddedTrainer:
             from torch._dynamo.utils import counters
 
             metrics["perf/compiled_graphs"] = float(counters["stats"]["unique_graphs"])
-            metrics["perf/compile_warm"] = float(self.warm is not None and self.warm.done.is_set())
-            metrics["perf/compile_warm_s"] = self.warm.seconds if self.warm is not None else 0.0
         return metrics
 
     def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
@@ -271,8 +267,7 @@ class EmbeddedTrainer:
         routing = full_routing(model, mb, self.compute_dtype) if mb.routing is not None else None
         return response_logprobs(model, mb, temperature=self.config.rollout_temperature,
                                  dtype=self.compute_dtype, entropy=entropy, routing=routing,
-                                 fused=self.fused_logprobs,
-                                 compiled=self.warm is not None and self.warm.use_compiled())
+                                 fused=self.fused_logprobs, compiled=self.compiled)
 
     def _entropy_mode(self) -> str:
         return "grad" if self.algo.entropy_coef > 0 else "metric"
