@@ -14,7 +14,9 @@ before each phase) is the GPU's peak for that phase, engine and trainer together
    commit re-allocates what the offload released): its bytes, its seconds, the commit's pause.
 
 The rollout stall is the time from the end of the train step to an engine that can generate
-again (export, staging, commit, re-allocation): what a colocated run waits for each step.
+again (export, staging, commit, re-allocation): what a colocated run waits for each step; the
+refill is its part spent re-allocating what the offload released (and, for ``host``, copying
+the weights back), the commit pause the part a decoding engine would see.
 
     python benchmarks/memory.py --shape 8b --mode full --json /tmp/8b.json      # H200
     python benchmarks/memory.py --shape 32b --mode lora --json /tmp/32b.json    # H200
@@ -167,10 +169,11 @@ async def run(args: argparse.Namespace) -> dict:
         start = peaks.start()
         metrics = trainer.train_step(groups)
         peaks.stop(row, "train", start)
-        start = peaks.start()
+        start, refill = peaks.start(), engine.offloader.seconds
         row["update_bytes"], row["update_tensors"] = await weight_update(engine, trainer, dtype, args.bucket_bytes)
         peaks.stop(row, "update", start)
         row["stall_s"] = row["update_s"]  # train done -> the engine can generate again
+        row["refill_s"] = engine.offloader.seconds - refill  # of which: re-allocating what the offload released
         row["swap_pause_s"] = engine.stats().get("engine/swap_pause_s", 0.0)
         row["step_s"] = time.perf_counter() - step_start
         row["train_tokens"] = metrics["train/tokens"]
@@ -192,7 +195,7 @@ def table(results: list[dict]) -> list[str]:
     """The compact table: per shape, the worst step's peaks per phase, the mean step time,
     update bytes (and against a full update of that shape) and the rollout stall."""
     head = ("| shape | mode | engine weights | steps | peak GiB rollout / offload / train / update | step s "
-            "| update bytes | vs full update | stall s | commit pause s | offload s (rollout, train) |")
+            "| update bytes | vs full update | stall s (refill s) | commit pause s | offload s (rollout, train) |")
     lines = [head, "|" + "---|" * 11]
     for r in results:
         steps = r["steps"][1:] or r["steps"]  # the first step pays one-off costs (pinned buffers, graphs)
@@ -203,7 +206,7 @@ def table(results: list[dict]) -> list[str]:
         lines.append(
             f"| {r['shape']} | {mode} | {r['engine_weights']} "
             f"| {len(r['steps'])} | {peak} | {mean('step_s'):.2f} | {upd / 1e6:.1f} MB | {upd / r['full_update_bytes']:.2%} "
-            f"| {mean('stall_s'):.2f} | {mean('swap_pause_s'):.3f} | {r['offload_rollout_s']:.1f}, "
+            f"| {mean('stall_s'):.2f} ({mean('refill_s'):.2f}) | {mean('swap_pause_s'):.3f} | {r['offload_rollout_s']:.1f}, "
             f"{r['steps'][-1]['offload_train_s']:.1f} |")
     lora = [r for r in results if r["mode"] == "lora"]
     full = [r for r in results if r["mode"] == "full"]

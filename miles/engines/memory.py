@@ -102,7 +102,12 @@ def measure_plan(model, engine_config, kv_dtype: torch.dtype, *, trainer_peak_by
         margin_bytes=engine_config.train_memory_margin_bytes)
 
 
-def trainer_state_bytes(num_params: int, trainable_params: int, *, offload_train: bool = False) -> int:
+def trainer_state_bytes(num_params: int, trainable_params: int, *, offload_train: bool = False,
+                        lora: bool = False, base_bytes: int = 2) -> int:
     """Bytes an embedded trainer keeps: float32 weights, and for each trainable parameter a
-    float32 gradient and two AdamW moments (on the host between steps with --offload-train)."""
+    float32 gradient and two AdamW moments (on the host between steps with --offload-train).
+    A LoRA trainer (``num_params`` the base's, ``trainable_params`` the adapters') keeps its
+    frozen base in the compute dtype (``base_bytes`` each: 2 for bf16) and float32 adapters."""
+    if lora:
+        return base_bytes * num_params + 4 * trainable_params + (0 if offload_train else 12 * trainable_params)
     return 4 * num_params + (0 if offload_train else 12 * trainable_params)

@@ -7,10 +7,13 @@ import torch
 
 from miles.engines.memory import (GiB, MemoryPlanError, activation_bytes, kv_bytes_per_token, plan_memory,
                                   trainer_state_bytes)
-from miles.models import tiny_config
+from miles.models import CausalLM, tiny_config
+from miles.trainers.lora import apply_lora
 
 QWEN3_8B = dict(num_hidden_layers=36, num_key_value_heads=8, head_dim=128, hidden_size=4096,
                 intermediate_size=12288, num_attention_heads=32, vocab_size=151936)
+QWEN3_32B = dict(num_hidden_layers=64, num_key_value_heads=8, head_dim=128, hidden_size=5120,
+                 intermediate_size=25600, num_attention_heads=64, vocab_size=151936)
 
 
 def test_plan_arithmetic() -> None:
@@ -43,3 +46,19 @@ def test_sizes_of_a_qwen3_8b_shape() -> None:
     assert activation_bytes(cfg, 64, 8192, torch.bfloat16) > 3 * 64 * 151936 * 4
     assert trainer_state_bytes(8_000_000_000, 8_000_000_000) == 16 * 8_000_000_000
     assert trainer_state_bytes(8_000_000_000, 8_000_000_000, offload_train=True) == 4 * 8_000_000_000
+
+
+def test_a_qwen3_32b_lora_trainer_and_its_engine_fit_one_h200_only_with_a_bf16_base() -> None:
+    cfg = tiny_config(**QWEN3_32B)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    assert 32.5e9 < n < 33e9
+    apply_lora(model, 16, 32.0, 0.0, ["all-linear"])
+    adapters = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
+    assert 100e6 < adapters < 200e6  # r=16 on every linear of the decoder: 0.4% of the model
+    engine = 2 * n  # the engine's own bf16 copy
+    h200 = 139 * GiB
+    bf16_base = trainer_state_bytes(n, adapters, lora=True)
+    assert engine + bf16_base < h200 - 8 * GiB  # room left for the KV cache and activations
+    assert engine + trainer_state_bytes(n, adapters) > h200  # a float32 base beside it does not fit
