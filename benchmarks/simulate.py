@@ -1,0 +1,766 @@
+"""miles at 1 to 1,000 rollout workers, in simulated time: throughput, staleness, buffer cost.
+
+    python benchmarks/simulate.py --workers 1 10 100 1000 [--eta 0 1 2 4 8 16] [--no-record]
+
+**What is real.** The replay buffer (``miles.buffers.ReplayBuffer``: leases, group assembly,
+the staleness bound with the ``mask`` policy that partial rollouts use, the ledger) and the
+scheduler (``miles.scheduler.Scheduler``: AReaL's admission budget) are the runtime's own
+objects, called exactly as the driver and the rollout workers call them: the driver's
+admission decision (``Scheduler.admit(buffer.ledger(), buffer.prompt_room())`` on a buffer
+state change, answered at most every ``ADMISSION_COALESCE_S``, at once on a new version),
+its train step (``get_batch(B, scheduler.version)``, train, ``buffer.set_version`` before the
+publish, ``scheduler.on_version`` after it, and in ``sync`` mode after every worker applied
+the weights), and the worker's one call per ``BUFFER_CALL_INTERVAL_S``
+(``put_and_lease(finished, worker, free slots)``).
+
+**What is modelled** (a heap of events in simulated time; nothing sleeps):
+
+* a rollout worker is one engine decoding up to ``c`` sequences at once; a decode step of
+  ``b`` sequences takes ``d(b) = d0 + d1·b`` seconds (memory-bound decode: the weights are
+  read once a step, each sequence's KV cache once) and gives each sequence one token;
+  between events every active sequence advances at ``1/d(b)`` tokens a second;
+* response lengths are Zipf: ``L = unit·k`` with ``P(k) ∝ k^-a`` for ``k = 1..K``, drawn once
+  per sample from a seeded generator, so every configuration sees the same samples;
+* weight updates are in flight (``--partial-rollout``): at each publish every engine pauses
+  ``stall`` seconds, then its sequences go on under the new version, each token recording it;
+* the trainer takes ``t0 + tokens / train_tps`` seconds a step and ``publish`` seconds to
+  publish the weights.
+
+The batch grows with the cluster, as it does when users add workers: ``B = W·c/n`` groups
+(one batch is one cluster's worth of concurrent sequences), so throughput can scale until
+the trainer, whose speed is fixed, saturates.
+
+**Reported.** Trained samples and tokens a second, trainer and worker utilization, the
+token-level staleness distribution of every trained loss token (mean, p50, p90, max, masked
+share), the check that no loss token is older than η, the exact ledger, and the wall cost
+of every buffer and scheduler call (``perf_counter`` around each) per trajectory and as a
+share of the simulated step time. Not included: Ray's per-call cost (the buffer is an actor
+in a run; ``benchmarks/buffer_actor.py`` measures it), the buffer actor's timed full GC
+passes (at most ``gcpolicy.MAX_SHARE`` of its time by construction; the run here, like the
+actor, turns the young collections off), lease renewals, the driver's 50 ms long-poll
+answers that carry no change. Empty polls of a starved worker are not events: they are
+counted and charged at the measured cost of an empty ``lease``.
+
+**The closed-form model of mean staleness** (Applied Compute, "Predicting and Controlling
+Staleness in Fully Asynchronous RL Training", finds mean staleness set by utilization, batch
+size, queue capacity, rollout concurrency and the tail of the length distribution; the terms
+below are our own derivation from Little's law, for this runtime's admission rule and
+in-flight updates).
+
+A token's staleness is the number of version bumps between its generation and the take of
+its batch, so summing over tokens, ``Σ staleness = Σ over bumps of M(bump)``, where ``M`` is
+the number of tokens generated but not yet taken at that bump; with ``K = B·n·E[L]`` loss
+tokens a batch, mean staleness ``S = E[M at a bump] / K`` (exact in steady state).
+
+*Rollout-bound* (``P_roll = B·n·E[L]·d(c)/(W·c) + stall > P_train = T + publish``; the
+budget leaves queued prompts, so every slot is busy; queued prompts hold no tokens, so the
+queue adds no staleness): ``M`` is the tokens of (i) in-flight sequences — ``W·c`` slots,
+each holding the age of a length-biased sample, ``E[L²]/(2E[L])``; (ii) finished samples
+waiting for their group's last member — by Little's law, group rate × ``Σ_i L_i·(C − e_i)``
+with member ``i`` started ``i·Δ`` after the first (``Δ = P/(B·n)``, the time between two
+freed slots), ending at ``e_i = iΔ + L_i·τ`` (``τ = P·W·c/(B·n·E[L])``, a token's wall time),
+``C = max e_i``; (iii) groups that became ready while the trainer trained and published,
+``B·(T + publish)/(P − stall)``. So, with ``W·c = B·n``::
+
+    S_roll = E[L²]/(2E[L]²) + τ·E[Σ_i L_i (C − e_i)]/(P·n·E[L]) + (T + publish)/(P − stall)
+
+It does not depend on η: the bound only clips it (rows with ``η < S_roll + 1`` are marked,
+where the budget or the mask policy binds).
+
+*Trainer-bound* (``P_train > P_roll``; the budget binds and the trainer takes a batch at
+once after each publish): the B groups admitted at bump ``v`` are taken at version
+``v + η``, so a token of theirs has staleness ``η − k``, ``k`` the weight updates its
+sequence saw before producing it; from the cohort's decode timeline (fluid: the active
+count at depth ``j`` is ``c·P(L > j)``)::
+
+    S_train = η − Σ_j P(L > j)·k(j) / E[L]
+
+Usage notes: ``--workers``/``--eta`` pick the grid; ``--train-tps`` (the trainer's speed)
+moves the saturation point (``--train-tps 3e5`` saturates it at 1,000 workers). Each run
+prints a table and appends a section to ``benchmarks/log/simulate.md`` (``--no-record``
+skips it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import heapq
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from itertools import compress
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from miles.buffers import BufferConfig, ReplayBuffer  # noqa: E402
+from miles.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from miles.types import PromptSample, Status  # noqa: E402
+
+# The runtime's pacing, as in miles.actors.rollout_worker / miles.actors.ray_actors (not
+# imported: those modules pull in torch and Ray).
+BUFFER_CALL_INTERVAL_S = 0.02  # a worker calls the buffer at most this often
+ADMISSION_COALESCE_S = 0.025  # the driver's admission answers are at least this far apart
+POLL_BUSY_S = 0.05  # a starved worker with sequences in flight looks again after this
+POLL_IDLE_S = 0.02  # ... and an idle one after this
+
+_FINISH, _CALL, _TRAINED, _PUBLISHED, _APPLIED, _ADMIT = range(6)
+PROMPT = [1] * 64
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    workers: int = 1
+    eta: int = 4
+    slots: int = 16  # c: sequences one engine decodes at once
+    n: int = 8  # samples per prompt
+    groups_per_worker: float = 2.0  # B = W · this (default c/n: a batch = the cluster's concurrency)
+    len_unit: int = 256
+    len_buckets: int = 64  # lengths unit..unit·K
+    zipf_a: float = 1.2
+    decode_base_s: float = 0.030  # d0
+    decode_per_seq_s: float = 0.0006  # d1
+    train_base_s: float = 5.0  # t0
+    train_tps: float = 6e5  # trained tokens a second
+    publish_s: float = 2.0
+    stall_s: float = 0.5
+    steps: int = 12  # measured steps (at least; more for small batches, see min_samples)
+    warmup: int = 10
+    min_samples: int = 4_000  # measured trained samples, at least
+    seed: int = 0
+
+    @property
+    def batch(self) -> int:
+        return max(1, round(self.workers * self.groups_per_worker))
+
+    @property
+    def mode(self) -> str:
+        return "sync" if self.eta == 0 else "async"
+
+    @property
+    def measured_steps(self) -> int:
+        return max(self.steps, math.ceil(self.min_samples / (self.batch * self.n)))
+
+    def lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        k = np.arange(1, self.len_buckets + 1, dtype=np.float64)
+        p = k ** -self.zipf_a
+        return (k * self.len_unit).astype(np.int64), p / p.sum()
+
+    def decode_s(self, b: float) -> float:
+        return self.decode_base_s + self.decode_per_seq_s * b
+
+
+class _Worker:
+    __slots__ = ("wid", "active", "ends", "V", "t", "paused_until", "marks", "outbox", "last_call",
+                 "call_at", "epoch", "starved_at", "busy_s")
+
+    def __init__(self, wid: str) -> None:
+        self.wid = wid
+        self.active: dict[str, tuple] = {}  # trajectory id -> (trajectory, depth at start, prefix)
+        self.ends: list[tuple[float, int, str]] = []  # heap of (depth at end, seq, id)
+        self.V = 0.0  # decode depth: tokens every active sequence has gained since start
+        self.t = 0.0  # the time V refers to
+        self.paused_until = 0.0
+        self.marks: list[tuple[float, int]] = [(-1.0, 0)]  # (depth, version from there on)
+        self.outbox: list = []
+        self.last_call = -math.inf
+        self.call_at = math.inf  # the pending call's time (inf: none)
+        self.epoch = 0  # invalidates scheduled finish events
+        self.starved_at: float | None = None
+        self.busy_s = 0.0  # slot-seconds spent decoding
+
+
+@dataclass
+class Result:
+    cfg: SimConfig
+    samples_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    step_s: float = 0.0
+    trainer_util: float = 0.0
+    worker_util: float = 0.0
+    staleness_mean: float = 0.0
+    staleness_hist: dict[int, int] = field(default_factory=dict)
+    staleness_max: int = 0
+    masked_frac: float = 0.0
+    bound_held: bool = True
+    ledger_ok: bool = False
+    duplicates: int = 0
+    admitted_groups: int = 0
+    trained_groups: int = 0
+    buffer_s: dict[str, float] = field(default_factory=dict)  # wall seconds by call, measured window
+    calls: int = 0  # buffer calls in the measured window (empty polls included)
+    empty_polls: int = 0
+    buffer_cpu_s: dict[str, float] = field(default_factory=dict)  # the same, CPU seconds
+    per_traj_us: float = 0.0
+    overhead_frac: float = 0.0  # buffer + scheduler wall seconds / simulated seconds
+    per_traj_cpu_us: float = 0.0
+    overhead_cpu_frac: float = 0.0
+    wall_s: float = 0.0
+    model: dict[str, float] = field(default_factory=dict)
+    little: float = 0.0  # mean staleness from Little's identity: E[untaken tokens at a bump] / K
+
+    def quantile(self, q: float) -> int:
+        total = sum(self.staleness_hist.values())
+        run = 0
+        for k in sorted(self.staleness_hist):
+            run += self.staleness_hist[k]
+            if run >= q * total:
+                return k
+        return 0
+
+
+class Simulation:
+    """One configuration: the real buffer and scheduler, modelled engines and trainer."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        c, B, n = cfg.slots, cfg.batch, cfg.n
+        cap = (cfg.eta + 3) * B * n + cfg.workers * c
+        self.buf = ReplayBuffer(
+            BufferConfig(max_staleness=cfg.eta, stale_policy="mask", capacity=cap, n_samples_per_prompt=n,
+                         lease_timeout_s=1e12),
+            clock=lambda: self.now)
+        self.sched = Scheduler(SchedulerConfig(mode=cfg.mode, max_staleness=cfg.eta, rollout_batch_size=B))
+        values, pmf = cfg.lengths()
+        self.rng = np.random.default_rng(cfg.seed)
+        self.values, self.pmf = values, pmf
+        self.len_of: list[int] = []
+        self.workers = [_Worker(f"w{i}") for i in range(cfg.workers)]
+        self.heap: list[tuple] = []
+        self.seq = 0
+        self.now = 0.0
+        self.next_prompt = 0
+        self.version = 0  # the trainer's published version
+        self.trainer_waiting = True
+        self.trainer_busy_s = 0.0
+        self.admit_at = math.inf
+        self.admit_dirty = False
+        self.last_admit = -math.inf
+        self.starved: set[_Worker] = set()
+        self.cost: dict[str, float] = {}  # wall seconds (perf_counter) by call
+        self.cpu: dict[str, float] = {}  # the same calls' CPU seconds (thread_time): a loaded machine's wall
+        # time includes the time the process waited for a core
+        self.calls = 0
+        self.empty_polls = 0
+        self.steps_done = 0
+        self.trained_ids: set[str] = set()
+        self.duplicates = 0
+        self.hist: dict[int, int] = {}
+        self.loss_tokens = 0
+        self.all_tokens = 0
+        self.bound_held = True
+        self.stale_max = 0
+        self.shared: dict[int, tuple[list[int], list[float]]] = {}
+        self.runs: dict[str, list[tuple[int, int]]] = {}  # trajectory id -> (version, tokens) runs
+        self.held_tokens = 0  # tokens of finished samples not yet taken by the trainer
+        self.at_bumps: list[float] = []  # tokens generated but not taken, at each measured bump
+        self.window: dict[str, float] = {}
+
+    # ---- helpers ----------------------------------------------------------------------
+    def push(self, t: float, kind: int, obj: object = None, arg: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, obj, arg))
+
+    def timed(self, name: str, fn, *args):
+        c0, t0 = time.thread_time(), time.perf_counter()
+        out = fn(*args)
+        self.cost[name] = self.cost.get(name, 0.0) + time.perf_counter() - t0
+        self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - c0
+        return out
+
+    def length(self, traj) -> int:
+        idx = int(traj.prompt_id) * self.cfg.n + traj.index_in_group
+        while idx >= len(self.len_of):
+            self.len_of.extend(self.rng.choice(self.values, size=65536, p=self.pmf).tolist())
+        return self.len_of[idx]
+
+    def advance(self, w: _Worker) -> None:
+        now = self.now
+        start = w.t if w.t > w.paused_until else w.paused_until
+        if now > start and w.active:
+            b = len(w.active)
+            w.V += (now - start) / (self.cfg.decode_base_s + self.cfg.decode_per_seq_s * b)
+            w.busy_s += (now - start) * b
+        w.t = now
+
+    def schedule_finish(self, w: _Worker) -> None:
+        w.epoch += 1
+        if not w.ends:
+            return
+        b = len(w.active)
+        dt = max(0.0, w.ends[0][0] - w.V) * (self.cfg.decode_base_s + self.cfg.decode_per_seq_s * b)
+        self.push(max(self.now, w.paused_until) + dt, _FINISH, w, w.epoch)
+
+    def request_call(self, w: _Worker, at: float | None = None) -> None:
+        t = max(self.now if at is None else at, w.last_call + BUFFER_CALL_INTERVAL_S)
+        if t < w.call_at:
+            w.call_at = t
+            self.push(t, _CALL, w)
+
+    def request_admission(self, immediate: bool = False) -> None:
+        t = self.now if immediate else max(self.now, self.last_admit + ADMISSION_COALESCE_S)
+        if t < self.admit_at:
+            self.admit_at = t
+            self.push(t, _ADMIT)
+
+    # ---- the worker -------------------------------------------------------------------
+    def finish(self, w: _Worker, epoch: int) -> None:
+        if epoch != w.epoch:
+            return
+        self.advance(w)
+        while w.ends and w.ends[0][0] <= w.V + 1e-6:
+            _, _, tid = heapq.heappop(w.ends)
+            traj, v0, prefix = w.active.pop(tid)
+            self.complete(w, traj, v0, prefix)
+        self.schedule_finish(w)
+        self.request_call(w)
+
+    def complete(self, w: _Worker, traj, v0: float, prefix: int) -> None:
+        """Fill in what the engine produced: tokens, and each token's version from the
+        depth at which the worker's weight updates landed."""
+        L = self.length(traj)
+        new = L - prefix
+        versions = list(traj.versions) if prefix else []
+        marks = w.marks
+        i = len(marks) - 1
+        while marks[i][0] > v0:  # the version in force when this sequence started
+            i -= 1
+        done = 0
+        runs = self.runs.pop(traj.id, [])  # (version, tokens) of what it generated before
+        for j in range(i, len(marks)):
+            nxt = marks[j + 1][0] if j + 1 < len(marks) else math.inf
+            upto = new if nxt == math.inf else min(new, max(0, math.floor(nxt - v0 + 1e-6)))
+            if upto > done:
+                versions += [marks[j][1]] * (upto - done)
+                runs.append((marks[j][1], upto - done))
+                done = upto
+            if done >= new:
+                break
+        self.runs[traj.id] = runs
+        shared = self.shared.get(L)
+        if shared is None:
+            shared = self.shared[L] = ([7] * L, [-0.5] * L)
+        traj.response_tokens, traj.logprobs = shared
+        traj.versions = versions
+        traj.loss_mask = [1] * L
+        traj.status = Status.COMPLETED
+        traj.reward = float(traj.index_in_group % 2)
+        self.held_tokens += L
+        w.outbox.append(traj)
+
+    def call(self, w: _Worker) -> None:
+        w.call_at = math.inf
+        self.advance(w)
+        free = self.cfg.slots - len(w.active)
+        if free <= 0 and not w.outbox:
+            return
+        if w.starved_at is not None:  # the polls it made in between found nothing
+            self.empty_polls += max(0, math.floor((self.now - w.starved_at) / self.poll_s(w)) - 1)
+            w.starved_at = None
+            self.starved.discard(w)
+        w.last_call = self.now
+        batch, w.outbox = w.outbox, []
+        self.calls += 1
+        if free > 0:
+            leased = self.timed("put_and_lease", self.buf.put_and_lease, batch, w.wid, free)
+        else:
+            self.timed("put_many", self.buf.put_many, batch, w.wid)
+            leased = []
+        for traj in leased:
+            traj.num_segments += 1
+            prefix = len(traj.response_tokens)
+            rem = self.length(traj) - prefix
+            w.active[traj.id] = (traj, w.V, prefix)
+            self.seq += 1
+            heapq.heappush(w.ends, (w.V + rem, self.seq, traj.id))
+        if leased:
+            self.schedule_finish(w)
+        elif free > 0:
+            w.starved_at = self.now
+            self.starved.add(w)
+        if batch:
+            self.request_admission()
+            if self.trainer_waiting:
+                self.take()
+
+    def poll_s(self, w: _Worker) -> float:
+        return POLL_BUSY_S if w.active else POLL_IDLE_S
+
+    def wake_starved(self) -> None:
+        for w in sorted(self.starved, key=lambda x: x.wid):
+            poll = self.poll_s(w)
+            k = max(1, math.ceil((self.now - w.starved_at) / poll))
+            self.request_call(w, w.starved_at + k * poll)
+
+    # ---- the driver -------------------------------------------------------------------
+    def admit(self) -> None:
+        self.admit_at = math.inf
+        self.last_admit = self.now
+        k = self.timed("admission", lambda: self.sched.admit(self.buf.ledger(), self.buf.prompt_room()))
+        prompts = [PromptSample(prompt_id=str(self.next_prompt + i), prompt_tokens=PROMPT) for i in range(k)]
+        self.next_prompt += k
+        if prompts:
+            self.timed("add_prompts", self.buf.add_prompts, prompts)
+        if k:
+            self.wake_starved()
+
+    def take(self) -> None:
+        cfg = self.cfg
+        version = self.sched.version
+        groups = self.timed("get_batch", self.buf.get_batch, cfg.batch, version)
+        if not groups:
+            self.trainer_waiting = True
+            return
+        self.trainer_waiting = False
+        tokens = 0
+        measured = self.steps_done >= cfg.warmup
+        for group in groups:
+            gid = group[0].group_id
+            if gid in self.trained_ids:
+                self.duplicates += 1
+            self.trained_ids.add(gid)
+            for traj in group:
+                tokens += len(traj.response_tokens)
+                self.held_tokens -= len(traj.response_tokens)
+                if measured:
+                    self.record(traj, version)
+                else:
+                    self.runs.pop(traj.id, None)
+        train_s = cfg.train_base_s + tokens / cfg.train_tps
+        self.trainer_busy_s += train_s + cfg.publish_s
+        self.push(self.now + train_s, _TRAINED)
+
+    def record(self, traj, version: int) -> None:
+        """Per-token staleness of the trained loss tokens (and the bound check)."""
+        runs = self.runs.pop(traj.id)
+        mask = traj.loss_mask
+        n_loss = mask.count(1)
+        self.all_tokens += len(mask)
+        self.loss_tokens += n_loss
+        if n_loss != len(mask):  # the mask policy zeroed stale tokens: count what is left
+            kept = list(compress(traj.versions, mask))
+            runs = [(v, kept.count(v)) for v in sorted(set(kept))]
+        hist = self.hist
+        for v, cnt in runs:
+            if cnt:
+                hist[version - v] = hist.get(version - v, 0) + cnt
+        if runs:
+            oldest = min(v for v, cnt in runs if cnt)
+            if version - oldest > self.cfg.eta:
+                self.bound_held = False
+            self.stale_max = max(self.stale_max, version - oldest)
+
+    def trained(self) -> None:
+        self.version += 1
+        self.timed("set_version", self.buf.set_version, self.version)
+        self.push(self.now + self.cfg.publish_s, _PUBLISHED)
+
+    def published(self) -> None:
+        cfg = self.cfg
+        until = self.now + cfg.stall_s
+        measured = self.steps_done >= cfg.warmup
+        untaken = self.held_tokens
+        for w in self.workers:  # each engine commits the new weights: a decode pause
+            self.advance(w)
+            if measured:
+                untaken += sum(min(w.V - v0, self.length(t) - p) for t, v0, p in w.active.values())
+            w.paused_until = until
+            if w.marks[-1][0] == w.V:
+                w.marks[-1] = (w.V, self.version)
+            else:
+                w.marks.append((w.V, self.version))
+            if w.active:
+                oldest = min(v0 for _, v0, _ in w.active.values())
+                while len(w.marks) > 1 and w.marks[1][0] <= oldest:
+                    w.marks.pop(0)
+            else:
+                w.marks = w.marks[-1:]
+            self.schedule_finish(w)
+        if measured:
+            self.at_bumps.append(untaken)
+        if cfg.mode == "sync":  # the driver waits until every worker runs the new weights
+            self.push(until, _APPLIED)
+        else:
+            self.applied()
+
+    def applied(self) -> None:
+        self.timed("on_version", self.sched.on_version, self.version)
+        self.steps_done += 1
+        if self.steps_done == self.cfg.warmup:
+            self.mark_window()
+        self.request_admission(immediate=True)
+        self.take()
+
+    def mark_window(self) -> None:
+        self.window = {"t": self.now, "calls": self.calls, "empty": self.empty_polls,
+                       "trainer": self.trainer_busy_s, "busy": sum(w.busy_s for w in self.workers),
+                       **{f"cost/{k}": v for k, v in self.cost.items()},
+                       **{f"cpu/{k}": v for k, v in self.cpu.items()}}
+
+    # ---- run ----------------------------------------------------------------------------
+    def run(self) -> Result:
+        cfg = self.cfg
+        wall = time.perf_counter()
+        end_step = cfg.warmup + cfg.measured_steps
+        self.admit()
+        for w in self.workers:
+            self.request_call(w)
+        heap, pop = self.heap, heapq.heappop
+        while heap and self.steps_done < end_step:
+            t, _, kind, obj, arg = pop(heap)
+            self.now = t
+            if kind == _FINISH:
+                self.finish(obj, arg)
+            elif kind == _CALL:
+                if t == obj.call_at:
+                    self.call(obj)
+            elif kind == _ADMIT:
+                if t == self.admit_at:
+                    self.admit()
+            elif kind == _TRAINED:
+                self.trained()
+            elif kind == _PUBLISHED:
+                self.published()
+            else:
+                self.applied()
+        return self.result(time.perf_counter() - wall)
+
+    def result(self, wall_s: float) -> Result:
+        cfg, win = self.cfg, self.window
+        for w in self.workers:
+            self.advance(w)
+        span = self.now - win["t"]
+        steps = cfg.measured_steps
+        samples = steps * cfg.batch * cfg.n
+        ledger = self.buf.ledger()
+        try:
+            ledger.check()
+            ok = ledger.groups.admitted == self.next_prompt and ledger.groups.trained == len(self.trained_ids)
+        except AssertionError:
+            ok = False
+        empty = self.empty_polls - win["empty"]
+        costs = {k: v - win.get(f"cost/{k}", 0.0) for k, v in self.cost.items()}
+        cpu = {k: v - win.get(f"cpu/{k}", 0.0) for k, v in self.cpu.items()}
+        costs["empty_polls"] = cpu["empty_polls"] = empty * empty_lease_s()
+        total, total_cpu = sum(costs.values()), sum(cpu.values())
+        hist = self.hist
+        tok = sum(hist.values())
+        res = Result(
+            cfg=cfg, samples_per_s=samples / span, tokens_per_s=self.loss_tokens / span, step_s=span / steps,
+            trainer_util=min(1.0, (self.trainer_busy_s - win["trainer"]) / span),
+            worker_util=(sum(w.busy_s for w in self.workers) - win["busy"]) / (span * cfg.workers * cfg.slots),
+            staleness_mean=sum(k * v for k, v in hist.items()) / tok if tok else 0.0,
+            staleness_hist=dict(sorted(hist.items())), staleness_max=self.stale_max,
+            masked_frac=1 - self.loss_tokens / self.all_tokens if self.all_tokens else 0.0,
+            bound_held=self.bound_held, ledger_ok=ok, duplicates=self.duplicates,
+            admitted_groups=ledger.groups.admitted, trained_groups=ledger.groups.trained,
+            buffer_s=costs, calls=self.calls - win["calls"] + empty, empty_polls=empty,
+            little=(sum(self.at_bumps) / len(self.at_bumps)) / (self.loss_tokens / steps) if self.at_bumps else 0.0,
+            per_traj_us=total / samples * 1e6, overhead_frac=total / span, buffer_cpu_s=cpu,
+            per_traj_cpu_us=total_cpu / samples * 1e6, overhead_cpu_frac=total_cpu / span, wall_s=wall_s, model=model(cfg))
+        return res
+
+
+_EMPTY_LEASE: list[float] = []
+
+
+def empty_lease_s() -> float:
+    """Seconds one ``lease`` costs when there is nothing to lease (a starved worker's poll)."""
+    if not _EMPTY_LEASE:
+        buf = ReplayBuffer(BufferConfig(capacity=16))
+        t0 = time.thread_time()
+        for _ in range(20_000):
+            buf.lease("w", 16)
+        _EMPTY_LEASE.append((time.thread_time() - t0) / 20_000)
+    return _EMPTY_LEASE[0]
+
+
+# ---- the closed-form model ------------------------------------------------------------------
+
+
+def model(cfg: SimConfig) -> dict[str, float]:
+    """Predicted step time, regime and mean staleness (see the module docstring)."""
+    values, pmf = cfg.lengths()
+    L = values.astype(np.float64)
+    mean, m2 = float(pmf @ L), float(pmf @ L ** 2)
+    B, n, c, W = cfg.batch, cfg.n, cfg.slots, cfg.workers
+    K = B * n * mean
+    train_s = cfg.train_base_s + K / cfg.train_tps
+    p_train = train_s + cfg.publish_s
+    p_roll = B * n * mean * cfg.decode_s(c) / (W * c) + cfg.stall_s
+    out = {"P_roll": p_roll, "P_train": p_train, "T": train_s}
+    if cfg.eta == 0:
+        out.update(regime=0.0, S=0.0, P=math.nan)
+        return out
+    if p_roll >= p_train:
+        P = p_roll
+        tau = P * W * c / (B * n * mean)
+        delta = P / (B * n)
+        waiting = _sibling_wait(values, pmf, n, tau, delta)
+        inflight = W * c * m2 / (2 * mean)
+        S = (inflight + B / P * waiting + B * n * mean * p_train / (P - cfg.stall_s)) / K
+        out.update(regime=1.0, S=S, P=P)
+    else:
+        P = p_train
+        out.update(regime=2.0, S=cfg.eta - _updates_seen(cfg, values, pmf, P), P=P)
+    return out
+
+
+def _sibling_wait(values: np.ndarray, pmf: np.ndarray, n: int, tau: float, delta: float) -> float:
+    """E[Σ_i L_i·(C − e_i)]: token-seconds a group's finished members wait for its last one,
+    members started ``i·delta`` apart, ending at ``e_i = i·delta + L_i·tau``, ``C = max e_i``."""
+    L = values.astype(np.float64)
+    cdf = np.cumsum(pmf)
+    grid = np.linspace(0.0, (n - 1) * delta + L[-1] * tau, 4097)
+    step = grid[1] - grid[0]
+
+    def F(i: int, x: np.ndarray) -> np.ndarray:  # P(e_i <= x)
+        k = np.searchsorted(L * tau + i * delta, x, side="right")
+        return np.where(k > 0, cdf[np.maximum(k - 1, 0)], 0.0)
+
+    Fs = [F(i, grid) for i in range(n)]
+    total = 0.0
+    for i in range(n):
+        others = np.prod([Fs[j] for j in range(n) if j != i], axis=0)  # P(max of the others <= x)
+        surv = 1.0 - others
+        # E[max(a, Y)] = a + ∫_a^∞ P(Y > y) dy, for each length of member i
+        tail = np.concatenate([np.cumsum(surv[::-1])[::-1] * step, [0.0]])
+        for l_val, p in zip(L, pmf):
+            a = i * delta + l_val * tau
+            idx = min(len(grid), int(math.ceil(a / step)))
+            total += p * l_val * (tail[idx] if idx < len(tail) else 0.0)
+    return total
+
+
+def _updates_seen(cfg: SimConfig, values: np.ndarray, pmf: np.ndarray, P: float) -> float:
+    """Trainer-bound: the token-mean number of weight updates a cohort's sequence saw before
+    producing each token, from the cohort's fluid decode timeline (cohort starts right after
+    a stall; the next updates land ``P`` apart, each after a ``stall`` pause)."""
+    depth = np.arange(int(values[-1]))
+    surv = np.array([pmf[values > j].sum() for j in depth])  # P(L > j)
+    t = np.cumsum(cfg.decode_s(cfg.slots * surv))  # time the cohort reaches depth j+1 (no pauses)
+    k = np.zeros_like(t)
+    pauses = 0.0
+    for m in range(1, 10_000):
+        land = m * P - cfg.stall_s  # when the m-th update's pause begins, cohort time
+        after = t + pauses >= land
+        if not after.any():
+            break
+        k += after
+        pauses += cfg.stall_s
+    return float((surv * k).sum() / (pmf @ values))
+
+
+# ---- report --------------------------------------------------------------------------------
+
+
+def table(results: list[Result]) -> list[str]:
+    lines = ["| W | η | B×n | samples/s | tokens/s | vs W=1 per worker | trainer util | worker util | "
+             "staleness mean (model, err) | p50/p90/max | masked | bound | ledger | "
+             "buffer+sched µs/traj, wall (CPU) | buffer+sched % of step time, wall (CPU) | calls/step | little | sim wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = {}
+    for r in results:
+        if r.cfg.workers == 1:
+            base[r.cfg.eta] = r.samples_per_s
+    for r in results:
+        cfg, m = r.cfg, r.model
+        b = base.get(cfg.eta)
+        scale = f"{r.samples_per_s / (b * cfg.workers):.2f}" if b else "-"
+        regime = {0.0: "sync", 1.0: "roll", 2.0: "train"}[m["regime"]]
+        if cfg.eta == 0:
+            stale = f"{r.staleness_mean:.3f} (0, sync)"
+        else:
+            err = (r.staleness_mean - m["S"]) / m["S"] * 100 if m["S"] else math.nan
+            binds = " bound binds" if m["regime"] == 1.0 and cfg.eta < m["S"] + 1 else ""
+            stale = f"{r.staleness_mean:.3f} ({m['S']:.3f} {regime}, {err:+.1f}%{binds})"
+        lines.append(
+            f"| {cfg.workers} | {cfg.eta} | {cfg.batch}×{cfg.n} | {r.samples_per_s:.2f} | {r.tokens_per_s:,.0f} | "
+            f"{scale} | {r.trainer_util:.0%} | {r.worker_util:.0%} | {stale} | "
+            f"{r.quantile(0.5)}/{r.quantile(0.9)}/{r.staleness_max} | {r.masked_frac:.2%} | "
+            f"{'held' if r.bound_held else 'BROKEN'} | {'exact' if r.ledger_ok and not r.duplicates else 'WRONG'} | "
+            f"{r.per_traj_us:.1f} ({r.per_traj_cpu_us:.1f}) | {r.overhead_frac:.3%} ({r.overhead_cpu_frac:.3%}) | "
+            f"{r.calls / cfg.measured_steps:,.0f} | {r.little:.3f} | {r.wall_s:.1f} |")
+    return lines
+
+
+def verdicts(results: list[Result]) -> list[str]:
+    out = []
+    big = [r for r in results if r.cfg.workers == max(x.cfg.workers for x in results)]
+    if big:
+        worst = max(r.overhead_frac for r in big)
+        worst_cpu = max(r.overhead_cpu_frac for r in big)
+        out.append(f"- buffer + scheduler wall cost at {big[0].cfg.workers} workers: at most {worst:.3%} of the "
+                   f"simulated step time (goal < 1%: {'met' if worst < 0.01 else 'NOT met'}; CPU time "
+                   f"{worst_cpu:.3%}); {max(r.per_traj_us for r in big):.1f} µs wall "
+                   f"({max(r.per_traj_cpu_us for r in big):.1f} µs CPU) a trajectory at most")
+    checked = [r for r in results if r.cfg.eta > 0 and not (r.model["regime"] == 1.0 and r.cfg.eta < r.model["S"] + 1)]
+    if checked:
+        errs = [abs(r.staleness_mean - r.model["S"]) / r.model["S"] for r in checked]
+        out.append(f"- mean staleness vs the closed-form model, {len(checked)} async rows where the bound does not "
+                   f"bind: worst error {max(errs):.1%} (goal ≤ 10%: {'met' if max(errs) <= 0.10 else 'NOT met'})")
+    for eta in sorted({r.cfg.eta for r in results}):
+        rows = sorted((r for r in results if r.cfg.eta == eta), key=lambda r: r.cfg.workers)
+        if len(rows) > 1 and rows[0].cfg.workers == 1:
+            eff = [f"{r.cfg.workers}: {r.samples_per_s / (rows[0].samples_per_s * r.cfg.workers):.2f}" for r in rows]
+            out.append(f"- η={eta}: throughput per worker relative to 1 worker — {', '.join(eff)}")
+    bad = [r for r in results if not (r.ledger_ok and r.bound_held and not r.duplicates)]
+    out.append(f"- ledger exact and bound held in every row: {'yes' if not bad else 'NO: ' + str(len(bad))}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 10, 100, 1000])
+    ap.add_argument("--eta", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16])
+    ap.add_argument("--train-tps", type=float, default=SimConfig.train_tps)
+    ap.add_argument("--steps", type=int, default=SimConfig.steps)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--results", default=str(Path(__file__).resolve().parent / "log" / "simulate.md"))
+    args = ap.parse_args()
+    gc.disable()  # as the buffer actor runs (gcpolicy young=False): acyclic token lists
+    results = []
+    for W in args.workers:
+        for eta in args.eta:
+            cfg = SimConfig(workers=W, eta=eta, train_tps=args.train_tps, steps=args.steps, seed=args.seed)
+            res = Simulation(cfg).run()
+            gc.collect()
+            results.append(res)
+            print(table([res])[-1], flush=True)
+    c = SimConfig(train_tps=args.train_tps)
+    values, pmf = c.lengths()
+    setup = (f"Setup: c = {c.slots} slots a worker, n = {c.n}, B = {c.groups_per_worker:g}·W groups; Zipf lengths "
+             f"{c.len_unit}·k, k ≤ {c.len_buckets}, a = {c.zipf_a} (mean {pmf @ values:.0f}, max {values[-1]}); "
+             f"decode d(b) = {c.decode_base_s * 1e3:g} ms + {c.decode_per_seq_s * 1e3:g} ms·b; train "
+             f"{c.train_base_s:g} s + tokens / {c.train_tps:,.0f}/s; publish {c.publish_s:g} s; stall {c.stall_s:g} s; "
+             f"{c.warmup} warm-up steps, then ≥ {c.steps} measured (≥ {c.min_samples:,} samples); seed {args.seed}. "
+             f"η = 0 runs mode sync; the others async with in-flight updates and the mask policy. Model column: "
+             f"'roll' = rollout-bound formula, 'train' = trainer-bound formula (module docstring).")
+    lines = table(results) + [""] + verdicts(results)
+    report = "\n".join([f"## simulate — {time.strftime('%Y-%m-%d %H:%M')}", "",
+                        f"Command: `python benchmarks/simulate.py {' '.join(sys.argv[1:])}`  ",
+                        f"Machine: {platform.machine()} CPU, {platform.python_version()} (simulated time; wall "
+                        f"costs are this machine's, shared with other jobs)  ", setup, "", *lines, ""])
+    print(report)
+    if not args.no_record:
+        append_section(Path(args.results), "\n" + report)
+
+
+def append_section(path: Path, text: str) -> None:
+    """Append a section to a benchmark log (as ``benchmarks.trainer.append_section``, which
+    imports torch)."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"# {path.stem} — raw sections, newest last\n")
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+if __name__ == "__main__":
+    main()
