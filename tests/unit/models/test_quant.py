@@ -142,3 +142,29 @@ def test_quantized_checkpoint_round_trips(tmp_path, spec: QuantSpec) -> None:
         want = quant.qdq_weight(t, spec) if n.endswith(".weight") and spec.targets_name(base) else t
         assert torch.equal(back.state_dict()[n], want), n
     assert set(load_quantized_state(out, torch.float32)) == set(model.state_dict())
+
+
+def test_the_fp8_gemm_probe_refuses_a_form_that_reads_the_wrong_scales(monkeypatch) -> None:
+    """The probe keeps the first block-wise GEMM form that matches the dequantized product on
+    operands whose group and block scales differ by orders of magnitude: a form that reads
+    the scales of the wrong row or block (here: the activation scales of the next row, and the
+    weight scales transposed) is refused with its error recorded, and a correct one is kept."""
+    import torch.nn.functional as F
+
+    from miles.kernels import lowp
+    from miles.kernels.quantize import BLOCK, fp8_dequantize_weight
+
+    def dequantized(xq, xs, wq, ws, dt):  # noqa: ANN001, ANN202
+        return F.linear(xq.float() * xs.repeat_interleave(BLOCK, -1), fp8_dequantize_weight(wq, ws)).to(dt)
+
+    def wrong_rows(xq, xs, wq, ws, dt):  # noqa: ANN001, ANN202
+        return dequantized(xq, xs.roll(1, 0), wq, ws, dt)
+
+    def wrong_blocks(xq, xs, wq, ws, dt):  # noqa: ANN001, ANN202
+        return dequantized(xq, xs, wq, ws.flip(0), dt)
+
+    monkeypatch.setattr(lowp, "_mm_forms", lambda: {"rows": wrong_rows, "blocks": wrong_blocks, "right": dequantized})
+    monkeypatch.setattr(lowp, "FP8_ERRORS", {})
+    assert lowp._probe(torch.device("cpu"), torch.float32) == "right"
+    assert set(lowp.FP8_ERRORS) == {"rows", "blocks"}
+    assert all("relative error" in e for e in lowp.FP8_ERRORS.values())
