@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import datetime
 import json
+import os
 import platform
 import sys
 import time
@@ -34,6 +36,7 @@ from typing import Any
 
 import torch
 
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (the trainer's backward), as configure_process
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from miles.algorithms import AlgorithmConfig  # noqa: E402
@@ -100,8 +103,7 @@ def exactness(shape: dict, device: str, true_on_policy: bool, *, requests: int =
                for _ in range(requests)]
     lengths = [int(torch.randint(6, 40, (1,), generator=g)) for _ in range(requests)]
     extra = MODE_ENGINE if true_on_policy else {}
-    ctx = invariant.mode(keys=shape["max_position_embeddings"], device=device) if true_on_policy else _null()
-    with ctx:
+    with _mode(true_on_policy, shape["max_position_embeddings"], device):
         engine = EmbeddedEngine(copy.deepcopy(model).eval(), config=EngineConfig(
             max_batch_size=slots, max_seq_len=128, device=device, seed=seed, **extra))
         try:
@@ -112,7 +114,7 @@ def exactness(shape: dict, device: str, true_on_policy: bool, *, requests: int =
         finally:
             asyncio.run(engine.close())
         tr = EmbeddedTrainer(model, config=TrainerConfig(lr=1e-6, device=device, use_rollout_routing_replay=moe,
-                                                         compile=False if true_on_policy else None),
+                                                         compile=False),
                              algo=AlgorithmConfig(use_tis=True))
         got = tr.compute_logprobs(trajs)
         diffs = torch.cat([(torch.tensor(a, dtype=torch.float64) - torch.tensor(t.logprobs, dtype=torch.float64)).abs()
@@ -124,12 +126,19 @@ def exactness(shape: dict, device: str, true_on_policy: bool, *, requests: int =
             "tis_ratio_max": float(m.get("train/tis_ratio_max", float("nan")))}
 
 
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+@contextlib.contextmanager
+def _mode(on: bool, keys: int, device: str):
+    """The mode as an actor process runs it (miles.actors.factory.configure_process):
+    deterministic algorithms and the batch-invariant functions; nothing when ``on`` is False."""
+    if not on:
+        yield
+        return
+    torch.use_deterministic_algorithms(True)
+    try:
+        with invariant.mode(keys=keys, device=device):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def _sync(device: str) -> None:
@@ -141,8 +150,7 @@ def decode_tps(model: CausalLM, device: str, batch: int, prompt_len: int, new_to
                cuda_graphs: bool = True) -> float:
     """Decode tok/s of an engine of ``batch`` slots over ``batch`` requests (prefill removed)."""
     extra = MODE_ENGINE if true_on_policy else {}
-    ctx = invariant.mode(keys=model.config.max_position_embeddings, device=device) if true_on_policy else _null()
-    with ctx:
+    with _mode(true_on_policy, model.config.max_position_embeddings, device):
         engine = EmbeddedEngine(copy.deepcopy(model).eval(), config=EngineConfig(
             max_batch_size=batch, max_seq_len=prompt_len + new_tokens + 1, device=device, cuda_graphs=cuda_graphs,
             max_prefill_tokens=max(8192, prompt_len * batch), **extra))
@@ -181,7 +189,6 @@ def main() -> None:
     ap.add_argument("--results", default=str(Path(__file__).parent / "log" / "true_on_policy.md"))
     args = ap.parse_args()
     cuda = torch.device(args.device).type == "cuda"
-    torch.use_deterministic_algorithms(True)  # as configure_process does for the mode
     batches = args.batch or ([64, 256] if cuda and not args.quick else [4])
     new_tokens = args.new_tokens or (128 if cuda and not args.quick else 8)
     shapes = QUICK if args.quick else SHAPES

@@ -90,7 +90,7 @@ if triton is not None:
         scale = sm_scale * 1.4426950408889634
         for n0 in range(0, hi, BN):
             n = n0 + tl.arange(0, BN)
-            inside = n < S
+            inside = n < hi  # past the tile's last visible key nothing is read: a cache's stale slots stay out
             kt = tl.load(kbase + n[None, :].to(tl.int64) * sks + d[:, None], mask=inside[None, :], other=0.0)
             s = tl.dot(qt, kt) * scale
             ok = (n[None, :] < n_row[:, None]) & inside[None, :] & live[:, None]

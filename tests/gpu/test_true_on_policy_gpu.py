@@ -20,10 +20,6 @@ def test_engine_logprobs_are_the_trainers_bitwise(moe: bool) -> None:
 
     shape = dict(SMALL, **(dict(model_type="qwen3_moe", moe_intermediate_size=512, num_experts=8,
                                 num_experts_per_tok=2) if moe else {}))
-    torch.use_deterministic_algorithms(True)
-    try:
-        r = exactness(shape, "cuda", True)
-    finally:
-        torch.use_deterministic_algorithms(False)
+    r = exactness(shape, "cuda", True)
     assert r["max_abs_diff"] == 0.0, r
     assert r["step_abs_diff_max"] == 0.0 and r["tis_ratio_max"] == 1.0, r

@@ -84,7 +84,9 @@ def test_gradients_flow_through_the_wrapped_kernels(on_cpu) -> None:
 def test_engine_logprobs_equal_the_trainers_through_the_kernels(on_cpu, moe: bool) -> None:
     """The embedded engine (continuous batching: rows of different prompt lengths prefill,
     decode together and finish) against the trainer's recompute, with every GEMM, attention,
-    RMSNorm, softmax and log-softmax in the mode's Triton kernels: bitwise equal, as on CUDA."""
+    RMSNorm, softmax and log-softmax in the mode's Triton kernels, in bf16 as on CUDA (a bf16
+    engine; a trainer with float32 weights under bf16 autocast): bitwise equal. Without the mode
+    the same pair differs by ~3e-2."""
     import asyncio
     import copy
 
@@ -97,9 +99,9 @@ def test_engine_logprobs_equal_the_trainers_through_the_kernels(on_cpu, moe: boo
     extra = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if moe else {}
     model = make_model(**extra)
     engine = EmbeddedEngine(copy.deepcopy(model).eval(), config=EngineConfig(
-        max_batch_size=4, max_seq_len=64, decode_attention="sdpa", cpu_decode_kernel=False,
+        max_batch_size=4, max_seq_len=64, decode_attention="sdpa", cpu_decode_kernel=False, dtype="bfloat16",
         decode_residual_gemm=False, decode_fused_mlp=False, compile=False))
-    tr = EmbeddedTrainer(model, config=TrainerConfig(lr=1e-2, use_rollout_routing_replay=moe,
+    tr = EmbeddedTrainer(model, config=TrainerConfig(lr=1e-2, use_rollout_routing_replay=moe, dtype="bfloat16",
                                                      true_on_policy_check="strict"),
                          algo=AlgorithmConfig(use_tis=True))
     trajs = asyncio.run(_rollout(engine, [[5, 6, 7, 8], [9, 10], [9, 10, 11, 12, 13]], 1.0, moe))
