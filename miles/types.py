@@ -21,6 +21,7 @@ Invariants the rest of the system relies on (see docs/design.md):
 from __future__ import annotations
 
 import enum
+from bisect import bisect_right
 from itertools import compress
 from typing import Any, Literal
 
@@ -239,6 +240,23 @@ def version_stats(versions: list[int]) -> tuple[int, int, int]:
     When the counts do not cover the list (a version outside the ends), it falls back
     to ``min``, ``max`` and ``sum``; the result is the same either way."""
     a, b = versions[0], versions[-1]
+    if type(a) is int and type(b) is int and 0 < b - a < 8:
+        # Several versions in non-decreasing runs (a long generation across weight updates):
+        # each run's end by bisection, the run checked with a count over its own slice, where
+        # every compare is an identity hit. Counting each version over the whole list instead
+        # sends every token of the other versions down the slow compare path, which made
+        # this a replay buffer's largest cost at a thousand workers (benchmarks/simulate.py).
+        # Runs that tile the list prove min, max and sum, sorted or not.
+        n, total, start = len(versions), 0, 0
+        for v in range(a, b + 1):
+            end = bisect_right(versions, v, start)
+            if versions[start:end].count(v) != end - start:
+                break
+            total += v * (end - start)
+            start = end
+        else:
+            if start == n:
+                return a, b, total
     lo, hi = (a, b) if a <= b else (b, a)
     if type(lo) is int and type(hi) is int and hi - lo < 8:
         n, total, covered = len(versions), 0, 0

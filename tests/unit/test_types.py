@@ -63,7 +63,20 @@ def test_validate_returns_the_loss_token_stats(spans: list[tuple[int, str, int]]
     assert t.validate() == T.loss_version_stats(t.versions, t.loss_mask)
 
 
+@given(st.lists(st.tuples(st.integers(0, 400), st.integers(1, 40)), min_size=1, max_size=6), st.booleans())
+def test_version_stats_of_runs(runs: list[tuple[int, int]], shuffle: bool) -> None:
+    """Runs of versions (a generation across weight updates), in order or not, past the
+    small-int cache or not: exactly min, max and sum."""
+    versions = [int(str(v)) for v, k in sorted(runs) for _ in range(k)]  # distinct int objects
+    if shuffle:
+        versions = versions[1:] + versions[:1]
+    assert T.version_stats(versions) == (min(versions), max(versions), sum(versions))
+
+
 def test_version_stats_on_typical_and_odd_lists() -> None:
+    assert T.version_stats([3] * 4 + [5] * 3 + [4] * 2 + [5]) == (3, 5, 40)  # runs out of order
+    assert T.version_stats([2, 2, 3, 1, 3]) == (1, 3, 11)  # a run's slice holds a lower version
+    assert T.version_stats([2] * 3 + [9] * 2) == (2, 9, 24)
     assert T.version_stats([4] * 500) == (4, 4, 2000)
     assert T.version_stats([3] * 10 + [4] * 5 + [6] * 2) == (3, 6, 62)
     assert T.version_stats([5, 1, 5]) == (1, 5, 11)  # a middle version below both ends
