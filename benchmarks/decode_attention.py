@@ -17,12 +17,8 @@ Since 2026-12-02 04:03 an 8-bit cache stores V transposed and its dots run in fl
 `--caches` forms `fp8_e4m3/v-rows` and `/bf16-dots` time the layouts and dots before that
 (1.16-1.29x slower a layer).
 
-Beside the sweep, two more forms are timed:
-- the default launch with its rows merged in the kernel (merge counters:
-  ``decode_merge_in_kernel``). Where every row is one chunk it is the default itself; a cache
-  over 1024 positions (``--cache-len 2049 --context 1024``) shows the difference;
-- 512-position chunks in wide grids (the launch before 2026-12-02): what 1024-position chunks
-  buy (1.03-1.08x at 2026-12-02 00:10).
+Beside the sweep, 512-position chunks in wide grids (the launch before 2026-12-02) are timed:
+what 1024-position chunks buy (1.03-1.08x at 2026-12-02 00:10).
 ``--lengths spread`` gives the rows lengths spread evenly over the cache (mean ``--context``,
 RL's uneven batches) instead of one length.
 
@@ -82,8 +78,8 @@ def layer_cache(rows: int, cache_len: int, form: str, g: torch.Generator) -> tup
 
 def sweep(rows: int, lengths: torch.Tensor, cache_len: int, form: str, forms: list, reps: int,
           rope: bool = False, shared_cache: bool = False) -> list[dict]:
-    """Each ``(launch, merged)`` of ``forms`` timed on the same caches of ``form`` (``merged``:
-    the rows merged in the kernel, by merge counters). A launch that does not fit is left out."""
+    """Each launch of ``forms`` timed on the same caches of ``form``. A launch that does not
+    fit is left out."""
     g = torch.Generator(device="cuda").manual_seed(0)
     # each call of a graph reads a cache of its own, as each layer of a step does: with one
     # cache for all calls, a batch-64 layer's ~100 MB was read partly from L2 (50 MB), and the
@@ -100,19 +96,17 @@ def sweep(rows: int, lengths: torch.Tensor, cache_len: int, form: str, forms: li
         norms = (1 + 0.1 * torch.randn(2, D, device="cuda", generator=g)).to(torch.bfloat16)
         tables = kernel.Rope(cos, sin, norms[0], norms[1], 1e-6)
     nbytes = 2 * KV * int(lengths.sum()) * D * caches[0][0].element_size()
-    counters = torch.zeros(rows * KV, device="cuda", dtype=torch.int32)
     found = []
-    for launch, merged in forms:
+    for launch in forms:
         calls = [lambda kc=kc, vc=vc: kernel.decode_attention(q, kc, vc, lengths, D ** -0.5, cache_len, new_kv=(k, v),
-                                                               launch=launch, rope=tables, f16_dots=f16,
-                                                               counters=counters if merged else None)
+                                                               launch=launch, rope=tables, f16_dots=f16)
                  for kc, vc in (caches[i % len(caches)] for i in range(CALLS))]
         try:
             us = graph_us(calls, reps)
         except Exception as exc:  # noqa: BLE001 - a launch that does not fit (shared memory) is skipped
             print(f"  {launch}: {type(exc).__name__}")
             continue
-        found.append(dict(launch=launch, merged=merged, us=us, gbs=nbytes / us / 1e3))
+        found.append(dict(launch=launch, us=us, gbs=nbytes / us / 1e3))
     return found
 
 
@@ -143,26 +137,24 @@ def main() -> None:
     else:
         launches = list(itertools.product(args.chunks, (32, 64, 128), (4, 8), (2, 3, 4)))
     bw = copy_bandwidth(torch.device("cuda"), 1 << 30)
-    lines = ["| batch | lengths | cache | default launch | its µs | its GB/s | merged in the kernel µs | "
+    lines = ["| batch | lengths | cache | default launch | its µs | its GB/s | "
              "512-position chunks | its µs | best launch (CHUNK, BLOCK_N, warps, stages) | its µs | its GB/s | "
-             "× default |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "× default |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     best_of: dict[str, dict] = {}
     for rows, kind, name in itertools.product(args.batch, args.lengths, args.caches):
         dtype = CACHES[name][0]
         lengths = row_lengths(rows, args.context, args.cache_len, kind)
         default = kernel.default_launch(rows * KV, dtype)
         former = kernel.default_launch(rows * KV, dtype, chunk=512)  # the wide grids' launch before 2026-12-02
-        forms = [(launch, False) for launch in sorted({default, former, *launches})] + [(default, True)]
-        timed = sweep(rows, lengths, args.cache_len, name, forms, args.reps, rope=args.rope,
+        forms = sorted({default, former, *launches})
+        found = sweep(rows, lengths, args.cache_len, name, forms, args.reps, rope=args.rope,
                       shared_cache=args.shared_cache)
-        in_kernel = next(r for r in timed if r["merged"])
-        found = [r for r in timed if not r["merged"]]
         base = next(r for r in found if r["launch"] == default)
         width_rule = next(r for r in found if r["launch"] == former)
         best = min(found, key=lambda r: r["us"])
         best_of[f"{rows}/{kind}/{name}"] = best
         lines.append(f"| {rows} | {kind} | {name} | {default} | {base['us']:.1f} | {base['gbs']:.0f} | "
-                     f"{in_kernel['us']:.1f} | {former} | {width_rule['us']:.1f} | {best['launch']} | "
+                     f"{former} | {width_rule['us']:.1f} | {best['launch']} | "
                      f"{best['us']:.1f} | "
                      f"{best['gbs']:.0f} | {base['us'] / best['us']:.2f}× |")
         top = sorted(found, key=lambda r: r["us"])[:5]

@@ -1,9 +1,9 @@
 """Registers, spills and shared memory of the Triton kernels' variants, compiled offline.
 
 Why: a kernel form can be slower where its new code never runs, because it raised the
-registers a thread needs past an occupancy step. The decode attention's first in-kernel merge
-did that (benchmarks/RESULTS.md, decode_attention, 2026-12-01 21:14: 4-8% slower a layer with
-no row merging; 144 registers a thread against 106, so 3 programs an SM instead of 4). This
+registers a thread needs past an occupancy step (an inlined in-kernel merge of the decode
+attention did that: benchmarks/log/history.md, decode_attention, 2026-12-01 21:14: 4-8% slower a
+layer with no row merging; 144 registers a thread against 106, so 3 programs an SM instead of 4). This
 compiles each variant with the installed triton and its bundled ptxas for a GPU architecture
 (default sm_90, the H200), with no GPU: it runs on any machine with triton.
 
@@ -169,32 +169,30 @@ def decode_attention_cases() -> list[tuple[str, object, tuple, dict]]:
                                              (1, torch.bfloat16, "wide", False, False),
                                              (8, torch.bfloat16, "wide", False, False)]:
         rows = ROWS if form == "wide" else 8
-        for merge_in in (False, True) if kv_dtype != fp8 or v_t else (False,):
-            qkv = torch.zeros(rows, KV * g_size + 2 * KV, D, dtype=torch.bfloat16)
-            q, k, v = qkv.split((KV * g_size, KV, KV), dim=1)
-            kc = torch.zeros(rows, KV, CACHE, D, dtype=kv_dtype)
-            vc = positions_last(tuple(kc.shape), kc.device, kv_dtype) if v_t else kc.clone()
-            rope = kernel.Rope(torch.zeros(rows, D, dtype=torch.bfloat16), torch.zeros(rows, D, dtype=torch.bfloat16),
-                               torch.ones(D, dtype=torch.bfloat16), torch.ones(D, dtype=torch.bfloat16), 1e-6)
-            counters = torch.zeros(rows * KV, dtype=torch.int32) if merge_in else None
-            lengths = torch.full((rows,), CACHE)
-            launch = kernel.default_launch(rows * KV, kv_dtype)
-            partial, merge = Recorder(kernel._partial), Recorder(kernel._merge)
-            real = kernel._partial, kernel._merge
-            kernel._partial, kernel._merge = partial, merge
-            try:
-                kernel._launch(q.view(rows, KV, g_size, D), kc, vc, lengths, D ** -0.5, CACHE, 1, 0,
-                               torch.empty(rows, KV, g_size, D, dtype=torch.bfloat16), (k, v), launch, rope,
-                               True, counters, f16)
-            finally:
-                kernel._partial, kernel._merge = real
-            layout = "" if kv_dtype != fp8 else (" (V transposed" if v_t else " (V position-major") + (
-                ", float16 dots)" if f16 else ", bfloat16 dots)")
-            name = (f"_partial, group {g_size}, {str(kv_dtype).removeprefix('torch.')} cache{layout}, {rows} rows, "
-                    f"launch {launch}, merge {'in the kernel' if merge_in else 'kernel'}")
-            cases.append((name, real[0], *partial.calls[0]))
-            if merge.calls and g_size == 2 and kv_dtype == torch.bfloat16 and form == "wide":
-                cases.append((f"_merge, group {g_size}", real[1], *merge.calls[0]))
+        qkv = torch.zeros(rows, KV * g_size + 2 * KV, D, dtype=torch.bfloat16)
+        q, k, v = qkv.split((KV * g_size, KV, KV), dim=1)
+        kc = torch.zeros(rows, KV, CACHE, D, dtype=kv_dtype)
+        vc = positions_last(tuple(kc.shape), kc.device, kv_dtype) if v_t else kc.clone()
+        rope = kernel.Rope(torch.zeros(rows, D, dtype=torch.bfloat16), torch.zeros(rows, D, dtype=torch.bfloat16),
+                           torch.ones(D, dtype=torch.bfloat16), torch.ones(D, dtype=torch.bfloat16), 1e-6)
+        lengths = torch.full((rows,), CACHE)
+        launch = kernel.default_launch(rows * KV, kv_dtype)
+        partial, merge = Recorder(kernel._partial), Recorder(kernel._merge)
+        real = kernel._partial, kernel._merge
+        kernel._partial, kernel._merge = partial, merge
+        try:
+            kernel._launch(q.view(rows, KV, g_size, D), kc, vc, lengths, D ** -0.5, CACHE, 1, 0,
+                           torch.empty(rows, KV, g_size, D, dtype=torch.bfloat16), (k, v), launch, rope,
+                           True, f16)
+        finally:
+            kernel._partial, kernel._merge = real
+        layout = "" if kv_dtype != fp8 else (" (V transposed" if v_t else " (V position-major") + (
+            ", float16 dots)" if f16 else ", bfloat16 dots)")
+        name = (f"_partial, group {g_size}, {str(kv_dtype).removeprefix('torch.')} cache{layout}, {rows} rows, "
+                f"launch {launch}")
+        cases.append((name, real[0], *partial.calls[0]))
+        if merge.calls and g_size == 2 and kv_dtype == torch.bfloat16 and form == "wide":
+            cases.append((f"_merge, group {g_size}", real[1], *merge.calls[0]))
     return cases
 
 
@@ -268,9 +266,9 @@ def main() -> None:
             per = ""
         lines.append(f"| {name} | {u['regs']} | {u['spill']} | {u['shared']} | {u['programs']} | {per} |")
         print(lines[-1])
-        if "BLOCK_N" in call_kw and u["loop"] and "merge kernel" in name:
+        if "BLOCK_N" in call_kw and u["loop"]:
             top = ", ".join(f"{op} {n}" for op, n in u["mix"].most_common(8))
-            mixes.append(f"| {name.removesuffix(', merge kernel')} | {u['loop']} | {call_kw['BLOCK_N']} | {top} |")
+            mixes.append(f"| {name} | {u['loop']} | {call_kw['BLOCK_N']} | {top} |")
     desc = (f"registers, spills (local stack) and shared memory of the Triton decode attention's, sampler's and "
             f"gate/up GEMM's variants, compiled offline for sm_{args.arch} by triton {triton.__version__} and its "
             "ptxas (no GPU), "

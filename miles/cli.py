@@ -7,7 +7,6 @@ directory that looks like a finished run.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from collections.abc import Sequence
 
@@ -60,7 +59,7 @@ def _train(argv: list[str]) -> int:
     from miles.data import DataError
     from miles.driver import RunFailed, train
     from miles.models import CheckpointError as ModelCheckpointError
-    from miles.utils import gcpolicy
+    from miles.utils import aio, gcpolicy
     from miles.utils.loading import LoadError
     from miles.validation import notes
 
@@ -70,7 +69,7 @@ def _train(argv: list[str]) -> int:
         for note in notes(cfg):
             print(f"miles train: note: {note}", file=sys.stderr)
         gcpolicy.install()  # the driver holds each batch too: its full GC passes on a clock
-        summary = asyncio.run(train(cfg))
+        summary = aio.run(train(cfg))  # on uvloop where installed
     except user_errors as exc:
         raise UserError(str(exc)) from None
     except RunFailed as exc:

@@ -34,6 +34,7 @@ import torch
 from miles.engines import EngineConfig
 from miles.engines.spec import SpeculativeConfig
 from miles.serving.server import ServeConfig, Server
+from miles.utils import aio
 
 _ALIASES = {"hf_checkpoint": ["--model-path"], "seed": ["--random-seed"]}
 
@@ -166,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"miles serve: error: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(run(server))
+        aio.run(run(server))  # on uvloop where installed
     except OSError as exc:  # e.g. the port is taken
         print(f"miles serve: error: {exc}", file=sys.stderr)
         return 2

@@ -71,9 +71,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # torch.compile the layers' step functions (fuses RMSNorm/RoPE/SiLU/residual kernels).
     # None = auto: on for CUDA, off on the CPU (where it needs a C++ compiler and ~10 s).
     compile: bool | None = None
-    # Launch decode step k+1 before reading back step k (host work overlaps the device).
-    # None = auto: on for CUDA, off on the CPU (where there is nothing to overlap).
-    overlap: bool | None = None
     # The CPU decode step in one C call (miles.kernels.cpu_decode; built with the machine's C
     # compiler on first use; it reads each row's KV up to its own position). None = auto: on
     # for dense float32 models on the CPU where it builds, unless a torch attention was asked
@@ -114,11 +111,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # fewer than 128 rows × KV heads, else 1024; miles.kernels.decode_attention.default_launch). For
     # A/B runs (benchmarks/engine.py --side) and tuning; a power of two ≥ 64.
     decode_attention_chunk: int = 0
-    # The Triton decode attention merges a row's chunks in its last partial program (per-row
-    # counters) instead of a merge launch, meant to save that launch wherever a row spans two
-    # chunks. Off by default: a layer is no faster than with the merge launch
-    # (miles.kernels.decode_attention).
-    decode_merge_in_kernel: bool = False
     # Seed of the generator for requests that carry no seed of their own.
     seed: int = 0
     # Batch-invariant numerics (the run's --deterministic): every decode step runs the full
@@ -152,11 +144,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.compile is None:
             return torch.device(self.device).type == "cuda"
         return self.compile
-
-    def use_overlap(self) -> bool:
-        if self.overlap is None:
-            return torch.device(self.device).type == "cuda"
-        return self.overlap
 
     def use_cpu_decode_kernel(self) -> bool:
         if self.deterministic:  # batch-invariant padded steps: the torch path

@@ -74,9 +74,6 @@ class KVCache:
         self.limit = torch.finfo(kv_dtype).max  # float8 overflows to NaN (e4m3fn) or inf (e5m2): clamp
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.length = max_seq_len + headroom  # positions per slot
-        # the Triton decode attention's per-(row, KV head) merge counters (decode_merge_in_kernel):
-        # one buffer per cache, as the calls that use it run one after another on one stream
-        self.merge_counters = torch.zeros(num_slots * config.num_key_value_heads, device=device, dtype=torch.int32)
 
     def encode(self, x: Tensor) -> Tensor:
         """K or V as the cache stores them."""
@@ -148,11 +145,9 @@ class DecodeAttention:
 
     def __init__(self, cache: KVCache, positions: Tensor, length: int, mode: str = "matmul",
                  split: tuple[int, Tensor] | None = None, rope: bool = True,
-                 residual_gemm: bool = False, chunk: int = 0, merge_in_kernel: bool = False,
-                 fused_mlp: bool = False) -> None:
+                 residual_gemm: bool = False, chunk: int = 0, fused_mlp: bool = False) -> None:
         self.cache, self.positions, self.length, self.mode = cache, positions, length, mode
         self.chunk = chunk  # the Triton kernel's positions per program (0: its default)
-        self.counters = cache.merge_counters if merge_in_kernel else None  # its rows merged in _partial
         # the layers may add the o / down projections into their residual stream in place
         # (``fused_layer_forward``): a decode step's own hidden states, which nothing else holds
         self.residual_gemm = residual_gemm
@@ -182,8 +177,7 @@ class DecodeAttention:
         qg = q.reshape(n, KV, H // KV, D)  # the GQA group becomes the query axis
         if self.mode == "triton":  # the kernel writes the new K/V itself (no launch of their own)
             out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length,
-                                                 new_kv=(k[:, :, 0], v[:, :, 0]), chunk=self.chunk,
-                                                 counters=self.counters)
+                                                 new_kv=(k[:, :, 0], v[:, :, 0]), chunk=self.chunk)
             return out.reshape(n, H, 1, D)
         cache = self.cache
         kc[self.rows, :, self.positions] = cache.encode(k[:, :, 0])
@@ -210,7 +204,7 @@ class DecodeAttention:
         out = triton_decode.decode_attention(
             q.view(n, KV, H // KV, D), self.cache.k[layer_idx], self.cache.v[layer_idx], self.lengths,
             1.0 / math.sqrt(D), self.length, new_kv=(k, v), rope=triton_decode.Rope(cos, sin, q_norm, k_norm, eps),
-            chunk=self.chunk, counters=self.counters)
+            chunk=self.chunk)
         return out.view(n, H, 1, D)
 
     def _long_rows(self, qg: Tensor, scores: Tensor, values: Tensor, kc: Tensor, vc: Tensor,
@@ -232,9 +226,8 @@ class VerifyAttention:
     """T query tokens per row at ``starts[b] + t``; rows ``0..n-1`` are slots ``0..n-1``."""
 
     def __init__(self, cache: KVCache, starts: Tensor, T: int, length: int, mode: str = "sdpa",
-                 chunk: int = 0, merge_in_kernel: bool = False) -> None:
+                 chunk: int = 0) -> None:
         self.cache, self.length, self.mode, self.chunk = cache, length, mode, chunk
-        self.counters = cache.merge_counters if merge_in_kernel else None
         n = starts.shape[0]
         dev = starts.device
         self.positions = starts[:, None] + torch.arange(T, device=dev)[None, :]  # [n, T]
@@ -256,7 +249,7 @@ class VerifyAttention:
         qg = q.reshape(n, KV, G * T, D)  # (group, token) rows per KV head
         if self.mode == "triton":
             out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length, tokens=T,
-                                                 chunk=self.chunk, counters=self.counters)
+                                                 chunk=self.chunk)
             return out.reshape(n, H, T, D)
         keys = cache.decode(kc[:n, :, : self.length])  # views: [n, KV, L, D] (copies when 8-bit)
         values = cache.decode(vc[:n, :, : self.length])

@@ -251,8 +251,7 @@ class ModelRunner:
         backend = DecodeAttention(self.cache, positions, L, self.attention, split=split,
                                   rope=self.config.decode_fuse_rope,
                                   residual_gemm=self.config.decode_residual_gemm, fused_mlp=fused_mlp,
-                                  chunk=self.config.decode_attention_chunk,
-                                  merge_in_kernel=self.config.decode_merge_in_kernel)
+                                  chunk=self.config.decode_attention_chunk)
         with self._blas(tokens.shape[0]):
             out = self.model(tokens[:, None], positions[:, None], kv_cache=backend, return_hidden=True,
                              return_routing=self.is_moe, return_logits=logits, check_inputs=False)
@@ -280,8 +279,7 @@ class ModelRunner:
     def verify_eager(self, tokens: Tensor, starts: Tensor, L: int, *, logits_index: Tensor | None = None,
                      logits: bool = True) -> StepOut:
         T = tokens.shape[1]
-        backend = VerifyAttention(self.cache, starts, T, L, self.attention, chunk=self.config.decode_attention_chunk,
-                                  merge_in_kernel=self.config.decode_merge_in_kernel)
+        backend = VerifyAttention(self.cache, starts, T, L, self.attention, chunk=self.config.decode_attention_chunk)
         with self._blas(tokens.shape[0] * T):
             out = self.model(tokens, backend.positions, kv_cache=backend, return_hidden=True,
                              return_logits=logits, logits_index=logits_index,

@@ -5,8 +5,8 @@ It owns the requests in flight (request i holds KV slot i, kept dense by moving 
 request into a freed slot) and the step that is on the device but not yet read back.
 
 One step = ``runner.decode`` → ``sample`` → an asynchronous copy of (token, log-prob,
-finite) to the host → ``_process`` (append, stop rules, release). With ``overlap`` (CUDA
-default) the host launches decode step k+1 — its input tokens gathered on the device from
+finite) to the host → ``_process`` (append, stop rules, release). On CUDA (``overlap``)
+the host launches decode step k+1 — its input tokens gathered on the device from
 step k's samples — *before* it reads back and processes step k, so host bookkeeping runs
 while the device computes. A request that step k finished still occupies a row of step
 k+1; that row's token is discarded. Anything that needs a settled state — admitting or
@@ -111,7 +111,8 @@ class Stepper:
         self.eos_ids, self.tokenizer, self.generator = eos_ids, tokenizer, generator
         self.stats, self.on_done = stats, on_done
         self.device = runner.device
-        self.overlap = config.use_overlap()
+        # launch-ahead on CUDA; on the CPU the host computes the step itself: nothing to overlap
+        self.overlap = self.device.type == "cuda"
         self.fused_sampling = config.use_fused_sampling()
         self.running: list[Request] = []
         self.inflight: _InFlight | None = None

@@ -27,18 +27,6 @@ Two launches per layer:
    of short-context batches fit one chunk: 256 positions in narrow grids, 1024 in wide ones).
    A grid of one chunk launches no merge.
 
-   Given ``counters`` (a zeroed int32 buffer the caller keeps: ``EngineConfig.
-   decode_merge_in_kernel``), no merge launches at all: each ``_partial`` program of a row of
-   several chunks counts itself done on its (row, KV head) counter after storing its partial
-   (acquire / release), and the one that finishes last merges the row's chunks in chunk order
-   (so the result does not depend on which program came last: bitwise the ``_merge``
-   kernel's) and zeroes the counter for the next call. Why: it saves the merge launch
-   whenever a row spans two chunks, as every step of an RL run whose slots hold more than 1024
-   positions may. It is off by default because it does not beat the merge kernel: the merge is
-   a function of its own on a tile of the group's own rows, so it keeps the kernel's register
-   count and occupancy (``benchmarks/kernel_registers.py``), but the saved launch is paid back
-   in the last program's serial merge (``benchmarks/decode_attention.py`` times both).
-
 The same kernel serves a speculative verify step (several new tokens per row, causal among
 them): each query row's own limit masks the keys it may not see. A step with more than
 ``MAX_ROWS`` query rows per KV head (GQA group × new tokens) launches in slices, so tiles
@@ -160,8 +148,7 @@ def _probe(device: str, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float,
                      max_len: int, tokens: int = 1, new_kv: tuple[Tensor, Tensor] | None = None,
                      launch: tuple[int, int, int, int] | None = None, rope: Rope | None = None,
-                     direct: bool = True, counters: Tensor | None = None, chunk: int = 0,
-                     f16_dots: bool | None = None) -> Tensor:
+                     direct: bool = True, chunk: int = 0, f16_dots: bool | None = None) -> Tensor:
     """Attention of ``tokens`` new queries per row over the row's cache, causal among them:
     query t of row b sees positions ``[0, lengths[b] - tokens + t]`` (one token: a decode
     step; several: a speculative verify step, the new tokens' K/V already written).
@@ -180,10 +167,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     applies the q/k RMSNorms and RoPE to them itself (``Rope``). A row of one chunk gets its
     output from its one program, and a grid of one chunk (``max_len`` ≤ CHUNK) runs no merge at
     all; ``direct=False`` sends such rows through the merge too (the A/B of
-    benchmarks/decode_attention.py). ``counters``: int32, contiguous, at least n × KV
-    elements, all zero (the kernel leaves them zero): the last partial program of each row
-    merges it, and no merge kernel launches. Calls that share a buffer must not run
-    concurrently (one stream). ``v_cache`` may be a transposed view (positions contiguous,
+    benchmarks/decode_attention.py). ``v_cache`` may be a transposed view (positions contiguous,
     ``KVCache``'s 8-bit V); K's head dim must be contiguous. ``f16_dots``: over an 8-bit cache
     with bfloat16 q, the dots in float16 (``F16_DOTS`` by default; see there).
     Returns q's shape and dtype (contiguous)."""
@@ -193,10 +177,6 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
                          f"got strides {k_cache.stride()} and {v_cache.stride()}")
     f16 = F16_DOTS if f16_dots is None else f16_dots
     f16 = f16 and q.dtype == torch.bfloat16 and k_cache.element_size() == 1
-    if counters is not None and (counters.dtype != torch.int32 or not counters.is_contiguous()
-                                 or counters.numel() < n * KV or counters.device != q.device):
-        raise ValueError(f"counters: a contiguous int32 buffer of at least {n * KV} elements on {q.device}, got "
-                         f"{counters.dtype} [{counters.numel()}] on {counters.device}")
     if new_kv is not None:
         if tokens != 1 or any(t.shape != (n, KV, D) for t in new_kv):
             raise ValueError(f"new_kv: one token's K and V of shape {(n, KV, D)} each, got "
@@ -209,7 +189,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
         _launch(q[:, :, rows], k_cache, v_cache, lengths, scale, max_len, tokens, row0, out[:, :, rows],
                 new_kv if row0 == 0 else None,
                 launch or default_launch(q.shape[0] * q.shape[1], k_cache.dtype, chunk),
-                rope, direct, counters, f16)
+                rope, direct, f16)
     return out
 
 
@@ -262,7 +242,7 @@ def default_launch(programs: int, kv_dtype: torch.dtype, chunk: int = 0) -> tupl
 def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float, max_len: int,
             tokens: int, row0: int, out: Tensor, new_kv: tuple[Tensor, Tensor] | None,
             launch: tuple[int, int, int, int], rope: Rope | None = None, direct: bool = True,
-            counters: Tensor | None = None, f16: bool = False) -> None:
+            f16: bool = False) -> None:
     n, KV, G, D = q.shape  # G: query rows per KV head in this slice, from row ``row0``
     chunk, block_n, warps, stages = launch
     chunks = triton.cdiv(max_len, chunk)
@@ -290,9 +270,8 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
         *q.stride(), *k_cache.stride()[:3], *v_cache.stride()[:4], *acc.stride()[:4], *stats.stride()[:5],
         *k_new.stride()[:3], *v_new.stride()[:3],
         cos, sin, cos.stride(0), q_norm, k_norm, rope.eps if rope is not None else 0.0, out, *out.stride(),
-        counters if counters is not None else lengths,  # unread without MERGE_IN
         G_PAD=G_PAD, G_M=G_M, D=D, CHUNK=chunk, BLOCK_N=block_n, EXACT=exact, WRITE=new_kv is not None,
-        KV_MAX=kv_max, DIRECT=direct, MERGE_IN=counters is not None and chunks > 1, F16=f16, V_T=v_t,
+        KV_MAX=kv_max, DIRECT=direct, F16=f16, V_T=v_t,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm is not None,
         # float32 tiles are twice the size: unpipelined they fit any GPU's shared memory
         # (3 stages took 143-230 KB on sm80/sm90; an A100 has 164 KB)
@@ -300,8 +279,6 @@ def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale:
     )
     if direct and chunks == 1:  # every row is one chunk, stored by its program: nothing to merge
         return  # a launch saved per layer whenever the context fits a chunk
-    if counters is not None and chunks > 1:  # each row's last partial program merged it
-        return
     _merge[(n, KV)](
         acc, stats, lengths, out, G, *acc.stride()[:4], *stats.stride()[:5], *out.stride(),
         G_M=G_M, D=D, CHUNK=chunk, DIRECT=direct,
@@ -336,10 +313,10 @@ if triton is not None:
                  sq_b, sq_h, sq_g, sq_d, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sv_d,
                  sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c, ss_g,
                  skn_b, skn_h, skn_d, svn_b, svn_h, svn_d,
-                 cos_ptr, sin_ptr, sc_b, qw_ptr, kw_ptr, eps, out_ptr, so_b, so_h, so_g, so_d, cnt_ptr,
+                 cos_ptr, sin_ptr, sc_b, qw_ptr, kw_ptr, eps, out_ptr, so_b, so_h, so_g, so_d,
                  G_PAD: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                  BLOCK_N: tl.constexpr, EXACT: tl.constexpr, WRITE: tl.constexpr, KV_MAX: tl.constexpr,
-                 ROPE: tl.constexpr, QK_NORM: tl.constexpr, DIRECT: tl.constexpr, MERGE_IN: tl.constexpr,
+                 ROPE: tl.constexpr, QK_NORM: tl.constexpr, DIRECT: tl.constexpr,
                  F16: tl.constexpr, V_T: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -430,28 +407,15 @@ if triton is not None:
             st = st_ptr + b * ss_b + h * ss_h + c * ss_c + g * ss_g
             tl.store(st, m, mask=keep)
             tl.store(st + ss_w, den, mask=keep)
-            if MERGE_IN:
-                if start < length:  # a live chunk: count it done; the row's last one merges
-                    cnt = cnt_ptr + b * tl.num_programs(1) + h
-                    tl.debug_barrier()  # every thread's stores above come before the count
-                    # release: this chunk's partial is visible before its count; acquire: the
-                    # last program sees every chunk's
-                    done = tl.atomic_add(cnt, 1, sem="acq_rel")
-                    if done == tl.cdiv(length, CHUNK) - 1:
-                        _merge_row(acc_ptr, st_ptr, out_ptr, b, h, G, tl.cdiv(length, CHUNK), sa_b, sa_h, sa_c,
-                                   sa_g, ss_w, ss_b, ss_h, ss_c, ss_g, so_b, so_h, so_g, so_d, G_M, D)
-                        tl.atomic_xchg(cnt, 0)  # ready for the next call
 
-    # not inlined by triton: inlined into ``_partial`` its code raised the kernel's registers
-    # (ptxas, sm_90) from 106 to 142-144 a thread in most forms, one program fewer an SM; as a
-    # function of its own +0-2 (benchmarks/kernel_registers.py)
+    # a function of its own (not inlined), the form of ``_merge`` that benchmarks/decode_attention.py times
     @triton.jit(noinline=True)
     def _merge_row(acc_ptr, st_ptr, out_ptr, b, h, G, chunks, sa_b, sa_h, sa_c, sa_g, ss_w, ss_b, ss_h, ss_c,
                    ss_g, so_b, so_h, so_g, so_d, G_M: tl.constexpr, D: tl.constexpr):
         """Merge chunks ``[0, chunks)`` of (row b, KV head h) in chunk order and store the
         output (nothing when ``chunks`` is 0), on a tile of the group's own G_M rows (no dot
-        here, so no padding to the dots' 16 rows). The loads bypass L1 (``.cg``): in
-        ``_partial`` the partials come from other programs of the same launch."""
+        here, so no padding to the dots' 16 rows). The loads bypass L1 (``.cg``): each partial
+        is read once."""
         g = tl.arange(0, G_M)
         d = tl.arange(0, D)
         rows = (g < G) & (chunks > 0)

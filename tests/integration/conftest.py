@@ -1,7 +1,9 @@
 """Integration fixtures: one local Ray cluster per test session, a tiny checkpoint, a task.
 
 Ray starts once (≈3 s) and every run in the session shares it; the driver kills its own
-actors at shutdown, so runs do not leak into each other.
+actors at shutdown, so runs do not leak into each other. Its workers import from the
+repository root (the tests' agents and environments, the examples), which the cluster puts
+on their PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -17,13 +19,22 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
 
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), old]))  # inherited by Ray's workers
     ray.init(include_dashboard=False, num_cpus=4, log_to_driver=False, _node_ip_address="127.0.0.1")
     yield ray
     ray.shutdown()
+    if old is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Agent runs end to end on a local Ray cluster (one per module), tiny model, CPU.
+"""Agent runs end to end on the session's local Ray cluster (conftest.py), tiny model, CPU.
 
 - the example (examples/agent/) trains in its smoke mode;
 - a run of agents that work and agents that go wrong: the bad ones are FAILED with their
@@ -10,11 +10,7 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-
-import pytest
-import ray
 
 from miles.cli import main
 from miles.models import CausalLM, build_tiny_tokenizer, save_pretrained, tiny_config
@@ -23,21 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 AGENTS = Path(__file__).with_name("agentic_agents.py")
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), old]))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(include_dashboard=False, num_cpus=2, _node_ip_address="127.0.0.1", log_to_driver=False)
-    yield
-    ray.shutdown()
-    if old is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = old
-
-
-def test_example_smoke(cluster, tmp_path) -> None:
+def test_example_smoke(ray_cluster, tmp_path) -> None:
     from miles.utils.loading import load_function
 
     load_function(f"{ROOT}/examples/agent/agent.py:prepare")(str(tmp_path), 32)
@@ -58,7 +40,7 @@ def test_example_smoke(cluster, tmp_path) -> None:
     assert rows and all(r["loss_mask"][0] == 1 and r["segments"][0][2] == "model" for r in rows)
 
 
-def test_good_and_bad_agents(cluster, tmp_path) -> None:
+def test_good_and_bad_agents(ray_cluster, tmp_path) -> None:
     labels = ["ok", "raise", "ok", "hang", "late", "refused", "ok", "none"]
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"input": f"task {i}", "label": lab}) + "\n" for i, lab in enumerate(labels)))

@@ -1,4 +1,4 @@
-"""Agentic runs end to end on a local Ray cluster (one per module), tiny model, CPU.
+"""Agentic runs end to end on the session's local Ray cluster (conftest.py), tiny model, CPU.
 
 - an episode spans several policy versions: per-token versions and loss masks checked
   from ``--dump-trajectories`` (model tokens: loss iff inside the staleness bound under
@@ -10,11 +10,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-import ray
 
 from miles.cli import main
 from miles.envs import TurnTemplate
@@ -22,20 +20,6 @@ from miles.models import CausalLM, build_tiny_tokenizer, save_pretrained, tiny_c
 
 ROOT = Path(__file__).resolve().parents[2]
 ENVS = Path(__file__).with_name("agentic_envs.py")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), old]))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(include_dashboard=False, num_cpus=2, _node_ip_address="127.0.0.1", log_to_driver=False)
-    yield
-    ray.shutdown()
-    if old is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = old
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +43,7 @@ def _train(tmp_path: Path, checkpoint: Path, labels: list[str], *flags: str) -> 
     return json.loads((out / "summary.json").read_text())
 
 
-def test_episodes_span_policy_versions(cluster, checkpoint, tmp_path) -> None:
+def test_episodes_span_policy_versions(ray_cluster, checkpoint, tmp_path) -> None:
     eta = 3
     summary = _train(tmp_path, checkpoint, ["long"] + ["short"] * 15,
                      "--env-path", f"{ENVS}:LongShortEnv", "--num-rollout", "14", "--mode", "async",
@@ -92,7 +76,7 @@ def test_episodes_span_policy_versions(cluster, checkpoint, tmp_path) -> None:
     assert max(spans) >= 3, spans
 
 
-def test_broken_envs_fail_with_reasons_and_the_run_goes_on(cluster, checkpoint, tmp_path) -> None:
+def test_broken_envs_fail_with_reasons_and_the_run_goes_on(ray_cluster, checkpoint, tmp_path) -> None:
     labels = ["raise", "ok", "hang", "ok", "garbage", "ok", "hang_async", "ok"]
     summary = _train(tmp_path, checkpoint, labels, "--env-path", f"{ENVS}:FlakyEnv", "--num-rollout", "3",
                      "--turn-timeout-s", "0.5", "--mode", "async", "--max-staleness", "2")
@@ -106,7 +90,7 @@ def test_broken_envs_fail_with_reasons_and_the_run_goes_on(cluster, checkpoint, 
     assert worker["rollout/failed"] >= 8 and worker["env/episodes_completed"] >= 6
 
 
-def test_examples_run_in_smoke_mode(cluster, tmp_path) -> None:
+def test_examples_run_in_smoke_mode(ray_cluster, tmp_path) -> None:
     from miles.utils.loading import load_function
 
     load_function(f"{ROOT}/examples/agentic/number_guess.py:prepare")(str(tmp_path / "guess"))

@@ -23,9 +23,14 @@ def make_model(seed: int = 0, **overrides: Any) -> CausalLM:
 
 
 def make_engine(model: CausalLM | None = None, tokenizer: Tokenizer | None = None,
-                **config: Any) -> EmbeddedEngine:
+                overlap: bool = False, **config: Any) -> EmbeddedEngine:
+    """An engine of ``config`` on a tiny model. ``overlap``: the launch-ahead decode schedule
+    a CUDA engine runs (``Stepper.overlap``), here on the CPU, so that its bookkeeping (a row
+    finished by step k still in step k+1) is tested without a GPU."""
     cfg = EngineConfig(**{"max_batch_size": 8, "max_seq_len": 256, **config})
-    return EmbeddedEngine(model if model is not None else make_model(), config=cfg, tokenizer=tokenizer)
+    engine = EmbeddedEngine(model if model is not None else make_model(), config=cfg, tokenizer=tokenizer)
+    engine.stepper.overlap = overlap or engine.stepper.overlap
+    return engine
 
 
 def paced(engine: EmbeddedEngine, seconds: float = 0.001) -> EmbeddedEngine:

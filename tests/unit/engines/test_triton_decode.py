@@ -131,40 +131,6 @@ def test_one_chunk_rows_stored_by_the_partial_program_match_the_merge(tokens: in
     assert len(merges) == (1 if one_chunk_grid else 2)  # direct=False always merges
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
-@pytest.mark.parametrize("direct", [True, False])
-def test_last_partial_program_merges_in_place_of_the_merge_launch(tokens: int, direct: bool, monkeypatch) -> None:
-    """With ``counters`` the last of a row's partial programs merges it: bitwise the merge
-    kernel's output, no merge launch, and the counters are zero again after every call (the
-    next call, or a graph replay, reuses them)."""
-    merges = _count_merges(monkeypatch)
-    chunk = 128
-    T = 4 * chunk + 3
-    lengths = [tokens, chunk, chunk + 1, 2 * chunk + 7, 3 * chunk, T]  # one to five chunks
-    q, kc, vc, lens, new_kv = _attention_case(lengths, tokens, T, seed=30 + tokens)
-    D, launch = q.shape[-1], (chunk, 32, 4, 2)
-    want_k, want_v = kc.clone(), vc.clone()
-    want = kernel.decode_attention(q, want_k, want_v, lens, D ** -0.5, T, tokens=tokens, new_kv=new_kv,
-                                   launch=launch, direct=direct)
-    assert len(merges) == 1
-    counters = torch.zeros(q.shape[0] * q.shape[1] + 3, dtype=torch.int32, device=DEVICE)  # more than needed
-    for _ in range(2):
-        k, v = kc.clone(), vc.clone()
-        out = kernel.decode_attention(q, k, v, lens, D ** -0.5, T, tokens=tokens, new_kv=new_kv, launch=launch,
-                                      direct=direct, counters=counters)
-        assert torch.equal(out, want) and torch.equal(k, want_k) and torch.equal(v, want_v)
-        assert not counters.any()
-    assert len(merges) == 1
-
-
-def test_merge_counters_are_checked() -> None:
-    q, kc, vc, lens, new_kv = _attention_case([5, 300], 1, 300, seed=1)
-    for bad in (torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE),
-                torch.zeros(8, dtype=torch.int32, device=DEVICE)[::2]):
-        with pytest.raises(ValueError, match="counters"):
-            kernel.decode_attention(q, kc, vc, lens, 0.1, 300, new_kv=new_kv, counters=bad)
-
-
 def _rope_case(dtype: torch.dtype, qk_norm: bool, seed: int = 4):
     """Raw q/k/v projections laid out as the engine's qkv GEMM leaves them (views of one
     [n, H + 2·KV, D] buffer), each row's RoPE entries, and the q/k-norm weights."""
@@ -430,26 +396,6 @@ def test_engine_with_rope_in_the_kernel_matches_rope_outside(qk_norm: bool) -> N
     prompts = [torch.randint(5, 250, (m,), generator=g).tolist() for m in (3, 9, 270, 17)]
     ref, _ = _generate("triton", prompts, decode_fuse_rope=False, qk_norm=qk_norm)
     out, _ = _generate("triton", prompts, qk_norm=qk_norm)
-    for a, b in zip(ref, out):
-        assert a.output_ids == b.output_ids
-        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
-
-
-def test_engine_merging_in_the_kernel_matches_the_merge_launch(monkeypatch) -> None:
-    """``decode_merge_in_kernel`` (rows merged by their last partial program) against the merge
-    kernel, with 64-position chunks so that rows span several: the same tokens and log-probs,
-    and no merge launch. The kernel is bitwise the merge's (tested above), but two engines of
-    one process can differ by float32 rounding outside it: in CI a first token's log-prob, which
-    comes from the prefill and no decode step, differed by 5e-7. So the log-probs are compared
-    within 1e-5, as the other engine tests here do."""
-    merges = _count_merges(monkeypatch)
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(5, 250, (m,), generator=g).tolist() for m in (3, 70, 200, 17)]
-    ref, _ = _generate("triton", prompts, decode_attention_chunk=64)
-    assert merges
-    merges.clear()
-    out, _ = _generate("triton", prompts, decode_attention_chunk=64, decode_merge_in_kernel=True)
-    assert not merges
     for a, b in zip(ref, out):
         assert a.output_ids == b.output_ids
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)

@@ -4,9 +4,6 @@ recompile limit is per code object; past it a copy runs eagerly for good)."""
 
 from __future__ import annotations
 
-import shutil
-
-import pytest
 import torch
 
 from miles.models.fused import attention_output_mlp, compile_fast_path, _own_code
@@ -25,21 +22,3 @@ def test_an_own_code_copy_computes_the_same() -> None:
     h, attn = torch.randn(2, 3, 8), torch.randn(2, 2, 3, 4)
     args = (h, attn, torch.randn(8, 8), None, torch.ones(8), 1e-6, torch.randn(12, 8), torch.randn(8, 6))
     assert torch.equal(copy(*args), attention_output_mlp(*args))
-
-
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                    reason="inductor on the CPU needs a C++ compiler")
-def test_a_drafts_variants_are_not_cached_with_the_policys() -> None:
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    policy, draft = compile_fast_path(), compile_fast_path("draft")
-
-    def entries(call) -> int:
-        cells = dict(zip(call.__code__.co_freevars, (c.cell_contents for c in call.__closure__)))
-        return len(_debug_get_cache_entry_list(cells["fn"].__code__))
-
-    before = entries(policy.attention_output), entries(draft.attention_output)
-    draft.attention_output(torch.randn(2, 5, 16).double(), torch.randn(2, 2, 5, 8).double(),
-                           torch.randn(16, 16).double(), None)  # another dtype: a new variant
-    assert entries(draft.attention_output) == before[1] + 1
-    assert entries(policy.attention_output) == before[0]

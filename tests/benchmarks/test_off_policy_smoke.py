@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "off_policy.py"
+PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "off_policy.py"
 
 
 @pytest.fixture(scope="module")
