@@ -7,13 +7,7 @@
 #   bash examples/agent/run.sh --lr 1e-3  # anything else is passed to `miles train`
 #
 # Env: PYTHON (default: python), OUT (default: runs/agent, or runs/agent-smoke), STEPS.
-set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-PY=${PYTHON:-python}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
-
-SMOKE=0
-if [ "${1:-}" = "--smoke" ]; then SMOKE=1; shift; fi
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"  # cd to the root, PY, PYTHONPATH, SMOKE
 if [ "$SMOKE" = 1 ]; then
     OUT=${OUT:-runs/agent-smoke}
     STEPS=2

@@ -8,13 +8,7 @@
 #
 # Env: PYTHON (default: python), OUT (default: runs/countdown, or runs/countdown-smoke),
 #      STEPS (RL steps, default 80; a checkpoint is saved at the last one for the final eval).
-set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-PY=${PYTHON:-python}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
-
-SMOKE=0
-if [ "${1:-}" = "--smoke" ]; then SMOKE=1; shift; fi
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"  # cd to the root, PY, PYTHONPATH, SMOKE
 if [ "$SMOKE" = 1 ]; then
     OUT=${OUT:-runs/countdown-smoke}
     DATA_ARGS=(--num-train 64 --num-eval 4)

@@ -28,7 +28,8 @@ def ray_cluster():
 
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), old]))  # inherited by Ray's workers
-    ray.init(include_dashboard=False, num_cpus=4, log_to_driver=False, _node_ip_address="127.0.0.1")
+    # address "local": a cluster of its own, even where another Ray instance runs on the machine
+    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False, _node_ip_address="127.0.0.1")
     yield ray
     ray.shutdown()
     if old is None:

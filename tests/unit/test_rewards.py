@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 
 import pytest
 
@@ -50,18 +50,28 @@ def test_bad_rewards_fail_the_sample(fn, reason) -> None:
 
 
 def test_hanging_sync_calls_do_not_starve_others() -> None:
-    """Twenty calls hang far past the timeout; the good ones still finish promptly."""
+    """Twenty calls hang past the timeout; the good ones are scored while they still hang
+    (each good call sees the hanging ones unreleased), and scoring returns before any hang ends."""
+    release = threading.Event()  # set only once scoring returned: until then every hang holds
+    hangs_over: list[int] = []  # a hang that ended (its wait ran out: a starved run waited that long)
+    good_during_hang: list[bool] = []
 
     def fn(sample):
         if sample.label == "hang":
-            time.sleep(5)
+            release.wait(60)
+            hangs_over.append(1)
+        else:
+            good_during_hang.append(not hangs_over)
         return 1.0
 
     runner = RewardRunner(fn, timeout_s=0.3)
     trajs = [_t(i, "hang") for i in range(20)] + [_t(100 + i) for i in range(20)]
-    start = time.monotonic()
-    out = _score(runner, trajs)
-    assert time.monotonic() - start < 3.0
+    try:
+        out = _score(runner, trajs)
+        ended_before_return = len(hangs_over)
+    finally:
+        release.set()
+    assert ended_before_return == 0 and good_during_hang == [True] * 20
     assert [t.status for t in out[:20]] == [Status.FAILED] * 20
     assert all(t.finish_reason.startswith("reward_timeout") for t in out[:20])
     assert all(t.reward == 1.0 for t in out[20:])

@@ -13,9 +13,11 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+
 from miles.envs import EnvConfig
 from miles.rollout import EnvRollout
-from miles.models import build_tiny_tokenizer
+from miles.models import CausalLM, build_tiny_tokenizer, tiny_config, token_logprobs
 from miles.rollout import GenerateContext
 from miles.types import GenerateOutput, GenerateRequest, SamplingParams, Trajectory
 
@@ -69,6 +71,37 @@ class ScriptedEngine:
     async def until_waiting(self, n: int = 1) -> None:
         while sum(not f.done() for f in self._waiters.values()) < n:
             await asyncio.sleep(0.001)
+
+
+def make_model(seed: int) -> CausalLM:
+    torch.manual_seed(seed)
+    return CausalLM(tiny_config(initializer_range=0.1)).eval()
+
+
+def check_token_versions(t: Trajectory, models: list[CausalLM], turns: int) -> None:
+    """An episode of ``turns`` model turns on the real engine, whose weights moved to version
+    i before turn i and to version ``turns`` in the middle of the last one: turn i starts on
+    version i; the env tokens between turns carry the version at their append, no loss and no
+    log-prob; the last turn switches mid-turn; and each model token's behaviour log-prob is the
+    log-prob its version's model (``models[v]``) gives it in the exact context."""
+    model = [s for s in t.segments if s.kind == "model"]
+    env = [s for s in t.segments if s.kind == "env"]
+    assert len(model) == turns and len(env) == turns - 1
+    for i, seg in enumerate(model):
+        assert t.versions[seg.start] == i
+    for i, seg in enumerate(env, start=1):
+        assert set(t.versions[seg.start: seg.end]) == {i}
+        assert set(t.loss_mask[seg.start: seg.end]) == {0} and set(t.logprobs[seg.start: seg.end]) == {0.0}
+    last = t.versions[model[-1].start: model[-1].end]
+    assert last[0] == turns - 1 and last[-1] == turns and last == sorted(last)  # switched mid-turn
+    assert len(set(t.loss_versions())) == turns + 1
+    ids = torch.tensor([t.prompt_tokens + t.response_tokens])
+    P = len(t.prompt_tokens)
+    with torch.no_grad():
+        per_version = [token_logprobs(m(ids).logits[0, P - 1: -1], torch.tensor(t.response_tokens)) for m in models]
+    for i, (v, m, lp) in enumerate(zip(t.versions, t.loss_mask, t.logprobs)):
+        if m:
+            assert abs(per_version[v][i].item() - lp) < 1e-4, (i, v)
 
 
 def make_ctx(engine: Any, *, max_response_len: int = 512, **sampling: Any) -> GenerateContext:

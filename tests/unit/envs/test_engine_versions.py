@@ -10,20 +10,13 @@ from __future__ import annotations
 import asyncio
 import copy
 
-import torch
-
 from miles.engines import EmbeddedEngine, EngineConfig
 from miles.envs import EnvConfig
 from miles.rollout import EnvRollout
-from miles.models import CausalLM, tiny_config, token_logprobs
+from miles.models import CausalLM
 from miles.types import Status, Trajectory
 from tests.unit.engines.helpers import paced
-from tests.unit.envs.helpers import TOKENIZER, make_ctx, make_traj
-
-
-def make_model(seed: int) -> CausalLM:
-    torch.manual_seed(seed)
-    return CausalLM(tiny_config(initializer_range=0.1)).eval()
+from tests.unit.envs.helpers import TOKENIZER, check_token_versions, make_ctx, make_model, make_traj
 
 
 def run_episode(models: list[CausalLM], *, turns: int = 3, turn_tokens: int = 24, mid_turn_update: bool = True,
@@ -75,27 +68,7 @@ def test_every_token_records_the_version_that_produced_it() -> None:
     t = run_episode(models)
     assert t.status is Status.COMPLETED
     t.validate(current_version=3)
-    model_segs = [s for s in t.segments if s.kind == "model"]
-    env_segs = [s for s in t.segments if s.kind == "env"]
-    assert len(model_segs) == 3 and len(env_segs) == 2
-    # between turns: turn i starts on version i; env tokens carry the version at append
-    for i, seg in enumerate(model_segs):
-        assert t.versions[seg.start] == i
-    for i, seg in enumerate(env_segs, start=1):
-        assert set(t.versions[seg.start: seg.end]) == {i}
-        assert set(t.loss_mask[seg.start: seg.end]) == {0} and set(t.logprobs[seg.start: seg.end]) == {0.0}
-    last = t.versions[model_segs[-1].start: model_segs[-1].end]
-    assert last[0] == 2 and last[-1] == 3 and last == sorted(last)  # switched mid-turn
-    assert len(set(t.loss_versions())) == 4
-
-    # the behaviour log-prob of each model token is its version's model's log-prob
-    ids = torch.tensor([t.prompt_tokens + t.response_tokens])
-    P = len(t.prompt_tokens)
-    with torch.no_grad():
-        per_version = [token_logprobs(m(ids).logits[0, P - 1: -1], torch.tensor(t.response_tokens)) for m in models]
-    for i, (v, m, lp) in enumerate(zip(t.versions, t.loss_mask, t.logprobs)):
-        if m:
-            assert abs(per_version[v][i].item() - lp) < 1e-4, (i, v)
+    check_token_versions(t, models, turns=3)
 
 
 def test_engine_stats_can_be_read_while_it_decodes() -> None:
