@@ -60,7 +60,7 @@ class EngineOffloader:
 
     def _kv_tensors(self) -> list[Tensor]:
         cache = self.runner.cache
-        return [cache.k, cache.v, cache.merge_counters]
+        return [cache.k, cache.v]
 
     @torch.no_grad()
     def release(self, weights: WeightsMode) -> int:
