@@ -48,7 +48,7 @@ class RunConfig(msgspec.Struct, kw_only=True):
     num_rollout_workers: int = 1  # rollout workers (one engine each); on the CPU, processes
     num_reward_workers: int = 0  # 0: rewards run inside the rollout workers
     colocate: bool = False  # the engines share the trainer's first GPU (weights by CUDA IPC)
-    ray_address: str | None = None  # join this Ray cluster instead of starting a local one
+    ray_address: str | None = None  # join this Ray cluster (also --address HOST:PORT; see docs/cluster.md) instead of starting a local one
     ray_num_cpus: int | None = None  # CPUs of the local Ray cluster (default: the machine's)
     # checkpoints
     save: str | None = None  # checkpoint directory (trainer, buffer with partial trajectories, data cursor)
@@ -219,7 +219,12 @@ def _add_argument(parser: argparse.ArgumentParser, name: str, info: msgspec.stru
         kwargs["type"] = tp
     else:
         kwargs["type"] = str
-    parser.add_argument(_flag(name), **kwargs)
+    parser.add_argument(_flag(name), *ALIASES.get(name, ()), **kwargs)
+
+
+# Second spellings of a flag (one flag in --help): ``--address`` is Ray's own word for the
+# cluster to join (``ray start --address``, ``ray job submit --address``).
+ALIASES: dict[str, tuple[str, ...]] = {"ray_address": ("--address",)}
 
 
 def _parse_mapping(text: str) -> dict[str, Any]:
