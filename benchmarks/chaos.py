@@ -234,7 +234,10 @@ def run_chaos(root: Path, argv: list[str], *, steps: int, kills: int, max_stalen
             if killed_driver:
                 _wait_actors_gone()
                 continue
-            assert proc.returncode == 0, f"miles train exited {proc.returncode}; see {root / 'driver.log'}"
+            if proc.returncode != 0:
+                logf.flush()
+                tail = (root / "driver.log").read_bytes()[-4000:].decode(errors="replace")
+                raise RuntimeError(f"miles train exited {proc.returncode}; the end of its log:\n{tail}")
             break
     finally:
         logf.close()
