@@ -41,9 +41,10 @@ class RunConfig(msgspec.Struct, kw_only=True):
     deterministic: bool = False  # batch-invariant steps and fixed orders: a resumed run repeats exactly
     true_on_policy: bool = False  # batch-invariant engine and trainer (CPU float32, CUDA Triton bf16): rollout log-probs bitwise the trainer's
     # placement (GPUs; 0 means CPU)
-    actor_num_nodes: int = 1  # nodes of trainer ranks (Megatron)
+    actor_num_nodes: int = 1  # nodes of the trainer (slime: actor_num_nodes x actor_num_gpus_per_node trainer GPUs)
     actor_num_gpus_per_node: int = 0  # the trainer's GPUs per node (0: CPU)
     rollout_num_gpus: int = 0  # GPUs of the rollout engines, apart from the trainer's (one worker each)
+    rollout_num_nodes: int = 0  # nodes of the rollout workers, beside the trainer's (0: where Ray puts them; docs/cluster.md)
     rollout_num_gpus_per_engine: int = 1  # GPUs per engine (SGLang tensor parallelism)
     num_rollout_workers: int = 1  # rollout workers (one engine each); on the CPU, processes
     num_reward_workers: int = 0  # 0: rewards run inside the rollout workers

@@ -237,6 +237,7 @@ class Driver:
         handle = a.workers.pop(worker_id, None) or self.starting.pop(worker_id, None)
         if handle is not None:
             ray_actors.kill(handle)
+        a.worker_nodes.pop(worker_id, None)
         self.worker_runs.pop(worker_id, None)
         self.worker_stats.pop(worker_id, None)
         await a.broadcaster.unregister.remote(worker_id)
@@ -262,7 +263,15 @@ class Driver:
         await asyncio.sleep(delay)
         if self.stop.is_set():
             return
-        worker_id, handle = ray_actors.start_worker(self.cfg, self.actors, name, join=False)
+        try:
+            worker_id, handle = ray_actors.start_worker(self.cfg, self.actors, name, join=False)
+        except ray_actors.NoNodeLeft as exc:  # its node is gone and no rollout node has room
+            if not self.actors.workers and not self.starting:
+                self._fail(f"rollout worker {name} cannot be replaced: {exc}")
+            else:
+                print(f"[miles] rollout worker {name} is not replaced ({exc}); the run goes on with "
+                      f"{len(self.actors.workers)} worker(s)", flush=True)
+            return
         self.starting[worker_id] = handle
         try:
             await asyncio.wait_for(handle.ping.remote(), STARTUP_DEADLINE_S)
@@ -282,7 +291,8 @@ class Driver:
         await self._start_worker(worker_id, handle)
 
     async def _start_worker(self, worker_id: str, handle: Any) -> None:
-        latest = await self.actors.broadcaster.register.remote(worker_id, handle)
+        node = self.actors.worker_nodes.get(worker_id, "")  # the transport follows per pair (by node)
+        latest = await self.actors.broadcaster.register.remote(worker_id, handle, node)
         if self.actors.draft_broadcaster is not None:
             await self.actors.draft_broadcaster.register.remote(worker_id, handle)
         # Registration starts the resync of the newest weights; the worker waits for them.

@@ -136,6 +136,7 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
     if not run.colocate and trainer_gpus and not run.rollout_num_gpus and run.rollout_backend == "embedded":
         yield ("--actor-num-gpus-per-node without --colocate gives the trainer its GPUs alone: set "
                "--rollout-num-gpus for the engines' own GPUs, or --colocate to share the trainer's")
+    yield from _node_problems(run)
     if run.rollout_num_gpus and not trainer_gpus:
         yield "--rollout-num-gpus needs the trainer on GPUs too: set --actor-num-gpus-per-node"
     if (not run.colocate and run.rollout_num_gpus and run.rollout_backend == "embedded"
@@ -296,6 +297,22 @@ def _megatron_problems(cfg: Any):
         data_parallel_size(megatron_section(cfg), world)
     except MegatronConfigError as exc:
         yield f"{exc} (trainer world: {world} GPUs)"
+
+
+def _node_problems(run: Any):
+    """--actor-num-nodes / --rollout-num-nodes (miles.actors.placement places by node)."""
+    if run.actor_num_nodes < 1:
+        yield "--actor-num-nodes must be >= 1"
+    if run.rollout_num_nodes < 0:
+        yield "--rollout-num-nodes must be >= 0 (0: the workers go where Ray puts them)"
+    if run.actor_num_nodes > 1 and run.train_backend != "megatron":
+        yield (f"--actor-num-nodes {run.actor_num_nodes}: the embedded trainer is one process on one node; "
+               "use --train-backend megatron for a trainer across nodes")
+    if run.colocate and run.rollout_num_nodes not in (0, run.actor_num_nodes):
+        yield "--colocate puts the engines on the trainer's nodes: leave --rollout-num-nodes unset or equal to --actor-num-nodes"
+    if run.rollout_num_nodes and run.rollout_num_gpus and run.rollout_num_gpus % run.rollout_num_nodes:
+        yield (f"--rollout-num-gpus {run.rollout_num_gpus} does not split evenly over --rollout-num-nodes "
+               f"{run.rollout_num_nodes}")
 
 
 def _env_problems(cfg: Any):

@@ -13,6 +13,9 @@ keeps answering health checks. ``publish`` exports HF-named weights in buckets o
    deliveries), then ``transfer`` (the broadcasts, while the workers receive);
 4. CUDA IPC buffers are freed once every addressee is done with them.
 
+Workers on other nodes than the trainer's (the plan's ``remote``) get each version of a group
+transport through the object store, from the same export, once the broadcast is done.
+
 If a GPU transport fails (a peer died mid-broadcast, a rendezvous timed out), the same
 version goes out through the object store instead and the next publish rebuilds the group.
 ``republish`` (asked by the broadcaster for a worker that needs the newest version in full)
@@ -61,7 +64,8 @@ class PolicyTrainer:
         self.replayable_version = -1  # newest version published in full through the object store
         self.last_publish_s = 0.0
         self.init_s = 0.0  # construction seconds (set by the Ray actor that builds the backend)
-        self.counters = {"publishes": 0, "fallbacks": 0, "republishes": 0, "bytes_sent": 0, "tensors_sent": 0}
+        self.counters = {"publishes": 0, "fallbacks": 0, "republishes": 0, "remote_publishes": 0, "bytes_sent": 0,
+                         "tensors_sent": 0}
         self.last_error = ""
         self._broadcaster: Peer | None = None
         self._lock: asyncio.Lock | None = None
@@ -100,7 +104,7 @@ class PolicyTrainer:
             start = time.monotonic()
             version = self.backend.version
             plan: UpdatePlan = await peer.call("plan_update", version)
-            sender = self.sender if plan.members else self.fallback  # nobody to address yet
+            sender = self.sender if plan.members else self.fallback  # nobody to address (yet, or on this node)
             try:
                 await self._send(peer, sender, version, plan)
             except Exception as exc:
@@ -151,12 +155,19 @@ class PolicyTrainer:
         finally:
             if sender.kind == "cuda_ipc":
                 self._spawn_release(peer, sender, update)
+        sent = [update]
+        if plan.remote and sender.kind != "object_store":  # the other nodes' workers: the same version
+            update = await self._compute.run(self.fallback.prepare, version, plans, full=full,
+                                             base_version=base, members=[])
+            await peer.call("publish", version, update, True)
+            self.counters["remote_publishes"] += 1
+            sent.append(update)
         if tracker is not None:
             tracker.commit(version, prints)
         if update.replayable:
             self.replayable_version = version
-        self.counters["bytes_sent"] += update.nbytes
-        self.counters["tensors_sent"] += update.num_tensors
+        self.counters["bytes_sent"] += sum(u.nbytes for u in sent)
+        self.counters["tensors_sent"] += sum(u.num_tensors for u in sent)
 
     def _export(self, full: bool) -> tuple[list[Any], dict[str, Any]]:
         plans = list(self.backend.export_weights(self.bucket_bytes))

@@ -13,6 +13,13 @@ the workers split the first GPU; several Megatron ranks take one GPU each, rank 
 first with the workers). The weight transport follows (``--weight-transport auto``):
 CUDA IPC when colocated, NCCL when disaggregated, the object store on the CPU; the
 broadcaster knows the trainer so that a worker that joins late is sent the newest weights.
+
+By node (``--rollout-num-nodes``, ``--actor-num-nodes``; ``miles.actors.placement``): the
+trainer and each worker are pinned to the nodes the plan gives them (node affinity on the
+CPU, bundles labelled with their node on GPUs), the buffer and the broadcaster to the
+driver's node, reward workers spread over the rollout nodes (softly: Ray restarts one
+elsewhere when its node goes). A replacement worker goes back to its node, or to the live
+rollout node with the fewest workers when its node is gone.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any
 
 import ray
 
+from miles.actors import placement as nodes
 from miles.actors.draft_trainer import DraftTrainer
 from miles.actors.factory import (
     buffer_args,
@@ -92,6 +100,9 @@ class _BufferActor(ReplayBuffer):
         self._answered = loop.time()
         return self.changes, self.ledger(), self.prompt_room()
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def busy_parts(self) -> dict[str, tuple[float, float]]:
         """(seconds in all, the longest) of each timed method, and of the full GC passes
         (``gc``: the buffer serves nothing while one runs)."""
@@ -153,6 +164,9 @@ class _RolloutWorkerActor(RolloutWorker):
         super().__init__(worker_id, **build_rollout_worker(cfg, worker_id, buffer=buffer, rewards=rewards))
         self.init_s = time.monotonic() - start  # engine build, weights load, graph capture
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
 
 class _PolicyTrainerActor(PolicyTrainer):
     def __init__(self, flat: dict[str, Any], threads: int) -> None:
@@ -165,6 +179,9 @@ class _PolicyTrainerActor(PolicyTrainer):
                          deterministic=cfg.run.deterministic, sender=sender, wire_dtype=wire_dtype,
                          changed_only=cfg.weights.weight_update_changed_only)
         self.init_s = time.monotonic() - start  # model load, and on CUDA the compile warm-up
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
 
 class _DraftTrainerActor(DraftTrainer):
@@ -202,6 +219,8 @@ class Actors:
     threads: int = 1
     draft_trainer: Any = None  # --enable-draft-training: the DraftTrainer and its draft channel
     draft_broadcaster: Any = None
+    nodes: nodes.NodePlan | None = None  # placement by node (None: Ray places, one-node style)
+    worker_nodes: dict[str, str] = field(default_factory=dict)  # worker id → node id, when placed by node
 
 
 def init_ray(cfg: MilesConfig) -> None:
@@ -260,24 +279,85 @@ def _gpu_options(cfg: MilesConfig) -> tuple[dict[str, Any], list[dict[str, Any]]
     return at(0, share if ranks else 1.0), rollout, pg
 
 
+def _pin(node_id: str, soft: bool = False) -> dict[str, Any]:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=soft)}
+
+
+def plan_nodes(cfg: MilesConfig) -> nodes.NodePlan:
+    """The run's node plan from the cluster's live nodes (``miles.actors.placement``)."""
+    from miles.config import ConfigError
+
+    r = cfg.run
+    try:
+        return nodes.plan_nodes(nodes.live_nodes(), actor_num_nodes=r.actor_num_nodes,
+                                rollout_num_nodes=r.rollout_num_nodes, colocate=r.colocate,
+                                driver_node=ray.get_runtime_context().get_node_id(),
+                                actor_gpus_per_node=r.actor_num_gpus_per_node,
+                                rollout_num_gpus=0 if r.colocate else r.rollout_num_gpus)
+    except nodes.PlacementError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _node_options(cfg: MilesConfig, plan: nodes.NodePlan) -> tuple[dict[str, Any], list[dict[str, Any]], Any]:
+    """``_gpu_options`` by node: on the CPU each actor pinned to its node; on GPUs a placement
+    group whose bundles carry their node's label — the trainer's GPUs node by node (Megatron
+    rank r on bundle r), then each rollout node's."""
+    r = cfg.run
+    if not r.actor_num_gpus_per_node:
+        trainer = {"num_cpus": 0.5, **_pin(plan.trainer_nodes[0])}
+        workers = [{"num_cpus": 0.5, **_pin(n)} for n in (plan.rollout_nodes or plan.trainer_nodes)]
+        return trainer, workers, None
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    owners = [n for n in plan.trainer_nodes for _ in range(r.actor_num_gpus_per_node)]
+    if not r.colocate:
+        owners += [n for n in plan.rollout_nodes for _ in range(plan.gpus_per_rollout_node)]
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * len(owners), strategy="PACK",
+                         bundle_label_selector=[{"ray.io/node-id": n} for n in owners])
+    ray.get(pg.ready(), timeout=120)
+
+    def at(bundle: int, gpus: float) -> dict[str, Any]:
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
+        return {"num_gpus": gpus, "num_cpus": 0.1, "scheduling_strategy": strategy}
+
+    trainer_gpus = len(plan.trainer_nodes) * r.actor_num_gpus_per_node
+    ranks = r.train_backend == "megatron" and trainer_gpus > 1
+    if ranks:
+        from miles.trainers.megatron.launch import first_gpu_share
+
+        share = first_gpu_share(r.colocate, r.num_rollout_workers)
+    else:
+        share = 1.0 / (1 + r.num_rollout_workers)
+    if r.colocate:
+        return at(0, share if trainer_gpus == 1 or ranks else 1.0), [at(0, share)], pg
+    return at(0, share if ranks else 1.0), [at(i, 1.0) for i in range(trainer_gpus, len(owners))], pg
+
+
 def launch(cfg: MilesConfig) -> Actors:
     """Create the buffer, trainer, broadcaster, reward workers and rollout workers."""
     init_ray(cfg)
     flat = cfg.to_flat()
-    trainer_opts, worker_opts, pg = _gpu_options(cfg)
+    plan = plan_nodes(cfg) if nodes.by_node(cfg) else None
+    trainer_opts, worker_opts, pg = _node_options(cfg, plan) if plan else _gpu_options(cfg)
+    home = _pin(plan.driver_node) if plan else {}  # the buffer and broadcaster live with the driver
     draft_training = cfg.speculative.enabled and cfg.speculative.enable_draft_training
     procs = 1 + cfg.run.num_rollout_workers + cfg.run.num_reward_workers + int(draft_training)
     threads = max(1, (os.cpu_count() or 1) // max(procs, 1))
-    buffer = ray.remote(_BufferActor).options(num_cpus=0, max_concurrency=1000).remote(flat)
-    broadcaster = ray.remote(WeightBroadcaster).options(num_cpus=0, max_concurrency=1000).remote()
+    buffer = ray.remote(_BufferActor).options(num_cpus=0, max_concurrency=1000, **home).remote(flat)
+    broadcaster = ray.remote(WeightBroadcaster).options(num_cpus=0, max_concurrency=1000, **home).remote()
     trainer = ray.remote(_PolicyTrainerActor).options(max_concurrency=16, **trainer_opts).remote(flat, threads)
-    broadcaster.attach_source.remote(trainer)
+    broadcaster.attach_source.remote(trainer, plan.trainer_nodes[0] if plan else "")
+    spread = (plan.rollout_nodes or plan.trainer_nodes) if plan else []
     rewards = [
-        ray.remote(_RewardActor).options(num_cpus=0, max_concurrency=256, max_restarts=-1, max_task_retries=2).remote(flat)
-        for _ in range(cfg.run.num_reward_workers)
+        ray.remote(_RewardActor).options(num_cpus=0, max_concurrency=256, max_restarts=-1, max_task_retries=2,
+                                         **(_pin(spread[i % len(spread)], soft=True) if spread else {})).remote(flat)
+        for i in range(cfg.run.num_reward_workers)
     ]
     actors = Actors(buffer=buffer, trainer=trainer, broadcaster=broadcaster, rewards=rewards,
-                    placement=pg, worker_options=worker_opts, threads=threads)
+                    placement=pg, worker_options=worker_opts, threads=threads, nodes=plan)
     if draft_training:
         # The draft channel: a second broadcaster whose deliveries call receive_draft_weights.
         # The DraftTrainer runs on the CPU unless its process sees a GPU (placement on GPU
@@ -296,12 +376,30 @@ def launch(cfg: MilesConfig) -> Actors:
 TEST_START_DELAY_S = 0.0
 
 
+class NoNodeLeft(RuntimeError):
+    """Every rollout node of the run is gone: a worker has nowhere to start."""
+
+
 def start_worker(cfg: MilesConfig, actors: Actors, name: str, *, join: bool = True) -> tuple[str, Any]:
     """Start one rollout worker under a fresh id (a restarted worker never reuses leases);
     ``join=False`` leaves it out of ``actors.workers`` until the caller admits it."""
     worker_id = f"{name}-{os.urandom(3).hex()}"
     ordinal = int(name.removeprefix("worker") or 0) if name.removeprefix("worker").isdigit() else 0
     options = actors.worker_options[ordinal % len(actors.worker_options)] if actors.worker_options else {}
+    plan = actors.nodes
+    if plan is not None:
+        node = plan.worker_node(ordinal) if plan.rollout_nodes else plan.trainer_nodes[0]
+        if "num_gpus" not in options and plan.rollout_nodes:  # CPU: pinned by node; its node may be gone
+            busy: dict[str, int] = {}
+            for n in actors.worker_nodes.values():
+                busy[n] = busy.get(n, 0) + 1
+            node = nodes.replacement_node(plan, ordinal, {n.node_id for n in nodes.live_nodes()}, busy)
+            if node is None:
+                raise NoNodeLeft(f"no rollout node of the run is alive (they were {plan.rollout_nodes})")
+            options = {**options, **_pin(node)}
+        elif "num_gpus" in options and not cfg.run.colocate:  # GPUs: the bundle's node
+            node = plan.rollout_nodes[(ordinal % len(actors.worker_options)) // max(plan.gpus_per_rollout_node, 1)]
+        actors.worker_nodes[worker_id] = node
     handle = (
         ray.remote(_RolloutWorkerActor)
         .options(max_concurrency=1000, **options)

@@ -6,7 +6,10 @@ never pass through here. The broadcaster pushes the update to every registered w
 without waiting for them to apply it (the trainer never blocks on rollouts), records which
 version each worker has applied and how long delivery took, and hands the newest version
 to a worker that (re)registers. A worker stages all buckets, then flips its version: never
-half an update. Deliveries to one worker are sequential, in version order (addressed
+half an update. Workers on a node other than the trainer's (``register``'s ``node``) are
+``remote``: a group transport (NCCL, gloo, CUDA IPC) addresses only the trainer's node, and the
+trainer sends the same version to the remote ones through the object store
+(``miles.actors.placement.pair_transport``). Deliveries to one worker are sequential, in version order (addressed
 updates are sent at once, in order: see ``_push``).
 
 Membership is the broadcaster's: ``plan_update`` tells the trainer, before each publish, who
@@ -51,6 +54,8 @@ class WeightBroadcaster:
         self.latest_payload: Any = []
         self.latest_update: WeightUpdate | None = None
         self.source: Peer | None = None
+        self.source_node = ""  # the trainer's node ("" unknown: every worker is local)
+        self.nodes: dict[str, str] = {}  # worker id → node id
         self.group_members: list[str] = []
         self._group_valid = False
         self._resynced = -1  # the newest version a resync was started for
@@ -60,13 +65,20 @@ class WeightBroadcaster:
         self.failures = 0
         self.resyncs = 0
 
-    def attach_source(self, trainer: Any) -> None:
-        """The PolicyTrainer to ask for a full object-store republish (new workers)."""
+    def attach_source(self, trainer: Any, node: str = "") -> None:
+        """The PolicyTrainer to ask for a full object-store republish (new workers), and its node."""
         self.source = Peer(trainer)
+        self.source_node = node
+
+    def _local(self, worker_id: str) -> bool:
+        from miles.actors.placement import pair_transport
+
+        return pair_transport("group", self.source_node, self.nodes.get(worker_id, "")) == "group"
 
     # ---- membership -------------------------------------------------------------------
-    def register(self, worker_id: str, worker: Any) -> int:
+    def register(self, worker_id: str, worker: Any, node: str = "") -> int:
         self.workers[worker_id] = Peer(worker)
+        self.nodes[worker_id] = node
         self.applied.setdefault(worker_id, -1)
         self.done.setdefault(worker_id, -1)
         self.needs_full.add(worker_id)
@@ -78,6 +90,7 @@ class WeightBroadcaster:
 
     def unregister(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
+        self.nodes.pop(worker_id, None)
         self.applied.pop(worker_id, None)
         self.done.pop(worker_id, None)
         self.needs_full.discard(worker_id)
@@ -89,8 +102,9 @@ class WeightBroadcaster:
 
     def plan_update(self, version: int) -> UpdatePlan:
         """Called by the trainer before it publishes ``version``."""
-        members = list(self.workers)
-        return UpdatePlan(members=members, full=bool(self.needs_full),
+        members = [w for w in self.workers if self._local(w)]
+        remote = [w for w in self.workers if not self._local(w)]
+        return UpdatePlan(members=members, full=bool(self.needs_full), remote=remote,
                           regroup=not self._group_valid or members != self.group_members)
 
     def form_group(self, spec: GroupSpec, members: list[str]) -> None:
@@ -123,6 +137,8 @@ class WeightBroadcaster:
         outsiders = False
         for worker_id in list(self.workers):
             if update.addressed and worker_id not in update.members:
+                if not self._local(worker_id):
+                    continue  # the trainer sends it this version through the object store
                 self.needs_full.add(worker_id)  # joined after the trainer planned this update
                 outsiders = True
             else:

@@ -88,9 +88,10 @@ class GroupSpec(msgspec.Struct, frozen=True, kw_only=True):
 class UpdatePlan(msgspec.Struct, frozen=True, kw_only=True):
     """The broadcaster's answer before a publish: who receives, and what they need."""
 
-    members: list[str]  # registered workers, in rank order
+    members: list[str]  # registered workers on the trainer's node, in rank order
     full: bool  # some worker cannot apply a changed-only update (new, or it missed one)
     regroup: bool  # the distributed group no longer matches the members
+    remote: list[str] = []  # workers on other nodes: a group transport's update reaches them by the object store
 
 
 class WeightUpdate(msgspec.Struct, kw_only=True):

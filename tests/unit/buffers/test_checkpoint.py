@@ -75,3 +75,38 @@ def test_bad_state_is_refused() -> None:
     broken = {**state, "events": {**state["events"], "admitted": 1}}
     with pytest.raises(ValueError, match="does not balance"):
         make_buffer(clock).load_state_dict(broken)
+
+
+def test_partial_and_in_flight_trajectories_survive_a_resume() -> None:
+    """A checkpoint taken while a resumed partial trajectory is leased (in flight with a
+    prefix), another is parked and fresh samples are in flight: after the load, the old run's
+    leases come back once — the resumed one as PARTIAL with its prefix tokens, log-probs and
+    versions, the fresh ones as queued — and every sample is trained exactly once."""
+    clock = FakeClock()
+    buf = make_buffer(clock, n_samples_per_prompt=2, max_staleness=4, lease_timeout_s=30.0)
+    buf.add_prompts(prompts(2))
+    first = buf.lease("w1", 4)
+    buf.put(generate(first[0], 0, n_tokens=3, status=Status.PARTIAL), "w1")  # parked with a 3-token prefix
+    buf.put(generate(first[1], 0, n_tokens=2, status=Status.PARTIAL), "w1")  # parked with a 2-token prefix
+    buf.set_version(1)
+    resumed = buf.lease("w2", 1)  # the partials come first: this one is now in flight with its prefix
+    assert resumed[0].id == first[0].id and len(resumed[0].response_tokens) == 3
+    state = msgspec.msgpack.decode(msgspec.msgpack.encode(buf.state_dict()))
+
+    fresh = make_buffer(FakeClock(), n_samples_per_prompt=2, max_staleness=4, lease_timeout_s=30.0)
+    fresh.load_state_dict(state)
+    led = fresh.ledger()
+    assert (led.in_flight, led.partial, led.queued) == (3, 1, 0)
+    assert fresh.release_all_workers() == 3 and fresh.release_all_workers() == 0
+    led = fresh.ledger()
+    assert (led.in_flight, led.partial, led.queued) == (0, 2, 2)
+    again = fresh.lease("w3", 4)
+    prefix = {t.id: (t.response_tokens, t.logprobs, t.versions) for t in again if t.response_tokens}
+    assert prefix == {first[0].id: ([0, 1, 2], [-0.5] * 3, [0, 0, 0]), first[1].id: ([0, 1], [-0.5] * 2, [0, 0])}
+    assert {t.id for t in again[:2]} == set(prefix)  # the unfinished queue is served first
+    fresh.put_many([generate(t, 1) for t in again], "w3")
+    trained = [t.id for g in fresh.get_batch(2, 1) for t in g]
+    assert sorted(trained) == sorted(t.id for t in first)
+    led = fresh.ledger()
+    assert led.trained == 4 and led.live == 0
+    led.check()
