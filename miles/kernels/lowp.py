@@ -29,6 +29,7 @@ _FORM: list[str | None] = []  # the _scaled_mm form the first probe validated, o
 
 
 ROWS = 16  # the block-wise GEMM's rows are padded to a multiple of this (cuBLAS refuses some row counts)
+K_BLOCKS = 4  # cuBLAS takes block-wise scales over a multiple of 4 blocks of K; other K run dequantized
 
 
 def _outer_major(t: Tensor) -> Tensor:
@@ -66,7 +67,7 @@ def _probe(device: torch.device, dt: torch.dtype) -> str | None:
     from miles.kernels.quantize import BLOCK, fp8_dequantize_weight, fp8_quantize_act, fp8_quantize_weight
 
     g = torch.Generator(device="cpu").manual_seed(0)
-    M, K, N = 2 * ROWS, 3 * BLOCK, 2 * BLOCK
+    M, K, N = 2 * ROWS, K_BLOCKS * BLOCK, 2 * BLOCK
 
     def spread(rows: int, groups_r: int, groups_c: int) -> Tensor:
         f = torch.exp(torch.randn(groups_r, groups_c, generator=g) * 2.5)
@@ -108,7 +109,7 @@ def fp8_linear(x: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype) -> Ten
     N, K = wq.shape
     M = x.shape[0]
     key = f"{N}x{K}"
-    if K % BLOCK == 0 and N % BLOCK == 0:
+    if K % (K_BLOCKS * BLOCK) == 0 and N % BLOCK == 0:
         pad = -M % ROWS
         xq, xs = fp8_quantize_act(F.pad(x, (0, 0, 0, pad)) if pad else x)
         if not _FORM:  # probed once, outside any graph capture (the first call)
