@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import torch
@@ -136,6 +136,34 @@ def fake_quant_act(x: Tensor) -> Tensor:
     return _STE.apply(x, fp8_qdq_act(x)) if x.requires_grad else fp8_qdq_act(x)
 
 
+class _FP8Linear(torch.autograd.Function):
+    """The trainer's FP8 linear on CUDA: the forward is the engine's (``lowp.linear``: FP8 values,
+    block-wise cuBLAS GEMM), so the log-probs the loss sees are the ones the engine sampled with;
+    the backward is the fake-quantized linear's, straight through both quantizers (gradients
+    against the dequantized operands, in the forward's dtype)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, bias: Tensor | None, stored: tuple[Tensor, ...],
+                spec: QuantSpec) -> Tensor:
+        from miles.kernels import lowp
+
+        ctx.save_for_backward(x, *stored)
+        ctx.has_bias, ctx.w_dtype = bias is not None, w.dtype
+        return lowp.linear(x, stored, spec, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, wq, ws = ctx.saved_tensors
+        w = fp8_dequantize_weight(wq, ws, grad.dtype)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gx = (g2 @ w).view(*grad.shape[:-1], w.shape[1]) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = (g2.t() @ fp8_qdq_act(x).reshape(-1, x.shape[-1]).to(grad.dtype)).to(ctx.w_dtype)
+        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None, None
+
+
 class QuantLinear(nn.Linear):
     """An ``nn.Linear`` whose forward is quantized by ``self.quant`` (set by
     ``apply_quantization``). Grad-free calls cache the quantized weight per weight version."""
@@ -145,13 +173,23 @@ class QuantLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         spec, w = self.quant, self.weight
-        if torch.is_grad_enabled() and w.requires_grad:
+        grad = torch.is_grad_enabled() and w.requires_grad
+        if grad and not (x.is_cuda and spec.kind == "fp8"):
             xin = fake_quant_act(x) if spec.kind == "fp8" else x
             return F.linear(xin, fake_quant_weight(w, spec), self.bias)
         key = (w._version, w.data_ptr())
         if self._cache is None or self._cache[0] != key:
-            self._cache = (key, self._stored(w))
+            with torch.no_grad():
+                self._cache = (key, self._stored(w))
         stored = self._cache[1]
+        if grad:  # FP8 on CUDA: the engine's forward, a straight-through backward
+            if torch.is_autocast_enabled("cuda"):  # the GEMM's inputs in the dtype F.linear would take
+                dt = torch.get_autocast_dtype("cuda")
+                x, bias = x.to(dt), None if self.bias is None else self.bias.to(dt)
+            else:
+                bias = self.bias
+            with torch.autocast("cuda", enabled=False):
+                return _FP8Linear.apply(x, w, bias, stored, spec)
         if x.is_cuda:
             from miles.kernels import lowp
 

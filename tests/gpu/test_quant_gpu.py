@@ -41,3 +41,31 @@ def test_engine_forward_matches_trainer_forward_on_cuda(kind: str) -> None:
         train = F.log_softmax(model(ids).logits.detach(), -1)
     kl = float((engine.exp() * (engine - train)).sum(-1).mean())
     assert kl < 1e-3
+
+
+def test_unified_fp8_trainer_forward_is_the_engines_and_its_gradient_goes_straight_through() -> None:
+    """Under --quantization fp8 on CUDA the trainer's forward with gradients runs the engine's
+    FP8 GEMM: its logits equal the engine's (no-grad) forward bit for bit, where the FP8 GEMM
+    runs (K a multiple of 512 here); the weight and input gradients are those of the
+    fake-quantized linear (straight-through), to bf16 round-off."""
+    from miles.models.quant import fake_quant_act, fake_quant_weight
+
+    torch.manual_seed(0)
+    cfg = tiny_config(hidden_size=512, intermediate_size=1024, head_dim=64, initializer_range=0.02)
+    model = CausalLM(cfg).to("cuda", torch.bfloat16)
+    apply_quantization(model, QuantSpec("fp8", 128, "all-linear"))
+    ids = torch.randint(3, cfg.vocab_size, (2, 32), device="cuda")
+    with torch.no_grad():
+        engine = model(ids).logits
+    train = model(ids).logits
+    assert any(path != "dequantized" for path in lowp.FP8_PATH.values()), lowp.FP8_PATH
+    assert torch.equal(engine, train.detach())
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, 7, layer.in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(3, 7, layer.out_features, device="cuda", dtype=torch.bfloat16)
+    gx, gw = torch.autograd.grad((layer(x) * g).sum(), [x, layer.weight])
+    spec = layer.quant
+    rx, rw = torch.autograd.grad((F.linear(fake_quant_act(x), fake_quant_weight(layer.weight, spec)) * g).sum(),
+                                 [x, layer.weight])
+    for got, ref in ((gx, rx), (gw, rw)):
+        assert float((got.float() - ref.float()).norm() / ref.float().norm()) < 2e-2
