@@ -42,6 +42,7 @@ class TokenBatch:
     loss_mask: Tensor  # [N, R] float32, 0 on padding
     logp_rollout: Tensor  # [N, R] float32, 0 on padding
     versions: Tensor  # [N, R] long
+    kv_versions: Tensor  # [N, R] long: the oldest version in the engine's KV cache per token (Trajectory.kv_versions)
     routing: Tensor | None  # [N, R, L_moe, k] long, replayed expert ids
     seq_lens: list[int]  # host copies for planning, and so a step needs no device reads
     resp_lens: list[int]
@@ -183,6 +184,8 @@ def build_batch(
         loss_mask=mask.to(dev),
         logp_rollout=lp.to(dev),
         versions=_padded([t.versions for t in trajs], resp_lens, R, torch.long).to(dev),
+        kv_versions=_padded([t.kv_versions if len(t.kv_versions) == len(t.versions) else t.versions for t in trajs],
+                            resp_lens, R, torch.long).to(dev),
         routing=routing,
         seq_lens=seq_lens,
         resp_lens=resp_lens,

@@ -361,7 +361,8 @@ class EmbeddedTrainer:
                 loss, metrics = compute_loss(pb, self.algo, trainer_version=self._version, denominators=den)
                 if reference is not None:
                     ref = logp.detach() if isinstance(reference, str) else reference[sel, :R]
-                    metrics.update(rollout_logprob_diff(ref, mb.logp_rollout, mask, mb.versions, trained_version))
+                    metrics.update(rollout_logprob_diff(ref, mb.logp_rollout, mask, mb.versions, trained_version,
+                                                        mb.kv_versions))
                 finite &= torch.isfinite(torch.where(mask > 0, logp.detach(), 0.0)).all() & torch.isfinite(loss)
                 loss.backward()
                 pending.append((metrics, float(sum(mb.loss_tokens))))

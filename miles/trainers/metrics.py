@@ -90,11 +90,20 @@ class TrueOnPolicyError(RuntimeError):
 
 @torch.no_grad()
 def rollout_logprob_diff(logp_train: Tensor, logp_rollout: Tensor, loss_mask: Tensor, versions: Tensor,
-                         trained_version: int | None) -> dict[str, Tensor]:
+                         trained_version: int | None, kv_versions: Tensor | None = None) -> dict[str, Tensor]:
     """|trainer − engine| log-prob over the loss tokens sampled under ``trained_version``
-    (all loss tokens when it is None): ``_max``, ``_mean`` and the compared fraction."""
+    (all loss tokens when it is None): ``_max``, ``_mean`` and the compared fraction.
+
+    With ``kv_versions`` (the oldest version in the engine's KV cache when each token was
+    sampled) a token counts only if its cache held that version alone: a row that kept its
+    cache across a weight update (``keep_kv_cache_on_update``) sampled its later tokens over
+    keys and values of the older weights, a computation the trainer, holding the new weights
+    only, does not repeat. A row aborted and resumed is re-prefilled under the new weights, so
+    its resumed tokens do count."""
     mask = loss_mask > 0
     same = mask if trained_version is None else mask & (versions == trained_version)
+    if trained_version is not None and kv_versions is not None:
+        same = same & (kv_versions == trained_version)
     diff = torch.where(same, (logp_train.detach().float() - logp_rollout.float()).abs(), 0.0)
     n = same.sum()
     zero = torch.zeros((), device=diff.device)

@@ -38,7 +38,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from miles.engines.sampling import _C1, _C2, _GOLDEN, _M64, GREEDY_EPS, _lsr, _signed, _splitmix64, hashed_uniform, truncate
@@ -113,7 +112,9 @@ class RoundParams:
 
 def processed_logprobs(logits: Tensor, rp: RoundParams) -> Tensor:
     """log of the distribution each row samples from: ``logits`` [n, V] or [n, T, V] →
-    log_softmax(truncate(logits / T)) in float32 (greedy rows: log_softmax(logits))."""
+    log_softmax(truncate(logits / T)) in float32 (greedy rows: log_softmax(logits)), taken as
+    ``x - logsumexp(x)``: the plain sampler's and the trainer's form, so that a verified token's
+    log-prob is theirs bit for bit (``--true-on-policy``; ``F.log_softmax`` rounds another way)."""
     shape = logits.shape
     flat = logits.float().reshape(shape[0], -1, shape[-1])
     flat = flat / rp.temperature[:, None, None]
@@ -121,7 +122,7 @@ def processed_logprobs(logits: Tensor, rp: RoundParams) -> Tensor:
         T = flat.shape[1]
         flat = truncate(flat.reshape(-1, shape[-1]), rp.top_k.repeat_interleave(T),
                         rp.top_p.repeat_interleave(T)).reshape(flat.shape)
-    return F.log_softmax(flat, dim=-1).reshape(shape)
+    return (flat - torch.logsumexp(flat, dim=-1, keepdim=True)).reshape(shape)
 
 
 def uniforms(rp: RoundParams, keys: Tensor, V: int, generator: torch.Generator | None) -> Tensor:

@@ -54,6 +54,7 @@ def test_stale_tokens_are_left_out_and_later_mini_batches_use_the_recompute() ->
     for g in (groups[0], groups[2]):
         for t in g:
             t.versions = [1] * len(t.versions)
+            t.kv_versions = list(t.versions)  # sampled over a cache of version 1 alone
     m = tr.train_step(groups)  # micro-batches of 3 rows: other GEMM shapes than set_behaviour's
     assert 0.0 < m["train/rollout_logprob_compared_frac"] < 1.0
     assert m["train/rollout_logprob_abs_diff_max"] < 1e-5
