@@ -197,6 +197,8 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
                f"modes they never wait for the trainer)")
     if cfg.engine.offload_rollout and run.rollout_backend != "embedded":
         yield "--offload-rollout needs --rollout-backend embedded (an SGLang server manages its own memory)"
+    if cfg.engine.offload_rollout and cfg.speculative.enabled:
+        yield "--offload-rollout cannot be combined with speculative decoding yet (drop --speculative-algorithm)"
     spec = getattr(cfg, "speculative", None)
     if spec is not None and spec.draft_model_path and not (Path(spec.draft_model_path) / "config.json").is_file():
         yield f"--draft-model-path {spec.draft_model_path}: no config.json there"

@@ -224,8 +224,11 @@ class EmbeddedEngine:
         """Release the KV cache (and the weights: ``offload.py`` says how) until the next
         weight commit, which re-allocates them; returns the bytes released. Work in flight is
         aborted first (it comes back as partial rollouts) and the engine stays paused until
-        that commit. A quantized or speculative engine releases its KV cache alone."""
-        if self.quant is not None or self.spec is not None:
+        that commit. A quantized engine releases its KV cache alone (its derived buffers
+        stay); a speculative one refuses (its verify graphs and drafter read the cache)."""
+        if self.spec is not None:
+            raise ValueError("offload is not supported with speculative decoding yet")
+        if self.quant is not None:
             weights = "keep"
         await self.abort()
         await self.pause()

@@ -19,7 +19,8 @@ kernel's pointer tables (rebuilt).
   its commit checks that it does, or refuses.
 - ``"host"``: a pinned host copy restores them (LoRA updates carry adapters only, and
   changed-only updates the changed tensors).
-- ``"keep"``: the KV cache alone is released.
+- ``"keep"``: the KV cache alone is released (a quantized engine always: its derived
+  buffers stay). Speculative engines are refused (their verify graphs and drafter read the cache).
 
 Seconds spent releasing and re-allocating are ``mem/offload_rollout_s``; the bytes released
 last time ``mem/offload_rollout_bytes``.
