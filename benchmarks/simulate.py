@@ -64,8 +64,11 @@ freed slots), ending at ``e_i = iΔ + L_i·τ`` (``τ = P·W·c/(B·n·E[L])``, 
 
     S_roll = E[L²]/(2E[L]²) + τ·E[Σ_i L_i (C − e_i)]/(P·n·E[L]) + (T + publish)/(P − stall)
 
-It does not depend on η: the bound only clips it (rows with ``η < S_roll + 1`` are marked,
-where the budget or the mask policy binds).
+It does not depend on η: the bound only clips it. Rows where the mask policy zeroed more than
+1% of the tokens are marked "bound binds": there the bound, not this model, sets the mean.
+The model takes bump instants to see the time-average state; with one worker they do not
+quite (a take happens at a group's completion, which is when that worker's slots renew), and
+the simulated mean comes out about 10% below it.
 
 *Trainer-bound* (``P_train > P_roll``; the budget binds and the trainer takes a batch at
 once after each publish): the B groups admitted at bump ``v`` are taken at version
@@ -74,6 +77,10 @@ sequence saw before producing it; from the cohort's decode timeline (fluid: the 
 count at depth ``j`` is ``c·P(L > j)``)::
 
     S_train = η − Σ_j P(L > j)·k(j) / E[L]
+
+It ignores that ready groups are taken in the order they completed: a long group waits
+behind later short ones, its first tokens pass the bound and the mask policy zeroes them,
+so where many tokens are masked the simulated mean falls below ``S_train``.
 
 Usage notes: ``--workers``/``--eta`` pick the grid; ``--train-tps`` (the trainer's speed)
 moves the saturation point (``--train-tps 3e5`` saturates it at 1,000 workers). Each run
@@ -109,6 +116,7 @@ ADMISSION_COALESCE_S = 0.025  # the driver's admission answers are at least this
 POLL_BUSY_S = 0.05  # a starved worker with sequences in flight looks again after this
 POLL_IDLE_S = 0.02  # ... and an idle one after this
 
+BINDS = 0.01  # a row whose mask policy zeroed more than this share of tokens: the bound sets its staleness
 _FINISH, _CALL, _TRAINED, _PUBLISHED, _APPLIED, _ADMIT = range(6)
 PROMPT = [1] * 64
 
@@ -129,8 +137,8 @@ class SimConfig:
     train_tps: float = 6e5  # trained tokens a second
     publish_s: float = 2.0
     stall_s: float = 0.5
-    steps: int = 12  # measured steps (at least; more for small batches, see min_samples)
-    warmup: int = 10
+    steps: int = 6  # measured steps (at least; more for small batches, see min_samples)
+    warmup: int = 8
     min_samples: int = 4_000  # measured trained samples, at least
     seed: int = 0
 
@@ -141,6 +149,14 @@ class SimConfig:
     @property
     def mode(self) -> str:
         return "sync" if self.eta == 0 else "async"
+
+    @property
+    def warmup_steps(self) -> int:
+        """Warm-up before measuring: a trainer-bound run fills its ready queue up to the
+        budget, η more steps, before it is in steady state."""
+        p_roll, p_train, _ = periods(self)
+        trainer_bound = self.eta > 0 and p_train > p_roll
+        return self.warmup + (self.eta if trainer_bound else 0)
 
     @property
     def measured_steps(self) -> int:
@@ -219,6 +235,7 @@ class Simulation:
 
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
+        self.warm = cfg.warmup_steps
         c, B, n = cfg.slots, cfg.batch, cfg.n
         cap = (cfg.eta + 3) * B * n + cfg.workers * c
         self.buf = ReplayBuffer(
@@ -418,7 +435,7 @@ class Simulation:
             return
         self.trainer_waiting = False
         tokens = 0
-        measured = self.steps_done >= cfg.warmup
+        measured = self.steps_done >= self.warm
         for group in groups:
             gid = group[0].group_id
             if gid in self.trained_ids:
@@ -463,7 +480,7 @@ class Simulation:
     def published(self) -> None:
         cfg = self.cfg
         until = self.now + cfg.stall_s
-        measured = self.steps_done >= cfg.warmup
+        measured = self.steps_done >= self.warm
         untaken = self.held_tokens
         for w in self.workers:  # each engine commits the new weights: a decode pause
             self.advance(w)
@@ -491,7 +508,7 @@ class Simulation:
     def applied(self) -> None:
         self.timed("on_version", self.sched.on_version, self.version)
         self.steps_done += 1
-        if self.steps_done == self.cfg.warmup:
+        if self.steps_done == self.warm:
             self.mark_window()
         self.request_admission(immediate=True)
         self.take()
@@ -506,7 +523,7 @@ class Simulation:
     def run(self) -> Result:
         cfg = self.cfg
         wall = time.perf_counter()
-        end_step = cfg.warmup + cfg.measured_steps
+        end_step = self.warm + cfg.measured_steps
         self.admit()
         for w in self.workers:
             self.request_call(w)
@@ -590,9 +607,7 @@ def model(cfg: SimConfig) -> dict[str, float]:
     mean, m2 = float(pmf @ L), float(pmf @ L ** 2)
     B, n, c, W = cfg.batch, cfg.n, cfg.slots, cfg.workers
     K = B * n * mean
-    train_s = cfg.train_base_s + K / cfg.train_tps
-    p_train = train_s + cfg.publish_s
-    p_roll = B * n * mean * cfg.decode_s(c) / (W * c) + cfg.stall_s
+    p_roll, p_train, train_s = periods(cfg)
     out = {"P_roll": p_roll, "P_train": p_train, "T": train_s}
     if cfg.eta == 0:
         out.update(regime=0.0, S=0.0, P=math.nan)
@@ -609,6 +624,15 @@ def model(cfg: SimConfig) -> dict[str, float]:
         P = p_train
         out.update(regime=2.0, S=cfg.eta - _updates_seen(cfg, values, pmf, P), P=P)
     return out
+
+
+def periods(cfg: SimConfig) -> tuple[float, float, float]:
+    """(rollout-bound step time, trainer-bound step time, train seconds a step)."""
+    values, pmf = cfg.lengths()
+    K = cfg.batch * cfg.n * float(pmf @ values)
+    train_s = cfg.train_base_s + K / cfg.train_tps
+    p_roll = K * cfg.decode_s(cfg.slots) / (cfg.workers * cfg.slots) + cfg.stall_s
+    return p_roll, train_s + cfg.publish_s, train_s
 
 
 def _sibling_wait(values: np.ndarray, pmf: np.ndarray, n: int, tau: float, delta: float) -> float:
@@ -677,7 +701,7 @@ def table(results: list[Result]) -> list[str]:
             stale = f"{r.staleness_mean:.3f} (0, sync)"
         else:
             err = (r.staleness_mean - m["S"]) / m["S"] * 100 if m["S"] else math.nan
-            binds = " bound binds" if m["regime"] == 1.0 and cfg.eta < m["S"] + 1 else ""
+            binds = " bound binds" if r.masked_frac > BINDS else ""
             stale = f"{r.staleness_mean:.3f} ({m['S']:.3f} {regime}, {err:+.1f}%{binds})"
         lines.append(
             f"| {cfg.workers} | {cfg.eta} | {cfg.batch}×{cfg.n} | {r.samples_per_s:.2f} | {r.tokens_per_s:,.0f} | "
@@ -699,11 +723,16 @@ def verdicts(results: list[Result]) -> list[str]:
                    f"simulated step time (goal < 1%: {'met' if worst < 0.01 else 'NOT met'}; CPU time "
                    f"{worst_cpu:.3%}); {max(r.per_traj_us for r in big):.1f} µs wall "
                    f"({max(r.per_traj_cpu_us for r in big):.1f} µs CPU) a trajectory at most")
-    checked = [r for r in results if r.cfg.eta > 0 and not (r.model["regime"] == 1.0 and r.cfg.eta < r.model["S"] + 1)]
+    checked = [r for r in results if r.cfg.eta > 0 and r.masked_frac <= BINDS]
     if checked:
-        errs = [abs(r.staleness_mean - r.model["S"]) / r.model["S"] for r in checked]
+        errs = {(r.cfg.workers, r.cfg.eta): abs(r.staleness_mean - r.model["S"]) / r.model["S"] for r in checked}
+        worst = max(errs, key=errs.get)
         out.append(f"- mean staleness vs the closed-form model, {len(checked)} async rows where the bound does not "
-                   f"bind: worst error {max(errs):.1%} (goal ≤ 10%: {'met' if max(errs) <= 0.10 else 'NOT met'})")
+                   f"bind (≤ {BINDS:.0%} of tokens masked): worst error {errs[worst]:.1%} at W={worst[0]}, "
+                   f"η={worst[1]} (goal ≤ 10%: {'met' if errs[worst] <= 0.10 else 'NOT met'})")
+        for floor in sorted({w for w, _ in errs}):
+            sub = [e for (w, _), e in errs.items() if w >= floor]
+            out.append(f"  - rows with W ≥ {floor}: worst {max(sub):.1%}")
     for eta in sorted({r.cfg.eta for r in results}):
         rows = sorted((r for r in results if r.cfg.eta == eta), key=lambda r: r.cfg.workers)
         if len(rows) > 1 and rows[0].cfg.workers == 1:
@@ -739,7 +768,7 @@ def main() -> None:
              f"{c.len_unit}·k, k ≤ {c.len_buckets}, a = {c.zipf_a} (mean {pmf @ values:.0f}, max {values[-1]}); "
              f"decode d(b) = {c.decode_base_s * 1e3:g} ms + {c.decode_per_seq_s * 1e3:g} ms·b; train "
              f"{c.train_base_s:g} s + tokens / {c.train_tps:,.0f}/s; publish {c.publish_s:g} s; stall {c.stall_s:g} s; "
-             f"{c.warmup} warm-up steps, then ≥ {c.steps} measured (≥ {c.min_samples:,} samples); seed {args.seed}. "
+             f"{c.warmup} warm-up steps (+η when trainer-bound), then ≥ {c.steps} measured (≥ {c.min_samples:,} samples); seed {args.seed}. "
              f"η = 0 runs mode sync; the others async with in-flight updates and the mask policy. Model column: "
              f"'roll' = rollout-bound formula, 'train' = trainer-bound formula (module docstring).")
     lines = table(results) + [""] + verdicts(results)

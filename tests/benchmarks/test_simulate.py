@@ -28,7 +28,7 @@ def test_ledger_exact_and_bound_held_across_modes() -> None:
             assert r.ledger_ok, (workers, eta)
             assert r.duplicates == 0
             assert r.bound_held and r.staleness_max <= eta, (workers, eta, r.staleness_hist)
-            assert r.trained_groups >= (r.cfg.warmup + r.cfg.measured_steps) * r.cfg.batch
+            assert r.trained_groups >= (r.cfg.warmup_steps + r.cfg.measured_steps) * r.cfg.batch
             assert r.admitted_groups >= r.trained_groups
             assert sum(r.staleness_hist.values()) > 0
     assert _run(2, 0).staleness_hist.keys() == {0}  # sync: every trained token on-policy
