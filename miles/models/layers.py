@@ -198,9 +198,9 @@ def build_mask(attention_mask: Tensor | None, segment_ids: Tensor | None, T: int
     return mask | torch.eye(T, dtype=torch.bool, device=device)[None, None]
 
 
-@torch.compiler.disable
 def _attend(attn: "Attention", backend: AttentionBackend, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """The attention call, kept out of a compiled layer's graph (the trainer's --compile):
+    """The attention call, kept out of a compiled layer's graph (the trainer's --compile; see
+    ``attention_out_of_graphs``):
     inductor's backward of SDPA with dynamic shapes asserts on the saved inputs' strides
     (torch 2.13, CPU), and the fusions worth having (norms, RoPE, SwiGLU, residuals) sit
     around it. It reads ``layer_idx`` itself: read in the compiled forward, the int is a
@@ -208,6 +208,18 @@ def _attend(attn: "Attention", backend: AttentionBackend, q: Tensor, k: Tensor, 
     q, k, v come token-major, [B, T, heads, D], and are transposed here, outside the compiled
     graph (see ``rope_qk_tokens``). Eager callers pay one Python call for the wrapper."""
     return backend(attn.layer_idx, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+
+
+def attention_out_of_graphs() -> None:
+    """Make ``_attend`` a ``torch.compiler.disable`` function, before a layer is compiled.
+    Why not a decorator: ``torch.compiler.disable`` imports dynamo, which doubles torch's
+    import time in every process that imports the models (each rollout worker, the buffer,
+    the broadcaster), most of which never compile. The layers look ``_attend`` up at call
+    time, so the rebinding reaches every layer built before or after it."""
+    global _attend
+    if not getattr(_attend, "_miles_disabled", False):
+        _attend = torch.compiler.disable(_attend)
+        _attend._miles_disabled = True  # type: ignore[attr-defined]
 
 
 class Attention(nn.Module):

@@ -42,6 +42,9 @@ def compile_layers(model: nn.Module) -> None:
     Dynamo's default of 8 graphs per function is close to what the warm-up builds (7 for
     the attention block on the CPU: grad modes × size regimes × one row). Past that limit,
     new shapes run eager for the rest of the process, so the limit is raised."""
+    from miles.models.layers import attention_out_of_graphs
+
+    attention_out_of_graphs()
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     for layer in model.model.layers:
