@@ -47,7 +47,7 @@ for part in "$@"; do
         engine)   timeout 300 python3 benchmarks/engine.py --device cuda --preset 0.5b ;;
         mlp)      timeout 280 python3 benchmarks/decode_mlp.py --batch 8 16 32 64 128 256 ;;
         attention) # the decode attention, each call on its own cache: the engine's cache (one chunk a
-                  # row) and one over 1024 positions, where rows merge (kernel or in-kernel merge)
+                  # row) and one over 1024 positions, where rows merge (the merge kernel)
                   timeout 150 python3 benchmarks/decode_attention.py --quick --rope --batch 64 256 --lengths uniform spread \
                       --caches bf16 fp8_e4m3 &&
                   timeout 150 python3 benchmarks/decode_attention.py --quick --rope --batch 64 256 --lengths uniform spread \
