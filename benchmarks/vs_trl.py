@@ -252,7 +252,18 @@ def clock(config: str, run_dir: Path, eval_every: int) -> dict[str, Any]:
     startup = rows[0]["wall_time"] - rows[0]["train_time"]
     return {"startup_s": startup, "excluded_s": excluded, "time": t, "completions": comp, "tokens": tok,
             "step_s_median": statistics.median(r["perf/step_s"] for r in rows[1:] or rows),
-            "startup": summary.get("startup", {})}
+            "startup": summary.get("startup", {}), "step_parts": step_parts(rows)}
+
+
+def step_parts(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Where a miles step's time goes (medians over steps 2..): waiting for a batch, the
+    trainer call (its own step inside), and the rest (version bump, publish, stats, log)."""
+    rows = rows[1:] or rows
+    med = lambda f: statistics.median(f(r) for r in rows)  # noqa: E731
+    return {"step_s": med(lambda r: r["perf/step_s"]), "wait_for_data_s": med(lambda r: r["perf/wait_for_data_s"]),
+            "trainer_call_s": med(lambda r: r["perf/train_s"]), "trainer_step_s": med(lambda r: r["train/step_time_s"]),
+            "publish_and_rest_s": med(lambda r: r["perf/step_s"] - r["perf/wait_for_data_s"] - r["perf/train_s"]),
+            "weights_delivery_s": med(lambda r: r.get("weights/delivery_s_mean", 0.0))}
 
 
 # ---- evaluation --------------------------------------------------------------------------
@@ -339,7 +350,8 @@ def summarize(args: argparse.Namespace, inputs: dict[str, Path], runs: list[tupl
             "excluded_save_s": c["excluded_s"], "step_s_median": c["step_s_median"],
             "completions_per_s": c["completions"][last] / t_end, "tokens_per_s": c["tokens"][last] / t_end,
             "time_to_threshold_s": time_to(curve, threshold), "final_reward": rewards[max(rewards)],
-            "curve": curve, "startup": c.get("startup", {}),
+            "curve": curve, "startup": c.get("startup", {}), "step_parts": c.get("step_parts", {}),
+            "process_s": float((run_dir / "process_s.txt").read_text()),
         })
     per_config: dict[str, dict[str, Any]] = {}
     for config in CONFIGS:
@@ -385,9 +397,14 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], per: dict[st
               f"- completions/s, miles async / TRL: {ratio(g['async'].get('completions_per_s'), g['trl'].get('completions_per_s'))} (goal ≥ 3×)",
               f"- completions/s, miles sync / TRL: {ratio(g['sync'].get('completions_per_s'), g['trl'].get('completions_per_s'))}",
               f"- final reward, async − sync: {g['async'].get('final_reward', float('nan')) - g['sync'].get('final_reward', float('nan')):+.4f} (goal ≥ 0)"]
+    lines.append("")
     for r in results:
+        lines.append(f"- {LABELS[r['config']]} seed {r['seed']}: process {r['process_s']:.1f} s = start-up "
+                     f"{r['startup_s']:.1f} + training {r['train_s']:.1f} + the rest (imports before the clock, shutdown)")
         if r["startup"]:
-            lines.append(f"- miles start-up, {r['config']} seed {r['seed']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["startup"].items()))
+            lines.append("  - start-up: " + ", ".join(f"{k} {v:.2f}" for k, v in r["startup"].items()))
+        if r["step_parts"]:
+            lines.append("  - a step (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["step_parts"].items()))
     return "\n".join(lines)
 
 

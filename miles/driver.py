@@ -40,7 +40,7 @@ from miles.config import MilesConfig
 from miles.data import PromptDataset
 from miles.outputs import RunOutputs, batch_metrics, load_debug_batches
 from miles.scheduler import Scheduler
-from miles.utils.proc import rss_mb
+from miles.utils.proc import process_start_monotonic, rss_mb
 
 
 # A replacement rollout worker's construction (engine build, checkpoint load, a gloo or NCCL
@@ -66,7 +66,10 @@ class Driver:
         self.dataset = dataset
         self.eval_data = eval_data
         self.out = RunOutputs(cfg)
+        ray_actors.init_ray(cfg)  # launch() joins it; timed apart: the share of start-up Ray takes
+        self._ray_init_s = time.monotonic() - self._born
         self.actors = ray_actors.launch(cfg)
+        self._launch_s = time.monotonic() - self._born - self._ray_init_s
         self.scheduler = Scheduler(cfg.scheduler)
         self.ckpt = CheckpointManager(cfg.run.save, keep=cfg.run.keep_checkpoints) if cfg.run.save else None
         self.stop = asyncio.Event()
@@ -323,6 +326,8 @@ class Driver:
                 raise RunFailed(f"{name} failed to start: {_root_cause(exc)}") from None
         workers = [p.get("rollout/init_s", 0.0) for name, p in pongs.items() if name != "PolicyTrainer"]
         self.startup = {"startup_s": time.monotonic() - self._born,  # launch to every actor built
+                        "process_to_driver_s": self._born - process_start_monotonic(),  # imports, data
+                        "ray_init_s": self._ray_init_s, "actor_submit_s": self._launch_s,
                         "trainer_init_s": pongs["PolicyTrainer"].get("perf/trainer_init_s", 0.0),
                         "worker_init_s_max": max(workers, default=0.0)}
         if self.eval_data is not None and self.cfg.run.eval_interval and self.step == 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 
 def rss_mb() -> float:
@@ -13,3 +14,15 @@ def rss_mb() -> float:
     except (OSError, ValueError, IndexError):
         return 0.0
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def process_start_monotonic() -> float:
+    """This process's start on the ``time.monotonic()`` clock (Linux /proc: its start in
+    clock ticks since boot; CLOCK_MONOTONIC counts from boot too), so start-up reports can
+    include interpreter start and imports; ``time.monotonic()`` where unavailable."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic()
