@@ -1,5 +1,8 @@
 """Policy trainers (``miles.protocols.TrainerBackend``).
 
+- ``step``: ``RLStep``, the train step both trainers share (reference log-probs, advantages,
+  proximal recompute, mini-batches, loss, metrics), with hooks for a backend's forward /
+  backward and optimizer step.
 - ``embedded``: ``EmbeddedTrainer`` — pure PyTorch on CPU or GPU (FSDP2 across GPUs).
 - ``config``: ``TrainerConfig`` (optimizer, LR schedule, batching, precision flags).
 - ``batching``: trajectories → padded token tensors; micro-batch planning.
@@ -8,10 +11,11 @@
 - ``metrics``: folds micro-batch metrics into one dict per step.
 - ``fsdp``: the FSDP2 wrapping (tested on two CPU ranks over gloo; not yet on GPUs).
 
-A Megatron-core trainer for large MoE models lives beside it (``megatron*``) when present.
+A Megatron-core trainer for large MoE models (``megatron/``) is the other ``RLStep`` backend.
 """
 
 from miles.trainers.config import TrainerConfig, TrainerConfigError, lr_at
-from miles.trainers.embedded import EmbeddedTrainer, NonFiniteError
+from miles.trainers.embedded import EmbeddedTrainer
+from miles.trainers.step import NonFiniteError, RLStep
 
-__all__ = ["EmbeddedTrainer", "NonFiniteError", "TrainerConfig", "TrainerConfigError", "lr_at"]
+__all__ = ["EmbeddedTrainer", "NonFiniteError", "RLStep", "TrainerConfig", "TrainerConfigError", "lr_at"]

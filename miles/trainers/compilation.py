@@ -90,7 +90,7 @@ def warm_up(trainer: EmbeddedTrainer) -> None:
                 t.routed_experts = [[[(j + e) % experts for e in range(k)] for _ in cfg.moe_layers]
                                     for j in range(n)]
             trajs.append(t)
-        batch = trainer._build(trajs, check_versions=False)
+        batch = trainer._batch(trajs, check_versions=False)
         trainer._no_grad_logprobs(trainer.model, batch)
         for plan in batch.plan(range(batch.size), trainer.config):
             logp, entropy = trainer._forward(trainer.model, batch.select(plan), trainer._entropy_mode())

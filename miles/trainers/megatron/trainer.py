@@ -1,14 +1,15 @@
 """MegatronTrainer: the policy trainer (``TrainerBackend``) on megatron-core, for TP / PP / EP /
 CP / DP layouts of Qwen3 and Qwen3-MoE models.
 
-It keeps the embedded trainer's contract and arithmetic (``miles.trainers.embedded``): the
-same batching (``batching.build_batch``, ``plan_micro_batches``), advantages
-(``compute_advantages``), log-probs (logits / rollout_temperature; ``linear_logprobs`` when the
-vocab is not split), loss (``compute_loss`` with mini-batch denominators), non-finite step
-skipping, LR schedule (``lr_at``) and metric names. Megatron supplies the model
-(``model.build_gpt``), ``DistributedDataParallel``, its optimizer (AdamW; fp32 master weights
-under bf16, global grad-norm clipping) and the micro-batch schedule
-(``get_forward_backward_func``: 1F1B across pipeline stages).
+The RL step is the embedded trainer's, ``miles.trainers.step.RLStep``: the same batching
+(``batching.build_batch``, ``plan_micro_batches``), advantages, reference and proximal
+log-probs, mini-batches, loss (``compute_loss`` with mini-batch denominators), non-finite
+step skipping, LR schedule (``lr_at``) and metrics. This class is its backend: log-probs from
+Megatron's hidden states (logits / rollout_temperature; ``linear_logprobs`` when the vocab is
+not split), and from Megatron the model (``model.build_gpt``), ``DistributedDataParallel``,
+its optimizer (AdamW; fp32 master weights under bf16, global grad-norm clipping) and the
+micro-batch schedule (``get_forward_backward_func``: 1F1B across pipeline stages). It has no
+out-of-memory retry: one rank's retry would leave the others waiting in a collective.
 
 Every rank runs every method (SPMD): each gets the same groups, and data-parallel rank d trains
 rows d, d + dp, ... of each mini-batch sorted by length. The loss of a micro-batch is
@@ -24,9 +25,7 @@ CUDA only: megatron-core's forward places tensors on the current CUDA device.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles.algorithms import AlgorithmConfig, LossDenominators, PolicyBatch, compute_advantages, compute_loss
-from miles.algorithms.losses import kl_estimate
+from miles.algorithms import AlgorithmConfig
 from miles.models import ModelConfig, load_config
-from miles.trainers.batching import TokenBatch, build_batch, rewards_of, trajectories_of
+from miles.trainers.batching import TokenBatch, build_batch
 from miles.trainers.config import TrainerConfig, lr_at
-from miles.trainers.embedded import NonFiniteError
 from miles.trainers.megatron import state as ckpt
 from miles.trainers.megatron.config import MegatronConfig, MegatronConfigError
 from miles.trainers.megatron.distributed import Layout, groups, init_parallel
@@ -55,12 +52,11 @@ from miles.trainers.megatron.model import (
 from miles.trainers.megatron.replay import RoutingReplay
 from miles.trainers.megatron.sequence import MicroBatch, make_micro_batch, replay_targets, response_logprobs
 from miles.trainers.megatron.weights import HFReader, export_hf, load_hf, mapping_getter
-from miles.trainers.metrics import MetricAccumulator, batch_metrics
-from miles.types import Trajectory
+from miles.trainers.step import LOSS_SUMS, MicroLoss, RLStep
 from miles.transports.weights import plan_buckets
+from miles.types import Trajectory
 
 Weights = str | Path | Mapping[str, Tensor] | None
-LOSS_SUMS = ("train/loss", "train/pg_loss")
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -69,20 +65,7 @@ def _dtype(name: str) -> torch.dtype:
     return {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-@dataclass
-class _StepContext:
-    """What the loss function of one optimizer step needs beyond the micro-batch."""
-
-    advantages: Tensor
-    logp_prox: Tensor | None
-    logp_ref: Tensor | None
-    den: LossDenominators
-    acc: MetricAccumulator
-    finite: bool = True
-    tokens: float = 0.0  # loss tokens this rank trained on (weights the data-parallel metric mean)
-
-
-class MegatronTrainer:
+class MegatronTrainer(RLStep):
     """Trains a Megatron ``GPTModel`` built from an HF config with ``miles.algorithms``."""
 
     def __init__(self, model: ModelConfig, *, config: TrainerConfig, algo: AlgorithmConfig,
@@ -103,7 +86,8 @@ class MegatronTrainer:
         if self.replay_on and recompute and self.mcfg.pipeline_model_parallel_size > 1:
             raise MegatronConfigError("pipeline_model_parallel_size", "routing replay with activation "
                                       "recomputation is not supported across pipeline stages")
-        self.model_cfg, self.config, self.algo = model, config, algo
+        super().__init__(config=config, algo=algo, version=version)
+        self.model_cfg = model
         self.dtype = _dtype(config.dtype)
         self.layout: Layout = init_parallel(self.mcfg, device=config.device, seed=config.seed)
         self.grp = groups() if dist.get_world_size() > 1 else {}
@@ -119,9 +103,6 @@ class MegatronTrainer:
         if needs_ref:
             self.ref = self._build(weights, gradient_checkpointing=False).requires_grad_(False)
             self.ref_replay = RoutingReplay(self.ref, model.moe_layers) if self.replay_on else None
-        self._version = version
-        self.optimizer_steps = self.consecutive_nonfinite = self.skipped_steps_total = 0
-        self._shuffle = torch.Generator().manual_seed(config.seed)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs: Any) -> MegatronTrainer:
@@ -162,52 +143,7 @@ class MegatronTrainer:
             use_distributed_optimizer=m.use_distributed_optimizer)
         return ddp, get_megatron_optimizer(opt_cfg, [ddp])
 
-    # ---- TrainerBackend ---------------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def train_step(self, groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
-        start = time.perf_counter()
-        trajs, group_index = trajectories_of(groups)
-        rewards = rewards_of(trajs, self.config.reward_key)
-        batch = self._batch(trajs)  # validates everything before any state changes
-        trained_version = self._version
-        rewards = rewards.to(self.device)
-        acc = MetricAccumulator()
-        logp_ref = self._no_grad_logprobs(self.ref, self.ref_replay, batch) if self.ref is not None else None
-        advantages = self._advantages(batch, rewards, group_index, logp_ref)
-        logp_prox = None
-        if self.algo.prox_logp == "recompute" and self.config.num_steps_per_rollout > 1:
-            logp_prox = self._no_grad_logprobs(self.ddp, self.replay, batch)
-        order = torch.randperm(batch.size, generator=self._shuffle).tolist()
-        steps = self.config.num_steps_per_rollout
-        skipped, local_tokens = 0, 0.0
-        for rows in (order[i::steps] for i in range(steps)):
-            if rows:
-                ctx = _StepContext(advantages, logp_prox, logp_ref, batch.denominators(rows), acc)
-                skipped += not self._optimizer_step(batch, rows, ctx)
-                local_tokens += ctx.tokens
-        self._version += 1
-        metrics = self._gather_metrics(acc, local_tokens)
-        metrics.update(batch_metrics(batch, rewards, trained_version, time.perf_counter() - start))
-        metrics.update({
-            "train/skipped_steps": float(skipped),
-            "train/skipped_steps_total": float(self.skipped_steps_total),
-            "train/optimizer_steps": float(self.optimizer_steps),
-            "train/lr": lr_at(max(self.optimizer_steps - 1, 0), self.config),
-            "train/version": float(self._version),
-        })
-        return metrics
-
-    def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
-        """Log-probs of every response token under the current weights (no gradient)."""
-        if not trajectories:
-            return []
-        batch = self._batch(list(trajectories), check_versions=False)
-        logp = self._no_grad_logprobs(self.ddp, self.replay, batch).cpu()
-        return [logp[i, :n].tolist() for i, n in enumerate(batch.resp_lens)]
-
+    # ---- TrainerBackend (train_step, compute_logprobs and version: RLStep) -----------------
     def export_weights(self, bucket_bytes: int, *,
                        dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
         """Full HF-named tensors in buckets of at most ``bucket_bytes`` (a larger tensor is a
@@ -223,14 +159,63 @@ class MegatronTrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         ckpt.load_trainer_state(self, state)
 
-    # ---- batches ----------------------------------------------------------------------------
+    # ---- RLStep hooks -----------------------------------------------------------------------
     def _batch(self, trajs: list[Trajectory], *, check_versions: bool = True) -> TokenBatch:
         cfg = self.model_cfg
         return build_batch(trajs, device=self.device, vocab_size=cfg.vocab_size,
                            routing_shape=(len(cfg.moe_layers), cfg.num_experts_per_tok) if self.replay_on else None,
                            current_version=self._version if check_versions else None)
 
-    def _micro_batches(self, batch: TokenBatch, rows: Sequence[int], *, need_loss: bool) -> list[MicroBatch]:
+    def _logprobs(self, batch: TokenBatch, *, reference: bool = False) -> Tensor | None:
+        if reference:
+            return self._no_grad_logprobs(self.ref, self.ref_replay, batch) if self.ref is not None else None
+        return self._no_grad_logprobs(self.ddp, self.replay, batch)
+
+    def _zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def _forward_backward(self, batch: TokenBatch, rows: list[int], loss: MicroLoss, limits: TrainerConfig) -> None:
+        """This rank's micro-batches of ``rows`` through Megatron's schedule; ``loss`` runs on
+        the last pipeline stage."""
+        entropy_mode = self._entropy_mode()
+
+        def train_loss(mb: MicroBatch, gpt: Any, hidden: Tensor) -> tuple[Tensor, Tensor, dict]:
+            logp, entropy = self._mb_logprobs(mb, gpt, hidden, entropy_mode)
+            num_tokens = mb.tb.loss_mask.sum().to(torch.int)
+            return loss(mb.tb, mb.rows, logp, entropy, weight=mb.weight), num_tokens, {}
+
+        self._run(self.ddp, self.replay, self._micro_batches(batch, rows, limits, need_loss=True), train_loss,
+                  forward_only=False)
+
+    def _optimizer_step(self, finite: Tensor, lr: float) -> tuple[bool, float | None]:
+        """Skipped (on every rank alike) unless the loss and every reduced gradient are finite."""
+        if not self._all_finite(finite):
+            self._zero_grad()
+            return False, None
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.config.weight_decay * group.get("wd_mult", 1.0)
+        _, grad_norm, _ = self.optimizer.step()
+        return True, None if grad_norm is None else float(grad_norm)
+
+    def _reduce_metrics(self, metrics: dict[str, float], tokens: float) -> dict[str, float]:
+        """Combined over data-parallel ranks (loss parts summed, maxima maxed, the rest weighted
+        by each rank's loss tokens), sent from the last stage to all."""
+        if self.layout.dp > 1:
+            parts: list[Any] = [None] * self.layout.dp
+            dist.all_gather_object(parts, (metrics, tokens), group=self.grp["dp"])
+            metrics = _combine(parts)
+        if self.layout.pp > 1:
+            box = [metrics]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.grp["pp"], self.layout.pp - 1),
+                                       group=self.grp["pp"])
+            metrics = box[0]
+        return metrics
+
+    # ---- micro-batches, forward / backward ----------------------------------------------------
+    def _micro_batches(self, batch: TokenBatch, rows: Sequence[int], limits: TrainerConfig, *,
+                       need_loss: bool) -> list[MicroBatch]:
         """This data-parallel rank's share of ``rows``, planned into micro-batches, padded with
         zero-weight placeholders to the largest count over data-parallel ranks: expert-parallel
         all-to-alls are collective per forward, so every rank must run as many micro-batches
@@ -239,7 +224,7 @@ class MegatronTrainer:
         mine = by_length[self.layout.dp_rank::self.layout.dp]
         if need_loss:
             mine = [r for r in mine if batch.loss_tokens[r]]
-        plan = batch.plan(mine, self.config)
+        plan = batch.plan(mine, limits)
         count = max(len(plan), 1)
         if self.layout.dp > 1:
             n = torch.tensor(count, device=self.device)
@@ -251,22 +236,6 @@ class MegatronTrainer:
                 for _ in range(count - len(plan))]
         return mbs
 
-    def _advantages(self, batch: TokenBatch, rewards: Tensor, group_index: list[int],
-                    logp_ref: Tensor | None) -> Tensor:
-        """[N, R] advantages, 0 off the loss mask (as the embedded trainer)."""
-        kl = None
-        if self.algo.reward_kl_coef > 0 and logp_ref is not None:
-            kl = kl_estimate(batch.logp_rollout, logp_ref, self.algo.kl_type)
-        adv = compute_advantages(
-            self.algo.advantage_estimator, rewards, torch.tensor(group_index, device=self.device),
-            loss_mask=batch.loss_mask, kl=kl, kl_coef=self.algo.reward_kl_coef, gamma=self.algo.gamma,
-            lam=self.algo.lam, std_eps=self.algo.grpo_std_eps, std_level=self.algo.grpo_std_level,
-            std_unbiased=self.algo.grpo_std_unbiased)
-        if adv.ndim == 1:
-            adv = adv[:, None].expand_as(batch.loss_mask)
-        return adv * batch.loss_mask
-
-    # ---- forward / backward -----------------------------------------------------------------
     def _run(self, model: Any, replay: RoutingReplay | None, mbs: list[MicroBatch],
              loss_fn: Callable[[MicroBatch, Any, Tensor], tuple[Tensor, Tensor, dict]], forward_only: bool) -> None:
         """One pass of Megatron's schedule over ``mbs``; ``loss_fn`` runs on the last stage."""
@@ -290,7 +259,7 @@ class MegatronTrainer:
             if replay is not None:
                 replay.clear()
 
-    def _logprobs(self, mb: MicroBatch, gpt: Any, hidden: Tensor, entropy: str) -> tuple[Tensor, Tensor | None]:
+    def _mb_logprobs(self, mb: MicroBatch, gpt: Any, hidden: Tensor, entropy: str) -> tuple[Tensor, Tensor | None]:
         return response_logprobs(hidden, output_weight(gpt), mb, temperature=self.config.rollout_temperature,
                                  vocab_size=self.model_cfg.vocab_size, layout=self.layout, grp=self.grp,
                                  entropy=entropy)
@@ -302,101 +271,29 @@ class MegatronTrainer:
         out = torch.zeros_like(batch.logp_rollout)
 
         def collect(mb: MicroBatch, gpt: Any, hidden: Tensor) -> tuple[Tensor, Tensor, dict]:
-            logp, _ = self._logprobs(mb, gpt, hidden, "none")
+            logp, _ = self._mb_logprobs(mb, gpt, hidden, "none")
             if mb.weight:
                 out[torch.as_tensor(mb.rows, device=self.device), : logp.shape[1]] = logp
             return torch.zeros((), device=self.device), torch.ones((), dtype=torch.int, device=self.device), {}
 
-        self._run(model, replay, self._micro_batches(batch, range(batch.size), need_loss=False), collect,
-                  forward_only=True)
+        mbs = self._micro_batches(batch, range(batch.size), self.config, need_loss=False)
+        self._run(model, replay, mbs, collect, forward_only=True)
         if self.layout.dp > 1:
             dist.all_reduce(out, group=self.grp["dp"])
         if self.layout.pp > 1:
             dist.broadcast(out, src=dist.get_global_rank(self.grp["pp"], self.layout.pp - 1), group=self.grp["pp"])
         return out
 
-    def _train_loss(self, ctx: _StepContext, mb: MicroBatch, gpt: Any, hidden: Tensor) -> tuple[Tensor, Tensor, dict]:
-        entropy_mode = "grad" if self.algo.entropy_coef > 0 else "metric"
-        logp, entropy = self._logprobs(mb, gpt, hidden, entropy_mode)
-        tb = mb.tb
-        mask = tb.loss_mask
-        num_tokens = mask.sum().to(torch.int)
-        if not bool(torch.isfinite(logp[mask > 0]).all()):
-            ctx.finite = False  # the step is skipped; keep the schedule going with a zero loss
-            return logp.nan_to_num(0.0).sum() * 0.0, num_tokens, {}
-        R = logp.shape[1]
-        sel = torch.as_tensor(mb.rows, device=self.device)
-        pb = PolicyBatch(
-            logp=logp, logp_rollout=tb.logp_rollout, advantages=ctx.advantages[sel, :R], loss_mask=mask,
-            logp_prox=logp.detach() if ctx.logp_prox is None else ctx.logp_prox[sel, :R],
-            versions=tb.versions, entropy=entropy,
-            logp_ref=None if ctx.logp_ref is None else ctx.logp_ref[sel, :R])
-        loss, metrics = compute_loss(pb, self.algo, trainer_version=self._version, denominators=ctx.den)
-        if mb.weight:
-            ctx.tokens += float(mask.sum())
-            ctx.acc.add(metrics, weight=float(mask.sum()), sums=LOSS_SUMS)
-        return loss * mb.weight, num_tokens, {}
-
-    def _optimizer_step(self, batch: TokenBatch, rows: list[int], ctx: _StepContext) -> bool:
-        """Forward/backward over this rank's micro-batches of ``rows``, then one optimizer step.
-        Returns False if the step was skipped as non-finite (decided on every rank alike)."""
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        self._run(self.ddp, self.replay, self._micro_batches(batch, rows, need_loss=True),
-                  functools.partial(self._train_loss, ctx), forward_only=False)
-        ctx.acc.end_group()
-        if not self._all_finite(ctx.finite):
-            self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            return self._nonfinite()
-        lr = lr_at(self.optimizer_steps, self.config)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_mult", 1.0)
-            group["weight_decay"] = self.config.weight_decay * group.get("wd_mult", 1.0)
-        _, grad_norm, _ = self.optimizer.step()
-        self.optimizer_steps += 1
-        self.consecutive_nonfinite = 0
-        if grad_norm is not None:
-            ctx.acc.add({"train/grad_norm": float(grad_norm)}, weight=1.0)
-        return True
-
-    def _all_finite(self, loss_finite: bool) -> bool:
+    def _all_finite(self, loss_finite: Tensor) -> bool:
         """Loss and every (reduced) gradient finite, agreed over all ranks."""
         grads = [p.main_grad for p in self.ddp.module.parameters() if getattr(p, "main_grad", None) is not None]
-        ok = torch.tensor(1.0 if loss_finite else 0.0, device=self.device)
+        ok = loss_finite.float()
         if grads:
             norms = torch.stack(torch._foreach_norm(grads))
             ok = ok * torch.isfinite(norms).all().float()
         if dist.get_world_size() > 1:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(ok.item() > 0)
-
-    def _nonfinite(self) -> bool:
-        self.consecutive_nonfinite += 1
-        self.skipped_steps_total += 1
-        n, limit = self.consecutive_nonfinite, self.config.max_consecutive_nonfinite
-        if not self.config.skip_nonfinite_steps or n >= limit:
-            raise NonFiniteError(
-                f"non-finite loss or gradient in {n} consecutive optimizer step(s) "
-                f"(skip_nonfinite_steps={self.config.skip_nonfinite_steps}, max_consecutive_nonfinite={limit})")
-        return False
-
-    # ---- metrics ----------------------------------------------------------------------------
-    def _gather_metrics(self, acc: MetricAccumulator, weight: float) -> dict[str, float]:
-        """The accumulator's result, combined over data-parallel ranks (loss parts summed,
-        maxima maxed, the rest weighted by this rank's loss tokens ``weight``), sent from the
-        last stage to all."""
-        result = acc.result()
-        if self.layout.dp > 1:
-            parts: list[Any] = [None] * self.layout.dp
-            dist.all_gather_object(parts, (result, weight), group=self.grp["dp"])
-            result = _combine(parts)
-        if self.layout.pp > 1:
-            box = [result]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.grp["pp"], self.layout.pp - 1),
-                                       group=self.grp["pp"])
-            result = box[0]
-        return result
 
 
 def _combine(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:

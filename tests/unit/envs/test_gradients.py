@@ -10,7 +10,7 @@ import copy
 
 import torch
 
-import miles.trainers.embedded as embedded
+import miles.trainers.step as rl_step  # the train step calls compute_loss
 from miles.algorithms import AlgorithmConfig
 from miles.trainers import EmbeddedTrainer, TrainerConfig
 from tests.unit.envs.test_engine_versions import make_model, run_episode
@@ -18,14 +18,14 @@ from tests.unit.envs.test_engine_versions import make_model, run_episode
 
 def _train_with_spy(monkeypatch, groups, model, version):
     captured = []
-    real = embedded.compute_loss
+    real = rl_step.compute_loss
 
     def spy(pb, *args, **kwargs):
         pb.logp.retain_grad()
         captured.append(pb)
         return real(pb, *args, **kwargs)
 
-    monkeypatch.setattr(embedded, "compute_loss", spy)
+    monkeypatch.setattr(rl_step, "compute_loss", spy)
     trainer = EmbeddedTrainer(model, config=TrainerConfig(lr=1e-3), algo=AlgorithmConfig(), version=version)
     metrics = trainer.train_step(groups)
     return trainer, captured, metrics

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-import miles.trainers.embedded as embedded
+import miles.trainers.step as rl_step  # the train step calls compute_loss
 from miles.algorithms import AlgorithmConfig
 from miles.models import token_logprobs
 from miles.protocols import TrainerBackend
@@ -82,14 +82,14 @@ def test_compute_logprobs_matches_model_forward_with_temperature() -> None:
 def test_masked_tokens_get_zero_gradient_through_the_trainer(groups, monkeypatch) -> None:
     groups[0][0] = make_traj("env", 0, [5, 6], [20, 21, 22, 23, 24], 1.0, env=(1, 2, 4))
     captured = []
-    real = embedded.compute_loss
+    real = rl_step.compute_loss
 
     def spy(pb, *a, **kw):
         pb.logp.retain_grad()
         captured.append(pb)
         return real(pb, *a, **kw)
 
-    monkeypatch.setattr(embedded, "compute_loss", spy)
+    monkeypatch.setattr(rl_step, "compute_loss", spy)
     tr = _trainer()
     set_behaviour(tr, groups, shift=0.05)
     tr.train_step(groups)
