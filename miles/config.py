@@ -10,6 +10,11 @@ the buffer) is one flag that sets both, so they can never disagree.
 Precedence: defaults < YAML file (``--config``; flat ``flag-name: value`` keys, or nested by
 section) < command-line flags. ``resolve()`` validates everything once (types, choices and
 cross-field rules), and the driver writes the result to ``OUTPUT_DIR/config.yaml``.
+
+The struct → argparse bridge (``add_field_flag``: types, ``Literal`` choices, ``--no-`` bools,
+help from each field's comment; ``build_struct``: validation with the flag named) is the one
+``miles serve`` builds its flags with too (``add_struct_flags``); the cross-field checks of
+both commands are in ``miles.validation``.
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import yaml
 
+T = TypeVar("T")
 
 
 class RunConfig(msgspec.Struct, kw_only=True):
@@ -199,9 +205,14 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _add_argument(parser: argparse.ArgumentParser, name: str, info: msgspec.structs.FieldInfo, doc: str) -> None:
+def add_field_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str,
+                   info: msgspec.structs.FieldInfo, help: str, *, aliases: Sequence[str] = ()) -> None:
+    """The flag ``--name`` (and ``aliases``) of one config field, typed from its annotation:
+    a bool is ``--x`` / ``--no-x``, a ``Literal`` lists its choices, a list takes several
+    values, a dict takes JSON or ``k=v,...``. Unset flags stay out of the namespace, so a
+    YAML file or the struct's default shows through."""
     tp, _optional = _unwrap_optional(info.type)
-    kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": doc}
+    kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help.replace("%", "%%")}
     origin = typing.get_origin(tp)
     if tp is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
@@ -220,12 +231,44 @@ def _add_argument(parser: argparse.ArgumentParser, name: str, info: msgspec.stru
         kwargs["type"] = tp
     else:
         kwargs["type"] = str
-    parser.add_argument(_flag(name), *ALIASES.get(name, ()), **kwargs)
+    parser.add_argument(_flag(name), *aliases, **kwargs)
 
 
 # Second spellings of a flag (one flag in --help): ``--address`` is Ray's own word for the
 # cluster to join (``ray start --address``, ``ray job submit --address``).
 ALIASES: dict[str, tuple[str, ...]] = {"ray_address": ("--address",)}
+
+
+def field_help(comment: str | None, default: Any, where: str | None = None) -> str:
+    """A flag's help line: the field's comment, the section(s) it sets, its default."""
+    parts = [comment] if comment else []
+    if where:
+        parts.append(f"[{where}]")
+    parts.append(f"default: {default!r}")
+    return " ".join(parts)
+
+
+def add_struct_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
+                     aliases: dict[str, list[str]] | None = None) -> None:
+    """One flag per field of the config struct ``cls`` (``miles serve``'s), built as
+    ``miles train`` builds its own: ``add_field_flag``, help from ``field_comments``. A
+    developer setting (``DEV_FIELDS``) keeps its flag, with a help line that says only so."""
+    comments = field_comments(cls)
+    for info in msgspec.structs.fields(cls):
+        text = "(developer setting)" if info.name in DEV_FIELDS else comments.get(info.name)
+        add_field_flag(parser, info.name, info, field_help(text, _default(info)),
+                       aliases=(aliases or {}).get(info.name, ()))
+
+
+def build_struct(cls: type[T], values: dict[str, Any], section: str | None = None) -> T:
+    """``cls`` from flat field values, types and the struct's own checks validated; a
+    problem is a ``ConfigError`` naming the flag."""
+    try:
+        return msgspec.convert(values, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(exc, section or cls.__name__)) from None
+    except (ValueError, TypeError) as exc:  # a struct's own __post_init__ check
+        raise ConfigError(str(exc)) from None
 
 
 def _parse_mapping(text: str) -> dict[str, Any]:
@@ -275,9 +318,8 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
             continue
         section, info = owners[0]
         where = ", ".join(s for s, _ in owners)
-        text = next((t for s, _ in owners if (t := field_comments(SECTIONS[s]).get(name))), "")
-        doc = f"{text + ' ' if text else ''}[{where}] default: {_default(info)!r}"
-        _add_argument(parser, name, info, doc.replace("%", "%%"))  # argparse formats help with %
+        text = next((t for s, _ in owners if (t := field_comments(SECTIONS[s]).get(name))), None)
+        add_field_flag(parser, name, info, field_help(text, _default(info), where), aliases=ALIASES.get(name, ()))
     return parser
 
 
@@ -365,15 +407,8 @@ def resolve(values: dict[str, Any], *, check: bool = True) -> MilesConfig:
             continue
         for section, _info in owners:
             sections[section][name] = value
-    built: dict[str, Any] = {}
-    for section, cls in SECTIONS.items():
-        try:
-            built[section] = msgspec.convert(sections[section], cls, strict=False)
-        except msgspec.ValidationError as exc:
-            raise ConfigError(_explain(exc, section)) from None
-        except (ValueError, TypeError) as exc:  # a struct's own __post_init__ check
-            raise ConfigError(str(exc)) from None
-    config = MilesConfig(**built)
+    config = MilesConfig(**{section: build_struct(cls, sections[section], section)
+                            for section, cls in SECTIONS.items()})
     if check:
         from miles.validation import check_config
 

@@ -3,7 +3,9 @@
     miles serve --hf-checkpoint DIR [--host 127.0.0.1] [--port 30000] [--max-batch-size N]
                 [--max-seq-len N] [--device cpu|cuda] [--dtype auto] [--weight-version V] ...
 
-Flags are ``ServeConfig``'s and ``EngineConfig``'s field names (``_`` → ``-``), plus the
+Flags are ``ServeConfig``'s and ``EngineConfig``'s field names (``_`` → ``-``; built as ``miles
+train``'s are, by ``miles.config.add_struct_flags``; cross-field checks in
+``miles.validation.check_serve``), plus the
 SGLang spellings ``--model-path`` (= ``--hf-checkpoint``) and ``--random-seed`` (= ``--seed``),
 so a launcher that starts ``python -m sglang.launch_server --model-path … --port …`` can
 start ``python -m miles serve`` with the same flags — SGLang's speculative flags included
@@ -22,8 +24,6 @@ import asyncio
 import logging
 import signal
 import sys
-import types
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 import torch
 
+from miles.config import add_struct_flags, build_struct
 from miles.engines import EngineConfig
 from miles.engines.spec import SpeculativeConfig
 from miles.serving.server import ServeConfig, Server
@@ -39,27 +40,10 @@ from miles.utils import aio
 _ALIASES = {"hf_checkpoint": ["--model-path"], "seed": ["--random-seed"]}
 
 
-def _add_fields(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    group = parser.add_argument_group(title)
-    for info in msgspec.structs.fields(cls):
-        tp = info.type
-        args = typing.get_args(tp)
-        if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
-            tp = next(a for a in args if a is not type(None))
-        flags = ["--" + info.name.replace("_", "-"), *_ALIASES.get(info.name, [])]
-        kwargs: dict[str, Any] = {"dest": info.name, "default": argparse.SUPPRESS,
-                                  "help": f"default: {info.default!r}"}
-        if tp is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["type"] = tp if tp in (int, float, str) else str
-        group.add_argument(*flags, **kwargs)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="miles serve", description=__doc__.split("\n\n")[0])
-    _add_fields(parser, ServeConfig, "server")
-    _add_fields(parser, EngineConfig, "engine")
+    add_struct_flags(parser.add_argument_group("server"), ServeConfig, aliases=_ALIASES)
+    add_struct_flags(parser.add_argument_group("engine"), EngineConfig, aliases=_ALIASES)
     parser.add_argument("--log-level", default="warning", help="logging level (default: warning)")
     # SGLang's R3 switch, which miles adds to launched servers under routing replay: routed
     # experts are always available here (for MoE models), so it is accepted and changes nothing.
@@ -77,21 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str]) -> tuple[ServeConfig, EngineConfig, SpeculativeConfig, str]:
+    """The command line as configs, validated (``miles.validation.check_serve``); a problem
+    is a ``ValueError`` (``ConfigError``) naming the flag."""
     from miles.engines.spec.config import from_sglang_args
+    from miles.validation import check_serve
 
     ns = vars(build_parser().parse_args(list(argv)))
     log_level = ns.pop("log_level")
     ns.pop("enable_return_routed_experts", None)
     sglang_spec = {k: ns.pop(k) for k in list(ns) if k.startswith("speculative-")}
-    spec = SpeculativeConfig(**from_sglang_args(sglang_spec))
-    if sglang_spec and not spec.enabled:
-        raise ValueError("--speculative-* flags need --speculative-algorithm")
-    if spec.enabled and not spec.draft_model_path:
-        raise ValueError("--speculative-algorithm needs --speculative-draft-model-path (a served draft must be trained)")
+    spec = build_struct(SpeculativeConfig, from_sglang_args(sglang_spec), "speculative")
     serve_names = {f.name for f in msgspec.structs.fields(ServeConfig)}
-    serve = {k: v for k, v in ns.items() if k in serve_names}
-    engine = {k: v for k, v in ns.items() if k not in serve_names}
-    return ServeConfig(**serve), EngineConfig(**engine), spec, log_level
+    serve = build_struct(ServeConfig, {k: v for k, v in ns.items() if k in serve_names}, "server")
+    engine = build_struct(EngineConfig, {k: v for k, v in ns.items() if k not in serve_names}, "engine")
+    check_serve(serve, engine, spec, speculative_flags=sorted(sglang_spec))
+    return serve, engine, spec, log_level
 
 
 def _draft(spec: SpeculativeConfig) -> Any:
@@ -110,11 +94,7 @@ def build_server(serve: ServeConfig, engine_cfg: EngineConfig, *, explicit_seq_l
     from miles.engines import EmbeddedEngine
     from miles.models import load_config, load_pretrained, load_tokenizer
 
-    if not serve.hf_checkpoint:
-        raise ValueError("--hf-checkpoint (or --model-path) is required")
     path = Path(serve.hf_checkpoint)
-    if engine_cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {engine_cfg.device}: CUDA is not available on this machine")
     max_pos = load_config(path).max_position_embeddings
     if not explicit_seq_len:  # the default context, capped by what the model supports
         engine_cfg = msgspec.structs.replace(engine_cfg, max_seq_len=min(engine_cfg.max_seq_len, max_pos))

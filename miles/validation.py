@@ -1,4 +1,5 @@
-"""Cross-field checks on a resolved config, run once before anything starts.
+"""Cross-field checks on a resolved config, run once before anything starts: a run's
+(``check_config``, from ``miles.config.resolve``) and ``miles serve``'s (``check_serve``).
 
 Each problem is reported with the flag(s) at fault, and all of them at once, so that a
 user fixes a bad command line in one go. Checks that need files look at the filesystem
@@ -9,6 +10,7 @@ outputs behind.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -152,34 +154,8 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
         # Only the synchronous schedule makes every token's policy version independent of
         # timing; async modes train on whatever finished first.
         yield "--deterministic needs --mode sync without --over-sampling-batch-size"
-    engine = cfg.engine
-    if run.deterministic and engine.cpu_decode_kernel:
-        # its batch-invariant padded steps run on torch ops; the kernel sums in its own order
-        yield "--deterministic keeps the torch decode path: drop --cpu-decode-kernel"
-    if engine.decode_attention not in DECODE_ATTENTION:
-        yield (f"--decode-attention {engine.decode_attention!r}: choose {', '.join(DECODE_ATTENTION[:-1])} "
-               f"or {DECODE_ATTENTION[-1]}")
-    elif (engine.decode_attention == "triton" and run.rollout_backend == "embedded"
-          and not str(engine.device).startswith("cuda")):
-        yield (f"--decode-attention triton is a CUDA kernel; the engines run on {engine.device!r} "
-               "(use auto, or --device cuda)")
-    problem = chunk_problem(engine.decode_attention_chunk)
-    if problem is not None:
-        yield f"--decode-attention-chunk {engine.decode_attention_chunk}: {problem}"
-    if engine.kv_cache_dtype not in KV_CACHE_DTYPES:
-        yield f"--kv-cache-dtype {engine.kv_cache_dtype!r}: choose {', '.join(KV_CACHE_DTYPES)}"
-    elif engine.kv_cache_dtype != "auto" and run.rollout_backend != "embedded":
-        # the flag sizes the embedded engine's cache; an SGLang server takes its own
-        yield (f"--kv-cache-dtype is the embedded engine's; an SGLang server takes its own: "
-               f"--sglang-kv-cache-dtype {engine.kv_cache_dtype}")
-    elif engine.kv_cache_dtype != "auto" and engine.cpu_decode_kernel and not run.deterministic:
-        yield (f"--kv-cache-dtype {engine.kv_cache_dtype} and --cpu-decode-kernel: the CPU decode kernel reads "
-               "a cache in the engine's own dtype (drop one of them)")
-    cpu_compile = [section for section in (engine, cfg.trainer)
-                   if section.compile and not str(section.device).startswith("cuda")]
-    if cpu_compile and not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
-        yield ("--compile on the CPU needs a C++ compiler on PATH (c++, g++ or clang++) for torch's inductor; "
-               "install one, or leave --compile off (the CPU default)")
+    yield from _engine_problems(cfg.engine, embedded=run.rollout_backend == "embedded")
+    yield from _compile_problems((cfg.engine, cfg.trainer))
     yield from _env_problems(cfg)
     yield from _agent_problems(cfg)
     yield from _megatron_problems(cfg)
@@ -212,6 +188,66 @@ def _problems(cfg: Any):  # noqa: C901 - a flat list of independent rules reads 
     if sched.mode == "sync" and sched.over_sampling_batch_size and not rollout.partial_rollout:
         # Over-sampled groups would finish on old weights and be dropped as stale.
         yield "--mode sync with --over-sampling-batch-size needs --partial-rollout (or a non-sync mode)"
+
+
+def _engine_problems(engine: Any, *, embedded: bool = True):
+    """The embedded engine's settings, for ``miles train``'s engines and ``miles serve``'s.
+    ``embedded``: the run's engines are the embedded ones (not SGLang servers)."""
+    if engine.deterministic and engine.cpu_decode_kernel:
+        # its batch-invariant padded steps run on torch ops; the kernel sums in its own order
+        yield "--deterministic keeps the torch decode path: drop --cpu-decode-kernel"
+    if engine.decode_attention not in DECODE_ATTENTION:
+        yield (f"--decode-attention {engine.decode_attention!r}: choose {', '.join(DECODE_ATTENTION[:-1])} "
+               f"or {DECODE_ATTENTION[-1]}")
+    elif engine.decode_attention == "triton" and embedded and not str(engine.device).startswith("cuda"):
+        yield (f"--decode-attention triton is a CUDA kernel; the engines run on {engine.device!r} "
+               "(use auto, or --device cuda)")
+    problem = chunk_problem(engine.decode_attention_chunk)
+    if problem is not None:
+        yield f"--decode-attention-chunk {engine.decode_attention_chunk}: {problem}"
+    if engine.kv_cache_dtype not in KV_CACHE_DTYPES:
+        yield f"--kv-cache-dtype {engine.kv_cache_dtype!r}: choose {', '.join(KV_CACHE_DTYPES)}"
+    elif engine.kv_cache_dtype != "auto" and not embedded:
+        # the flag sizes the embedded engine's cache; an SGLang server takes its own
+        yield (f"--kv-cache-dtype is the embedded engine's; an SGLang server takes its own: "
+               f"--sglang-kv-cache-dtype {engine.kv_cache_dtype}")
+    elif engine.kv_cache_dtype != "auto" and engine.cpu_decode_kernel and not engine.deterministic:
+        yield (f"--kv-cache-dtype {engine.kv_cache_dtype} and --cpu-decode-kernel: the CPU decode kernel reads "
+               "a cache in the engine's own dtype (drop one of them)")
+
+
+def _compile_problems(sections: tuple[Any, ...]):
+    """``--compile`` on the CPU for any of ``sections`` (configs with ``compile`` and ``device``)."""
+    cpu_compile = [section for section in sections if section.compile and not str(section.device).startswith("cuda")]
+    if cpu_compile and not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+        yield ("--compile on the CPU needs a C++ compiler on PATH (c++, g++ or clang++) for torch's inductor; "
+               "install one, or leave --compile off (the CPU default)")
+
+
+def check_serve(serve: Any, engine: Any, speculative: Any, *, speculative_flags: Sequence[str] = ()) -> None:
+    """``miles serve``'s cross-field checks (``ServeConfig``, ``EngineConfig``, the
+    ``SpeculativeConfig`` of SGLang's ``--speculative-*`` flags, which ``speculative_flags``
+    names); raise ``ConfigError`` listing every problem, as ``check_config`` does for a run."""
+    from miles.config import ConfigError
+
+    problems = list(_serve_problems(serve, engine, speculative, speculative_flags))
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def _serve_problems(serve: Any, engine: Any, speculative: Any, speculative_flags: Sequence[str]):
+    import torch
+
+    if not serve.hf_checkpoint:
+        yield "--hf-checkpoint (or --model-path) is required"
+    if str(engine.device).startswith("cuda") and not torch.cuda.is_available():
+        yield f"--device {engine.device}: CUDA is not available on this machine"
+    if speculative_flags and not speculative.enabled:
+        yield "--speculative-* flags need --speculative-algorithm"
+    if speculative.enabled and not speculative.draft_model_path:
+        yield "--speculative-algorithm needs --speculative-draft-model-path (a served draft must be trained)"
+    yield from _engine_problems(engine)
+    yield from _compile_problems((engine,))
 
 
 def _lora_problems(cfg: Any):

@@ -34,9 +34,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
 
     host: str = "127.0.0.1"  # loopback unless asked: the API has no authentication
     port: int = 30000  # 0 picks a free port (printed on start)
-    hf_checkpoint: str | None = None
+    hf_checkpoint: str | None = None  # the model: an HF checkpoint directory (config.json + *.safetensors)
     weight_version: int = 0  # version of the checkpoint's weights (SGLang: a label)
-    served_model_name: str | None = None
+    served_model_name: str | None = None  # the model name /get_model_info reports (default: the checkpoint path)
     weight_sync_timeout_s: float = 600.0  # rendezvous and broadcasts of a weight update
     health_timeout_s: float = 20.0  # /health_generate's one-token generation
     stream_interval_s: float = 0.02  # how often a stream checks for new tokens

@@ -241,3 +241,48 @@ def test_dev_sets_a_field_that_is_not_a_flag(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--dev", "no_such_setting=1"])
     assert "unknown setting 'no_such_setting'" in capsys.readouterr().err
+
+
+def test_serve_flags_come_from_its_structs_through_the_train_bridge() -> None:
+    """``miles serve``'s flags are its config structs' fields, built by the function that
+    builds ``miles train``'s: help from the field's comment, ``--no-`` bools, typed values,
+    SGLang's aliases; a developer setting keeps its flag with a terse help line."""
+    import msgspec
+
+    from miles.engines import EngineConfig
+    from miles.serve import build_parser
+    from miles.serving.server import ServeConfig
+
+    by_dest = {a.dest: a for a in build_parser()._actions if a.option_strings}
+    for cls in (ServeConfig, EngineConfig):
+        for f in msgspec.structs.fields(cls):
+            assert f"--{f.name.replace('_', '-')}" in by_dest[f.name].option_strings, f.name
+    assert by_dest["port"].help == "0 picks a free port (printed on start) default: 30000"
+    assert "--no-keep-kv-cache-on-update" in by_dest["keep_kv_cache_on_update"].option_strings
+    assert by_dest["hf_checkpoint"].option_strings == ["--hf-checkpoint", "--model-path"]
+    assert by_dest["seed"].option_strings == ["--seed", "--random-seed"]
+    assert by_dest["decode_attention_chunk"].help == "(developer setting) default: 0"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--port", "many"])
+
+
+def test_serve_cross_field_checks_live_with_the_runs(capsys) -> None:
+    import re
+
+    from miles.serve import parse_args
+
+    serve, engine, spec, level = parse_args(["--model-path", "ck", "--random-seed", "3", "--max-seq-len", "64",
+                                             "--no-keep-kv-cache-on-update"])
+    assert (serve.hf_checkpoint, engine.seed, engine.max_seq_len, engine.keep_kv_cache_on_update) == ("ck", 3, 64, False)
+    assert not spec.enabled and level == "warning"
+    for argv, needle in (
+            (["--port", "1"], "--hf-checkpoint (or --model-path) is required"),
+            (["--hf-checkpoint", "ck", "--speculative-num-steps", "3"], "--speculative-* flags need --speculative-algorithm"),
+            (["--hf-checkpoint", "ck", "--speculative-algorithm", "EAGLE"], "needs --speculative-draft-model-path"),
+            # the engine's checks are the run's (miles.validation._engine_problems)
+            (["--hf-checkpoint", "ck", "--decode-attention", "bogus"], "--decode-attention 'bogus': choose"),
+            (["--hf-checkpoint", "ck", "--deterministic", "--cpu-decode-kernel"], "drop --cpu-decode-kernel")):
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            parse_args(argv)
+    assert main(["serve", "--hf-checkpoint", "ck", "--speculative-num-steps", "3"]) == 2
+    assert "miles serve: error: invalid configuration" in capsys.readouterr().err
