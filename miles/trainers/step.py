@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -67,7 +66,7 @@ class MicroLoss:
 
     def __init__(self, trainer: RLStep, advantages: Tensor, logp_prox: Tensor | None, logp_ref: Tensor | None,
                  den: LossDenominators, reference: Tensor | str | None, trained_version: int) -> None:
-        self.algo, self.version, self.device = trainer.algo, trainer._version, trainer.device
+        self.algo, self.device = trainer.algo, trainer.device
         self.advantages, self.logp_prox, self.logp_ref, self.den = advantages, logp_prox, logp_ref, den
         self.reference, self.trained_version = reference, trained_version
         self.reset()
@@ -95,7 +94,7 @@ class MicroLoss:
             versions=mb.versions, entropy=entropy,
             logp_ref=None if self.logp_ref is None else self.logp_ref[sel, :R],
         )
-        loss, metrics = compute_loss(pb, self.algo, trainer_version=self.version, denominators=self.den)
+        loss, metrics = compute_loss(pb, self.algo, trainer_version=self.trained_version, denominators=self.den)
         if self.reference is not None:
             ref = logp.detach() if isinstance(self.reference, str) else self.reference[sel, :R]
             metrics.update(rollout_logprob_diff(ref, mb.logp_rollout, mask, mb.versions, self.trained_version,
