@@ -58,7 +58,7 @@ def test_lora_run_trains_adapters_over_frozen_base_and_engine_follows() -> None:
 
     async def go() -> tuple[list[float], list[float], int]:
         rewards, worst, shipped = [], [], 0
-        for step in range(12):
+        for step in range(24):
             groups = await _rollout(engine, step)
             flat = [t for g in groups for t in g]
             got = trainer.compute_logprobs(flat)  # the engine runs the policy the trainer holds
@@ -73,11 +73,14 @@ def test_lora_run_trains_adapters_over_frozen_base_and_engine_follows() -> None:
         return rewards, worst, shipped
 
     rewards, worst, shipped = asyncio.run(go())
-    assert max(worst) < TOL
+    # the engine merges W + s·BA while the trainer computes xW + s·(xA)B: float32 rounds the
+    # two apart more as the adapters grow (lr 0.2 over 24 steps), so this run gets a wider bound
+    # than the PEFT comparison below, where both sides hold the same adapters unmerged
+    assert max(worst) < 5 * TOL, worst
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, rewards
     now = trainer.model.state_dict()
     assert all(torch.equal(now[k], v) for k, v in base.items())  # the base, bit for bit
-    assert shipped < 12 * full_bytes * 0.5  # adapters only (r=8 on a tiny model is a large share of it)
+    assert shipped < 24 * full_bytes * 0.5  # adapters only (r=8 on a tiny model is a large share of it)
 
 
 def test_lora_checkpoint_holds_adapters_and_resumes() -> None:
