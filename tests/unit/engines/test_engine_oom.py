@@ -39,7 +39,13 @@ def test_injected_oom_parks_rows_and_resumes_to_the_same_tokens(step: int, overl
 
     async def go(inject: list[int]):
         engine = make_engine(model, overlap=overlap, inject_oom_steps=inject)
-        outs = await asyncio.gather(*(_until_done(engine, f"r{i}", p) for i, p in enumerate(ps)))
+        # all six wait before the first step, so step 1 is one prefill of six rows on any machine
+        await engine.pause()
+        tasks = [asyncio.ensure_future(_until_done(engine, f"r{i}", p)) for i, p in enumerate(ps)]
+        while engine.stats()["engine/num_waiting"] < len(ps):
+            await asyncio.sleep(0.001)
+        await engine.resume()
+        outs = await asyncio.gather(*tasks)
         stats = engine.stats()
         await engine.close()
         return outs, stats
