@@ -23,6 +23,7 @@ groups per step.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -60,9 +61,15 @@ def mask_stale_tokens(traj: Trajectory, trainer_version: int, max_staleness: int
     sequence as context, they just carry no loss.
     """
     cutoff = trainer_version - max_staleness  # tokens with version < cutoff are stale
-    mask = traj.loss_mask
+    mask, versions = traj.loss_mask, traj.versions
+    if versions == sorted(versions):  # one trajectory's versions only grow: the stale tokens are a prefix
+        end = bisect_left(versions, cutoff)
+        masked = mask[:end].count(1)
+        if masked:
+            mask[:end] = [0] * end  # loss_mask holds 0/1 (Trajectory.validate)
+        return masked
     masked = 0
-    for i, (version, m) in enumerate(zip(traj.versions, mask)):
+    for i, (version, m) in enumerate(zip(versions, mask)):
         if m and version < cutoff:
             mask[i] = 0
             masked += 1

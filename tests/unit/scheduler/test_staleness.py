@@ -11,10 +11,11 @@ from miles.scheduler import (
     admission,
     is_doomed,
     loss_version_stats,
+    mask_stale_tokens,
     mode_staleness,
     within_bound,
 )
-from miles.types import PromptSample, Status
+from miles.types import PromptSample, Status, Trajectory
 
 
 def _budget(**kw) -> int:
@@ -76,6 +77,24 @@ def test_token_bound_helpers() -> None:
     assert loss_version_stats([3], [0]) == (None, 0, 0)
     assert within_bound(1, 3, 2) and not within_bound(1, 4, 2) and within_bound(None, 9, 0)
     assert is_doomed(1, 4, 2) and not is_doomed(None, 4, 0)
+
+
+def test_mask_stale_tokens_zeroes_exactly_the_stale_loss_tokens() -> None:
+    """Non-decreasing versions (every trajectory's) and any order give what the per-token rule gives:
+    a loss token older than ``v - η`` loses its loss, every other token keeps its mask."""
+    rng = random.Random(3)
+    for case in range(300):
+        n = rng.randrange(0, 40)
+        versions = [rng.randrange(0, 8) for _ in range(n)]
+        if case % 3:
+            versions.sort()
+        mask = [rng.randrange(2) for _ in range(n)]
+        v, eta = rng.randrange(0, 10), rng.randrange(0, 4)
+        want = [0 if m and ver < v - eta else m for ver, m in zip(versions, mask)]
+        t = Trajectory(id="t", prompt_id="p", group_id="g", response_tokens=[1] * n, logprobs=[0.0] * n,
+                       versions=list(versions), loss_mask=list(mask))
+        assert mask_stale_tokens(t, v, eta) == sum(mask) - sum(want)
+        assert t.loss_mask == want and t.versions == versions
 
 
 def test_scheduler_events_and_state() -> None:
