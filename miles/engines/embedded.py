@@ -170,7 +170,8 @@ class EmbeddedEngine:
             return GenerateOutput(rid=request.rid, finish_reason="error", error=error)
         if request.sampling.max_new_tokens - request.num_prefix_tokens <= 0:
             return GenerateOutput(rid=request.rid, finish_reason="length")
-        self.start()
+        if self._closed:
+            raise RuntimeError("engine is closed")
         loop = asyncio.get_running_loop()
         req = Request(request, loop, loop.create_future())
         with self._cv:
@@ -178,12 +179,24 @@ class EmbeddedEngine:
                 return GenerateOutput(rid=request.rid, finish_reason="error",
                                       error=f"request id {request.rid!r} is already in flight")
             self._waiting.append(req)
-            self._cv.notify()
+        loop.call_soon(self._wake)
         try:
             return await req.future
         except asyncio.CancelledError:
             await self.abort(request.rid)
             raise
+
+    def _wake(self) -> None:
+        """Start or wake the stepping thread. ``generate`` queues its request and calls this at
+        the end of the event loop's pass, so the requests that one pass submits (a worker's
+        leased batch) are all waiting when an idle engine takes its next step: they start in
+        one prefill whatever the machine's load."""
+        with self._cv:
+            if self._closed:
+                return
+        self.start()
+        with self._cv:
+            self._cv.notify()
 
     async def abort(self, rid: str | None = None) -> None:
         with self._cv:

@@ -6,6 +6,7 @@ that request and every later one, naming the knobs."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -39,13 +40,7 @@ def test_injected_oom_parks_rows_and_resumes_to_the_same_tokens(step: int, overl
 
     async def go(inject: list[int]):
         engine = make_engine(model, overlap=overlap, inject_oom_steps=inject)
-        # all six wait before the first step, so step 1 is one prefill of six rows on any machine
-        await engine.pause()
-        tasks = [asyncio.ensure_future(_until_done(engine, f"r{i}", p)) for i, p in enumerate(ps)]
-        while engine.stats()["engine/num_waiting"] < len(ps):
-            await asyncio.sleep(0.001)
-        await engine.resume()
-        outs = await asyncio.gather(*tasks)
+        outs = await asyncio.gather(*(_until_done(engine, f"r{i}", p) for i, p in enumerate(ps)))
         stats = engine.stats()
         await engine.close()
         return outs, stats
@@ -75,3 +70,27 @@ def test_oom_with_one_row_fails_naming_the_knobs() -> None:
     assert "--max-batch-size" in first.error and "--rollout-max-response-len" in first.error
     assert later.finish_reason == "error" and later.error == first.error  # the engine serves nothing more
     assert stats["engine/oom_fatal"] == 1 and stats["mem/engine_oom_recovered"] == 0
+
+
+def test_requests_of_one_event_loop_pass_start_in_one_prefill() -> None:
+    """A batch submitted in one pass of the event loop is one prefill even when the loop's thread
+    stalls between submissions (a loaded machine): the stepping thread wakes after the pass, so
+    an OOM injected into the first step finds all the rows to park, not one row to fail."""
+    ps = prompts(4, seed=1)
+
+    async def go():
+        engine = make_engine(inject_oom_steps=[1])
+
+        async def submit(i: int, p: list[int]):
+            if i:
+                time.sleep(0.02)  # the loop's thread holds still; a woken engine would step meanwhile
+            return await _until_done(engine, f"r{i}", p)
+
+        outs = await asyncio.gather(*(submit(i, p) for i, p in enumerate(ps)))
+        stats = engine.stats()
+        await engine.close()
+        return outs, stats
+
+    outs, stats = run(go)
+    assert stats["mem/engine_oom_recovered"] == 1 and stats["engine/oom_fatal"] == 0
+    assert sum(parks for _, _, parks in outs) == len(ps)  # every row of the first prefill was parked
