@@ -38,7 +38,9 @@ def test_run_with_online_draft_training_checkpoint_and_resume(ray_cluster, tiny_
     for key in ("spec/accept_len_total", "spec/accept_rate_total", "spec/tokens_per_s_plain", "spec/alpha"):
         assert key in worker, key
     assert worker["spec/draft_version"] >= 1 and worker["rollout/draft_updates"] >= 1  # applied by a worker
-    assert worker["engine/version"] == 4  # policy versions went their own way
+    # policy versions went their own way: the 4th step's update, published at the end, may reach the
+    # worker after it stopped
+    assert worker["engine/version"] in (3.0, 4.0)
     step = ck / "step_000004"
     draft = load_file(str(step / "draft.safetensors"))
     assert any(k.startswith("model.") for k in draft)
