@@ -64,9 +64,12 @@ def test_compiled_layers_share_their_graphs() -> None:
     assert graphs[0] == graphs[1] > 0, graphs
 
 
-def test_compile_is_off_by_default_on_the_cpu() -> None:
+def test_compile_is_off_by_default_on_the_cpu(monkeypatch) -> None:
     """None = auto: a dense model on one GPU compiles; on the CPU the layers stay eager
-    unless asked (--compile)."""
+    unless asked (--compile). (Which layers are wrapped is decided before the warm-up, which
+    the other tests here run: skipped.)"""
+    monkeypatch.setattr(compilation, "warm_up", lambda trainer: None)
+
     def compiled(flag: bool | None) -> list[bool]:
         tr = EmbeddedTrainer(make_model(), config=TrainerConfig(lr=1e-3, compile=flag), algo=AlgorithmConfig())
         return [layer._compiled_call_impl is not None for layer in tr.model.model.layers]
