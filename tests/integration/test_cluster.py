@@ -9,6 +9,8 @@ events (a step done, a lease taken), never on wall-clock bounds.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -102,6 +104,7 @@ def test_a_rollout_node_removed_mid_run(cluster, tiny_ckpt, task, tmp_path) -> N
     doomed = next(n for n in rollout_nodes if n.node_id == ids["rollout"][1])
 
     async def scenario() -> tuple[dict, list[str]]:
+        pid = await a.workers[victim_id].__ray_call__.remote(lambda self: os.getpid())
         run = asyncio.create_task(driver.run())
         held: list[str] = []
 
@@ -109,7 +112,12 @@ def test_a_rollout_node_removed_mid_run(cluster, tiny_ckpt, task, tmp_path) -> N
             held[:] = await a.buffer.leased.remote(victim_id) if driver.step >= 1 else []
             return bool(held)
 
-        await _until(leased, run, "lease taken by the worker on the second rollout node")
+        while True:  # freeze the worker holding leases: what it holds is then what the node takes down
+            await _until(leased, run, "lease taken by the worker on the second rollout node")
+            os.kill(pid, signal.SIGSTOP)
+            if await leased():
+                break
+            os.kill(pid, signal.SIGCONT)  # it had just returned them all: again
         await asyncio.to_thread(c.remove_node, doomed)
         return await run, held
 
@@ -119,7 +127,7 @@ def test_a_rollout_node_removed_mid_run(cluster, tiny_ckpt, task, tmp_path) -> N
     assert summary["worker_restarts"].get(victim_id.rsplit("-", 1)[0], 0) >= 1
     assert victim_id not in a.workers and set(a.worker_nodes.values()) == {ids["rollout"][0]}
     ledger = summary["ledger"]
-    assert ledger["released"] >= len(held)
+    assert ledger["released"] == len(held) and ledger["expired"] == 0  # each of its leases came back once
     rows = read_jsonl(tmp_path / "out" / "trajectories.jsonl")
     trained = [r["id"] for r in rows]
     assert len(trained) == len(set(trained)) == ledger["trained"] == 5 * 4 * 4  # nothing trained twice
