@@ -92,12 +92,17 @@ def test_actors_land_on_their_nodes_and_the_transport_follows_each_pair(cluster,
     assert read_jsonl(tmp_path / "out" / "metrics.jsonl")[-1]["weights/fallbacks"] == 0
 
 
+# Steps of the node-removal run: the frozen worker is found dead by its health ping (5 s) and
+# replaced while the rest of the run, on the other worker, is still going.
+STEPS = 16
+
+
 def test_a_rollout_node_removed_mid_run(cluster, tiny_ckpt, task, tmp_path) -> None:
     """Once the worker on the second rollout node holds a lease, the node goes: its leases
     return to the queue exactly once, its replacement starts on the remaining rollout node,
     and the run completes with the ledger exact."""
     c, ids, rollout_nodes = cluster
-    driver = _driver(tiny_ckpt, task, tmp_path / "out", num_rollout=5, num_rollout_workers=2, rollout_num_nodes=2,
+    driver = _driver(tiny_ckpt, task, tmp_path / "out", num_rollout=STEPS, num_rollout_workers=2, rollout_num_nodes=2,
                      rollout_max_response_len=48, health_check_interval_s=0.2)
     a = driver.actors
     victim_id = next(w for w, n in a.worker_nodes.items() if n == ids["rollout"][1])
@@ -122,7 +127,7 @@ def test_a_rollout_node_removed_mid_run(cluster, tiny_ckpt, task, tmp_path) -> N
         return await run, held
 
     summary, held = asyncio.run(scenario())
-    assert summary["status"] == "completed" and summary["ledger_ok"] and summary["steps"] == 5
+    assert summary["status"] == "completed" and summary["ledger_ok"] and summary["steps"] == STEPS
     assert summary["worker_slow_starts"] == {}
     assert summary["worker_restarts"].get(victim_id.rsplit("-", 1)[0], 0) >= 1
     assert victim_id not in a.workers and set(a.worker_nodes.values()) == {ids["rollout"][0]}
@@ -130,4 +135,4 @@ def test_a_rollout_node_removed_mid_run(cluster, tiny_ckpt, task, tmp_path) -> N
     assert ledger["released"] == len(held) and ledger["expired"] == 0  # each of its leases came back once
     rows = read_jsonl(tmp_path / "out" / "trajectories.jsonl")
     trained = [r["id"] for r in rows]
-    assert len(trained) == len(set(trained)) == ledger["trained"] == 5 * 4 * 4  # nothing trained twice
+    assert len(trained) == len(set(trained)) == ledger["trained"] == STEPS * 4 * 4  # nothing trained twice
