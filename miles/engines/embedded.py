@@ -191,12 +191,10 @@ class EmbeddedEngine:
         the end of the event loop's pass, so the requests that one pass submits (a worker's
         leased batch) are all waiting when an idle engine takes its next step: they start in
         one prefill whatever the machine's load."""
-        with self._cv:
-            if self._closed:
-                return
-        self.start()
-        with self._cv:
-            self._cv.notify()
+        with self._cv:  # a reentrant lock: start() takes it too
+            if not self._closed:
+                self.start()
+                self._cv.notify()
 
     async def abort(self, rid: str | None = None) -> None:
         with self._cv:

@@ -92,7 +92,7 @@ def test_actors_land_on_their_nodes_and_the_transport_follows_each_pair(cluster,
     assert read_jsonl(tmp_path / "out" / "metrics.jsonl")[-1]["weights/fallbacks"] == 0
 
 
-# Steps of the node-removal run: the frozen worker is found dead by its health ping (5 s) and
+# Steps of the node-removal run: the frozen worker is found dead by its health ping's timeout and
 # replaced while the rest of the run, on the other worker, is still going.
 STEPS = 16
 
