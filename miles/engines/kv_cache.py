@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from miles.kernels import decode_attention as triton_decode
+from miles.models import invariant
 from miles.models.config import ModelConfig
 
 
@@ -163,6 +164,12 @@ class DecodeAttention:
         if mode == "triton":
             self.lengths = positions + 1
             return
+        # --true-on-policy on CUDA: the mode's own K/V write and attention (miles.kernels.invariant),
+        # which bounds each row by its key count, positions + 1, with no mask
+        self.kernels = mode == "sdpa" and self.split is None and invariant.on(positions) and not cache.quantized
+        if self.kernels:
+            self.nkeys = (positions + 1).to(torch.int32)[:, None, None]
+            return
         # [n, 1, 1, S]: key j is visible to row b iff j <= positions[b].
         self.mask = (torch.arange(self.short, device=dev)[None, :] <= positions[:, None])[:, None, None, :]
         if self.split is not None:
@@ -180,6 +187,12 @@ class DecodeAttention:
                                                  new_kv=(k[:, :, 0], v[:, :, 0]), chunk=self.chunk)
             return out.reshape(n, H, 1, D)
         cache = self.cache
+        if self.kernels:
+            from miles.kernels import invariant as invariant_kernels
+
+            invariant_kernels.kv_write(kc, vc, k[:, :, 0], v[:, :, 0], self.positions)
+            out = invariant_kernels.attention(qg, kc[:n, :, : self.short], vc[:n, :, : self.short], self.nkeys)
+            return out.reshape(n, H, 1, D)
         kc[self.rows, :, self.positions] = cache.encode(k[:, :, 0])
         vc[self.rows, :, self.positions] = cache.encode(v[:, :, 0])
         keys = cache.decode(kc[:n, :, : self.short])  # views: [n, KV, S, D] (copies when 8-bit)
@@ -235,6 +248,12 @@ class VerifyAttention:
         if mode == "triton":
             self.lengths = starts + T
             return
+        # --true-on-policy on CUDA: the mode's attention, each query bounded by its key count
+        # (positions + 1, tiled over the GQA group as the rows are), as in decode
+        self.nkeys = None
+        if mode == "sdpa" and invariant.on(starts) and not cache.quantized:
+            self.nkeys = (self.positions + 1).to(torch.int32)[:, None, :]  # [n, 1, T]
+            return
         # [n, 1, T, L]: key j is visible to query t of row b iff j <= starts[b] + t.
         self.mask = (torch.arange(length, device=dev)[None, None, :] <= self.positions[:, :, None])[:, None]
 
@@ -250,6 +269,12 @@ class VerifyAttention:
         if self.mode == "triton":
             out = triton_decode.decode_attention(qg, kc, vc, self.lengths, 1.0 / math.sqrt(D), self.length, tokens=T,
                                                  chunk=self.chunk)
+            return out.reshape(n, H, T, D)
+        if self.nkeys is not None:
+            from miles.kernels import invariant as invariant_kernels
+
+            out = invariant_kernels.attention(qg, kc[:n, :, : self.length], vc[:n, :, : self.length],
+                                              self.nkeys.repeat(1, 1, G))
             return out.reshape(n, H, T, D)
         keys = cache.decode(kc[:n, :, : self.length])  # views: [n, KV, L, D] (copies when 8-bit)
         values = cache.decode(vc[:n, :, : self.length])

@@ -5,16 +5,31 @@ configuration for every shape, so a row's bits do not depend on how many rows sh
 launch, where in a tile the row lands, or which path (decode over a cache, prefill, the
 trainer's causal forward) called it:
 
-- ``matmul``: y = x·Wᵀ (+ b) with one tile configuration (``GEMM``) for all M, no split-K:
-  each output element sums its K tiles in order, one ``tl.dot`` per tile, from M = 1 (decode)
-  to M = thousands (the trainer). cuBLAS picks its kernel, tiling and split-K by shape.
+- ``matmul``: y = x·Wᵀ (+ b), no split-K: each output element sums its K tiles of ``BLOCK_K``
+  in order, one accumulating ``tl.dot`` per tile, from M = 1 (decode) to M = thousands (the
+  trainer). cuBLAS picks its kernel, tiling and split-K by shape. The M × N tile and the warps
+  only decide which program computes an element, not the order of its sum, so on CUDA they are
+  picked by shape (``gemm_config``: enough programs to fill the GPU); the H200 measured every
+  candidate bitwise equal to every other (``tests/gpu/test_true_on_policy_gpu.py`` checks it).
+  Elsewhere (triton's interpreter, whose ``tl.dot`` is numpy's) one tiling serves all shapes.
 - ``attention``: a query's softmax and weighted sum of V run over keys in fixed chunks of
   ``ATTN_BLOCK_N`` positions from key 0, an online softmax whose chunks past the query's last
   visible key are exact identities (their weights are 0, the rescale 1). Rows are (GQA group
-  head, query) pairs of one KV head, so a decode step reads each KV head once.
+  head, query) pairs of one KV head, so a decode step reads each KV head once. Every sum is an
+  accumulating ``tl.dot`` (P·V into the rescaled accumulator, and the softmax's denominator as
+  P·1): a ``tl.sum`` over a tile reduces in an order set by the tile's register layout, which
+  the compiler picks by tile size and by the code around it (a mask load changed it on the
+  H200). So the row tile can follow the call on CUDA: 16 rows for decode's few, 64 otherwise.
+  A query is bounded by its key count (``nkeys``); a bool ``mask`` compiles another kernel,
+  whose bits the H200 showed can differ from the bounded one's for the same visible keys, so
+  the mode's engine (decode, verify) and trainer (causal, right-padded) all pass key counts.
 - ``rms_norm``, ``logsumexp`` / ``log_softmax``, ``softmax``: one program per row, one
-  reduction tree fixed by the row length. torch's CUDA reductions pick their split of a row
+  reduction tree fixed by the row length (``logsumexp`` in one pass over the row, an online
+  maximum per lane). torch's CUDA reductions pick their split of a row
   across threads and blocks by the number of rows.
+- ``kv_write``: a decode step's new K and V into each row's cache position, one launch. It
+  computes nothing; it replaces two advanced-index writes, which under
+  ``torch.use_deterministic_algorithms`` (the mode's) sort their indices every layer.
 
 The kernels are forward-only; ``miles.models.invariant`` wraps them for autograd.
 """
@@ -32,13 +47,18 @@ except ImportError:  # the CPU install has no triton
 
 from miles.kernels.decode_attention import available  # the same rule: CUDA, or the interpreter
 
-__all__ = ["ATTN_BLOCK_M", "ATTN_BLOCK_N", "GEMM", "attention", "available", "log_softmax", "logsumexp", "matmul",
-           "rms_norm", "softmax"]
+__all__ = ["ATTN_BLOCK_M", "ATTN_BLOCK_N", "CUDA_GEMMS", "GEMM", "attention", "available", "gemm_config", "kv_write",
+           "log_softmax", "logsumexp", "matmul", "rms_norm", "softmax"]
 
-GEMM = (64, 128, 64, 4, 4)  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the one tiling of every GEMM
+GEMM = (64, 128, 64, 4, 4)  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the tiling off CUDA
+BLOCK_K = GEMM[2]  # the reduction tile: fixed for every GEMM on every device
+# CUDA's candidates, largest tile first; each has BLOCK_K (the H200 measured them bitwise equal)
+CUDA_GEMMS = ((128, 128, BLOCK_K, 8, 3), (64, 128, BLOCK_K, 4, 4), (64, 64, BLOCK_K, 4, 4), (64, 32, BLOCK_K, 4, 4),
+              (16, 32, BLOCK_K, 4, 4), (16, 16, BLOCK_K, 2, 4))
 ATTN_BLOCK_M, ATTN_BLOCK_N, ATTN_WARPS, ATTN_STAGES = 64, 64, 4, 2
+ATTN_DECODE_BLOCK_M = 16  # CUDA's row tile where a call has at most this many rows per KV head
 ROW_WARPS = 4
-LSE_BLOCK = 2048  # logits per step of a row's log-sum-exp
+LSE_BLOCK, LSE_WARPS = 4096, 8  # logits per step of a row's log-sum-exp
 
 if triton is not None:
 
@@ -82,7 +102,7 @@ if triton is not None:
         n_row = tl.load(nkeys + b.to(tl.int64) * snb + h * snh + t * snt, mask=live, other=0)
         hi = tl.minimum(tl.max(n_row, 0), S)
         m_i = tl.full((BM,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BM,), tl.float32)
+        l_acc = tl.zeros((BM, 16), tl.float32)  # the denominator, 16 equal columns of P·1
         acc = tl.zeros((BM, D), tl.float32)
         kbase = k + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
         vbase = v + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
@@ -102,13 +122,24 @@ if triton is not None:
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_use[:, None])
             alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
             vt = tl.load(vbase + n[:, None].to(tl.int64) * svs + d[None, :], mask=inside[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            pv = p.to(vt.dtype)
+            acc = tl.dot(pv, vt, acc * alpha[:, None])
+            l_acc = tl.dot(pv, (tl.zeros((BN, 16), tl.float32) + 1.0).to(vt.dtype), l_acc * alpha[:, None])
             m_i = m_new
+        l_i = tl.max(l_acc, 1)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         orow = b.to(tl.int64) * sob + h.to(tl.int64) * soh + t.to(tl.int64) * sot
         tl.store(o + orow[:, None] + d[None, :], out.to(o.dtype.element_ty), mask=live[:, None])
+
+    @triton.jit
+    def _kv_write(kc, vc, k, v, pos, skb, skh, sks, svb, svh, svs, sxb, sxh, syb, syh, D: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        p = tl.load(pos + b).to(tl.int64)
+        d = tl.arange(0, D)
+        tl.store(kc + b * skb + h * skh + p * sks + d, tl.load(k + b * sxb + h * sxh + d))
+        tl.store(vc + b * svb + h * svh + p * svs + d, tl.load(v + b * syb + h * syh + d))
 
     @triton.jit
     def _rms_norm(x, w, y, D, eps, sx, sy, BLOCK: tl.constexpr):
@@ -125,16 +156,17 @@ if triton is not None:
     def _lse(x, out, V, sx, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
-        m = tl.full((BLOCK,), float("-inf"), tl.float32)
-        for v0 in range(0, V, BLOCK):
-            m = tl.maximum(m, tl.load(x + row * sx + v0 + c, mask=v0 + c < V, other=float("-inf")).to(tl.float32))
-        top = tl.max(m, 0)
-        top_use = tl.where(top == float("-inf"), 0.0, top)
+        m = tl.full((BLOCK,), float("-inf"), tl.float32)  # each lane's running maximum and its sum
         acc = tl.zeros((BLOCK,), tl.float32)
         for v0 in range(0, V, BLOCK):
             xv = tl.load(x + row * sx + v0 + c, mask=v0 + c < V, other=float("-inf")).to(tl.float32)
-            acc += tl.exp(xv - top_use)
-        tl.store(out + row, top_use + tl.log(tl.sum(acc, 0)))
+            m_new = tl.maximum(m, xv)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            acc = acc * tl.exp(m - m_use) + tl.exp(xv - m_use)
+            m = m_new
+        top = tl.max(m, 0)
+        top_use = tl.where(top == float("-inf"), 0.0, top)
+        tl.store(out + row, top_use + tl.log(tl.sum(acc * tl.exp(m - top_use), 0)))
 
     @triton.jit
     def _softmax(x, y, V, sx, sy, BLOCK: tl.constexpr):
@@ -145,8 +177,29 @@ if triton is not None:
         tl.store(y + row * sy + c, (e / tl.sum(e, 0)).to(y.dtype.element_ty), mask=c < V)
 
 
-def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x`` [..., K] · ``weight`` [N, K]ᵀ (+ ``bias``) in ``x``'s dtype; ``weight`` must be in it."""
+_SMS: dict[int, int] = {}  # streaming multiprocessors per CUDA device index
+
+
+def gemm_config(M: int, N: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """The tiling of an M × N GEMM: off CUDA ``GEMM``; on CUDA the largest ``CUDA_GEMMS`` tile no
+    taller than M needs (at least 16 rows) that still makes one program per multiprocessor."""
+    if device.type != "cuda":
+        return GEMM
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    rows = max(16, triton.next_power_of_2(M))
+    fits = [c for c in CUDA_GEMMS if c[0] <= rows]
+    for cfg in fits:
+        if triton.cdiv(M, cfg[0]) * triton.cdiv(N, cfg[1]) >= _SMS[idx]:
+            return cfg
+    return fits[-1]
+
+
+def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+           config: tuple[int, int, int, int, int] | None = None) -> Tensor:
+    """``x`` [..., K] · ``weight`` [N, K]ᵀ (+ ``bias``) in ``x``'s dtype; ``weight`` must be in it.
+    ``config`` overrides ``gemm_config`` (the tests' check that every tiling agrees)."""
     K = x.shape[-1]
     if weight.shape[-1] != K:
         raise ValueError(f"matmul: input width {K} != weight width {weight.shape[-1]}")
@@ -154,7 +207,9 @@ def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     M, N = a.shape[0], weight.shape[0]
     c = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M and N:
-        BM, BN, BK, warps, stages = GEMM
+        BM, BN, BK, warps, stages = config or gemm_config(M, N, x.device)
+        if BK != BLOCK_K:
+            raise ValueError(f"matmul: the reduction tile is {BLOCK_K} on every device, not {BK}")
         _matmul[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
             a, weight, c, bias if bias is not None else c, M, N, K, a.stride(0), a.stride(1), weight.stride(0),
             weight.stride(1), c.stride(0), c.stride(1), HAS_BIAS=bias is not None, BM=BM, BN=BN, BK=BK,
@@ -163,11 +218,12 @@ def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, nkeys: Tensor, mask: Tensor | None = None,
-              scale: float | None = None) -> Tensor:
+              scale: float | None = None, block_m: int | None = None) -> Tensor:
     """Queries [B, H, Q, D] over keys and values [B, Hkv, S, D] (H a multiple of Hkv; any
     strides with a unit last one): query (b, h, t) sees keys ``j < nkeys[b, h, t]`` (nkeys
     broadcastable to [B, H, Q], int32) and, with ``mask`` (bool, broadcastable to
-    [B, H, Q, S]), only those where it is True. Key j sits at index j of every row."""
+    [B, H, Q, S]), only those where it is True. Key j sits at index j of every row.
+    ``block_m`` overrides the row tile (the tests' check that every tile agrees)."""
     B, H, Q, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if H % Hkv or D & (D - 1) or D < 16:
@@ -184,13 +240,29 @@ def attention(q: Tensor, k: Tensor, v: Tensor, nkeys: Tensor, mask: Tensor | Non
     else:
         m, ms = n, (0, 0, 0, 0)
     R = G * Q
-    grid = (B, Hkv, triton.cdiv(R, ATTN_BLOCK_M))
+    BM = block_m or (ATTN_DECODE_BLOCK_M if q.device.type == "cuda" and R <= ATTN_DECODE_BLOCK_M else ATTN_BLOCK_M)
+    grid = (B, Hkv, triton.cdiv(R, BM))
     if B and R:
         _attention[grid](q, k, v, o, m, n, S, R, Q, G, D ** -0.5 if scale is None else scale,
                          *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *ms, *n.stride(),
-                         D=D, HAS_MASK=mask is not None, BM=ATTN_BLOCK_M, BN=ATTN_BLOCK_N, num_warps=ATTN_WARPS,
+                         D=D, HAS_MASK=mask is not None, BM=BM, BN=ATTN_BLOCK_N, num_warps=ATTN_WARPS,
                          num_stages=ATTN_STAGES)
     return o
+
+
+def kv_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
+    """``k_cache[b, :, positions[b]] = k[b]`` and the same for V, for rows b < n: caches
+    [slots, KV, S, D] (unit last stride, the new entries' dtype), k and v [n, KV, D]."""
+    n, KV, D = k.shape
+    if v.shape != k.shape or k_cache.dtype != k.dtype or v_cache.dtype != v.dtype or D & (D - 1):
+        raise ValueError(f"kv_write: K {tuple(k.shape)} {k.dtype}, V {tuple(v.shape)} {v.dtype} into caches of "
+                         f"{k_cache.dtype} / {v_cache.dtype} (head dim a power of two)")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("kv_write: the caches' head dim must be contiguous")
+    k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+    if n:
+        _kv_write[(n, KV)](k_cache, v_cache, k, v, positions, *k_cache.stride()[:3], *v_cache.stride()[:3],
+                           *k.stride()[:2], *v.stride()[:2], D=D, num_warps=1)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -216,7 +288,7 @@ def logsumexp(x: Tensor) -> Tensor:
     out = torch.empty(a.shape[0], device=x.device, dtype=torch.float32)
     if a.shape[0]:
         _lse[(a.shape[0],)](a, out, V, a.stride(0), BLOCK=min(LSE_BLOCK, triton.next_power_of_2(V)),
-                            num_warps=ROW_WARPS)
+                            num_warps=LSE_WARPS)
     return out.view(x.shape[:-1])
 
 

@@ -23,3 +23,42 @@ def test_engine_logprobs_are_the_trainers_bitwise(moe: bool) -> None:
     r = exactness(shape, "cuda", True)
     assert r["max_abs_diff"] == 0.0, r
     assert r["step_abs_diff_max"] == 0.0 and r["tis_ratio_max"] == 1.0, r
+
+
+def test_every_gemm_tiling_sums_each_element_in_the_same_order() -> None:
+    """The mode's GEMM picks its M × N tile by shape on CUDA (``gemm_config``); only the K tile
+    fixes an element's sum, so every candidate tiling gives the same bits, at every M."""
+    from miles.kernels import invariant as kernels
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for N, K in ((1024, 2048), (4096, 1024), (3000, 1000)):
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+        for M in (1, 5, 64, 300):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+            ref = kernels.matmul(x, w, config=kernels.CUDA_GEMMS[0])
+            for cfg in kernels.CUDA_GEMMS[1:]:
+                assert torch.equal(kernels.matmul(x, w, config=cfg), ref), (N, K, M, cfg)
+            assert torch.equal(kernels.matmul(x[M // 2 : M // 2 + 1], w), ref[M // 2 : M // 2 + 1]), (N, K, M)
+
+
+def test_attention_rows_agree_across_row_tiles_and_call_forms() -> None:
+    """A query bounded by its key count gets the same bits with a 16- or 64-row tile, decoded
+    over a cache or recomputed in a causal forward. (An equivalent bool mask compiles another
+    kernel, whose bits the H200 showed can differ: the mode's engine and trainer pass key counts.)"""
+    from miles.kernels import invariant as kernels
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    KV, G, D, T = 8, 2, 128, 150
+    q = torch.randn(1, KV * G, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, KV, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, KV, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    full = kernels.attention(q, k, v, kernels.causal_nkeys(T, T, q.device))
+    for bm in (16, 64):
+        assert torch.equal(kernels.attention(q, k, v, kernels.causal_nkeys(T, T, q.device), block_m=bm), full)
+    # decode form: row t is query t alone over the cache, its GQA group as the query axis
+    qd = q[0].view(KV, G, T, D).permute(2, 0, 1, 3).contiguous()
+    nk = torch.arange(1, T + 1, device="cuda", dtype=torch.int32)[:, None, None]
+    kd, vd = k.expand(T, KV, T, D), v.expand(T, KV, T, D)
+    want = full[0].view(KV, G, T, D).permute(2, 0, 1, 3)
+    for bm in (None, 16, 64):
+        assert torch.equal(kernels.attention(qd, kd, vd, nk, block_m=bm), want), bm
