@@ -1,7 +1,7 @@
 """Batch-invariant Triton kernels for ``--true-on-policy`` on CUDA (bf16, float32 accumulation).
 
-Each kernel computes an output row from that row's inputs alone, with one compiled
-configuration for every shape, so a row's bits do not depend on how many rows share the
+Each kernel computes an output row from that row's inputs alone, summing in an order that
+the reduction's length fixes, never the shape of the call, so a row's bits do not depend on how many rows share the
 launch, where in a tile the row lands, or which path (decode over a cache, prefill, the
 trainer's causal forward) called it:
 
@@ -9,8 +9,8 @@ trainer's causal forward) called it:
   in order, one accumulating ``tl.dot`` per tile, from M = 1 (decode) to M = thousands (the
   trainer). cuBLAS picks its kernel, tiling and split-K by shape. The M × N tile and the warps
   only decide which program computes an element, not the order of its sum, so on CUDA they are
-  picked by shape (``gemm_config``: enough programs to fill the GPU); the H200 measured every
-  candidate bitwise equal to every other (``tests/gpu/test_true_on_policy_gpu.py`` checks it).
+  picked by shape (``gemm_config``: enough programs to fill the GPU); every candidate gives
+  the same bits as every other (``tests/gpu/test_true_on_policy_gpu.py`` checks it).
   Elsewhere (triton's interpreter, whose ``tl.dot`` is numpy's) one tiling serves all shapes.
 - ``attention``: a query's softmax and weighted sum of V run over keys in fixed chunks of
   ``ATTN_BLOCK_N`` positions from key 0, an online softmax whose chunks past the query's last
@@ -18,15 +18,15 @@ trainer's causal forward) called it:
   head, query) pairs of one KV head, so a decode step reads each KV head once. Every sum is an
   accumulating ``tl.dot`` (P·V into the rescaled accumulator, and the softmax's denominator as
   P·1): a ``tl.sum`` over a tile reduces in an order set by the tile's register layout, which
-  the compiler picks by tile size and by the code around it (a mask load changed it on the
-  H200). So the row tile can follow the call on CUDA: 16 rows for decode's few, 64 otherwise.
+  the compiler picks by tile size and by the code around it (a mask load changed it). So the
+  row tile can follow the call on CUDA: 16 rows for decode's few, 64 otherwise.
   A query is bounded by its key count (``nkeys``); a bool ``mask`` compiles another kernel,
-  whose bits the H200 showed can differ from the bounded one's for the same visible keys, so
-  the mode's engine (decode, verify) and trainer (causal, right-padded) all pass key counts.
+  whose bits can differ from the bounded one's for the same visible keys, so the mode's
+  engine (decode, verify) and trainer (causal, right-padded) all pass key counts.
 - ``rms_norm``, ``logsumexp`` / ``log_softmax``, ``softmax``: one program per row, one
   reduction tree fixed by the row length (``logsumexp`` in one pass over the row, an online
-  maximum per lane). torch's CUDA reductions pick their split of a row
-  across threads and blocks by the number of rows.
+  maximum per lane). torch's CUDA reductions pick their split of a row across threads and
+  blocks by the number of rows.
 - ``kv_write``: a decode step's new K and V into each row's cache position, one launch. It
   computes nothing; it replaces two advanced-index writes, which under
   ``torch.use_deterministic_algorithms`` (the mode's) sort their indices every layer.
@@ -52,7 +52,7 @@ __all__ = ["ATTN_BLOCK_M", "ATTN_BLOCK_N", "CUDA_GEMMS", "GEMM", "attention", "a
 
 GEMM = (64, 128, 64, 4, 4)  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the tiling off CUDA
 BLOCK_K = GEMM[2]  # the reduction tile: fixed for every GEMM on every device
-# CUDA's candidates, largest tile first; each has BLOCK_K (the H200 measured them bitwise equal)
+# CUDA's candidates, largest tile first; each has BLOCK_K, so all give the same bits
 CUDA_GEMMS = ((128, 128, BLOCK_K, 8, 3), (64, 128, BLOCK_K, 4, 4), (64, 64, BLOCK_K, 4, 4), (64, 32, BLOCK_K, 4, 4),
               (16, 32, BLOCK_K, 4, 4), (16, 16, BLOCK_K, 2, 4))
 ATTN_BLOCK_M, ATTN_BLOCK_N, ATTN_WARPS, ATTN_STAGES = 64, 64, 4, 2
