@@ -27,9 +27,17 @@ trainer's causal forward) called it:
   reduction tree fixed by the row length (``logsumexp`` in one pass over the row, an online
   maximum per lane). torch's CUDA reductions pick their split of a row across threads and
   blocks by the number of rows.
+- ``qk_norm_rope``: a layer's q/k-norms and RoPE from the qkv projection in one launch, with
+  eager torch's roundings (the norm as ``rms_norm``, each RoPE product and their sum rounded to
+  the model's dtype, as bf16 tensor ops round): bitwise the unfused ops the trainer runs, in
+  place of the nine launches a decode layer made of them.
 - ``kv_write``: a decode step's new K and V into each row's cache position, one launch. It
   computes nothing; it replaces two advanced-index writes, which under
   ``torch.use_deterministic_algorithms`` (the mode's) sort their indices every layer.
+
+Where a kernel rounds an intermediate to bf16 as torch would (``rms_norm``, ``qk_norm_rope``)
+it rounds with integer operations (``_rne``): triton folds ``x.to(bf16).to(float32)`` away and
+contracts the products around it into FMAs, so a cast pair does not round.
 
 The kernels are forward-only; ``miles.models.invariant`` wraps them for autograd.
 """
@@ -48,7 +56,7 @@ except ImportError:  # the CPU install has no triton
 from miles.kernels.decode_attention import available  # the same rule: CUDA, or the interpreter
 
 __all__ = ["ATTN_BLOCK_M", "ATTN_BLOCK_N", "CUDA_GEMMS", "GEMM", "attention", "available", "gemm_config", "kv_write",
-           "log_softmax", "logsumexp", "matmul", "rms_norm", "softmax"]
+           "log_softmax", "logsumexp", "matmul", "qk_norm_rope", "rms_norm", "softmax"]
 
 GEMM = (64, 128, 64, 4, 4)  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the tiling off CUDA
 BLOCK_K = GEMM[2]  # the reduction tile: fixed for every GEMM on every device
@@ -142,15 +150,46 @@ if triton is not None:
         tl.store(vc + b * svb + h * svh + p * svs + d, tl.load(v + b * syb + h * syh + d))
 
     @triton.jit
-    def _rms_norm(x, w, y, D, eps, sx, sy, BLOCK: tl.constexpr):
+    def _rne(v, BF16: tl.constexpr):
+        """float32 ``v`` rounded to the nearest bf16 (ties to even), as float32, when BF16:
+        torch's rounding, in integer operations that the compiler keeps."""
+        if BF16:
+            bits = v.to(tl.int32, bitcast=True)
+            bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & -65536
+            v = bits.to(tl.float32, bitcast=True)
+        return v
+
+    @triton.jit
+    def _rms_norm(x, w, y, D, eps, sx, sy, BLOCK: tl.constexpr, BF16: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         inside = c < D
         xv = tl.load(x + row * sx + c, mask=inside, other=0.0).to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / D + eps)
-        normed = (xv * r).to(y.dtype.element_ty).to(tl.float32)
-        wv = tl.load(w + c, mask=inside, other=0.0).to(y.dtype.element_ty).to(tl.float32)
-        tl.store(y + row * sy + c, (wv * normed).to(y.dtype.element_ty), mask=inside)
+        normed = _rne(xv * r, BF16)
+        wv = _rne(tl.load(w + c, mask=inside, other=0.0).to(tl.float32), BF16)
+        tl.store(y + row * sy + c, _rne(wv * normed, BF16).to(y.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _qk_norm_rope(x, qn, kn, cos, sin, y, H, T, eps, sx, sy, scb, sct, ssb, sst, NORM: tl.constexpr,
+                      D: tl.constexpr, BF16: tl.constexpr):
+        row = tl.program_id(0)  # token b * T + t
+        h = tl.program_id(1)  # head: H query heads, then the KV heads
+        b, t = row // T, row % T
+        d = tl.arange(0, D)
+        rolled = (d + D // 2) % D  # torch.roll(x, D / 2)[d]
+        src = x + row.to(tl.int64) * sx + h * D
+        xv = tl.load(src + d).to(tl.float32)
+        xr = tl.load(src + rolled).to(tl.float32)
+        if NORM:  # _rms_norm's arithmetic, for the element and its rolled partner
+            w = qn if h < H else kn
+            r = 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / D + eps)
+            xv = _rne(_rne(tl.load(w + d).to(tl.float32), BF16) * _rne(xv * r, BF16), BF16)
+            xr = _rne(_rne(tl.load(w + rolled).to(tl.float32), BF16) * _rne(xr * r, BF16), BF16)
+        c = _rne(tl.load(cos + b.to(tl.int64) * scb + t.to(tl.int64) * sct + d).to(tl.float32), BF16)
+        sn = _rne(tl.load(sin + b.to(tl.int64) * ssb + t.to(tl.int64) * sst + d).to(tl.float32), BF16)
+        out = _rne(_rne(xv * c, BF16) + _rne(xr * sn, BF16), BF16)
+        tl.store(y + row.to(tl.int64) * sy + h * D + d, out.to(y.dtype.element_ty))
 
     @triton.jit
     def _lse(x, out, V, sx, BLOCK: tl.constexpr):
@@ -250,6 +289,30 @@ def attention(q: Tensor, k: Tensor, v: Tensor, nkeys: Tensor, mask: Tensor | Non
     return o
 
 
+def qk_norm_rope(qkv: Tensor, H: int, KV: int, q_norm: Tensor | None, k_norm: Tensor | None, eps: float,
+                 cos: Tensor, sin: Tensor) -> Tensor:
+    """q/k-norms (when given) and RoPE of the qkv projection [B, T, (H + 2·KV)·D] (rows with a
+    unit last stride): returns [B, T, H + KV, D], q's heads then k's, in qkv's dtype (float32 or
+    bf16), bitwise ``fused.rope_qk(rms_norm(q), rms_norm(k), cos, sin)``. ``cos`` / ``sin`` (the
+    signed sin of ``Rotary``): [B or 1, 1, T, D] with a unit last stride."""
+    B, T, width = qkv.shape
+    D = width // (H + 2 * KV)
+    if (D * (H + 2 * KV) != width or D & (D - 1) or qkv.stride(-1) != 1 or (q_norm is None) != (k_norm is None)
+            or qkv.dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError(f"qk_norm_rope: width {width} over {H}+2x{KV} heads in {qkv.dtype} (float32 or bf16, a "
+                         f"power-of-two head dim, unit stride, both norms or none)")
+    rows = qkv.reshape(B * T, width)
+    y = torch.empty((B, T, H + KV, D), device=qkv.device, dtype=qkv.dtype)
+    cb, sb = (cos.stride(0) if cos.shape[0] > 1 else 0), (sin.stride(0) if sin.shape[0] > 1 else 0)
+    if B * T:
+        _qk_norm_rope[(B * T, H + KV)](rows, q_norm if q_norm is not None else rows,
+                                       k_norm if k_norm is not None else rows, cos, sin, y, H, T, eps,
+                                       rows.stride(0), (H + KV) * D, cb, cos.stride(2), sb, sin.stride(2),
+                                       NORM=q_norm is not None, D=D, BF16=qkv.dtype == torch.bfloat16,
+                                       num_warps=ROW_WARPS)
+    return y
+
+
 def kv_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
     """``k_cache[b, :, positions[b]] = k[b]`` and the same for V, for rows b < n: caches
     [slots, KV, S, D] (unit last stride, the new entries' dtype), k and v [n, KV, D]."""
@@ -275,7 +338,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     y = torch.empty(a.shape, device=x.device, dtype=x.dtype)
     if a.shape[0]:
         _rms_norm[(a.shape[0],)](a, weight, y, D, eps, a.stride(0), y.stride(0), BLOCK=triton.next_power_of_2(D),
-                                 num_warps=ROW_WARPS)
+                                 BF16=x.dtype == torch.bfloat16, num_warps=ROW_WARPS)
     return y.view(x.shape)
 
 

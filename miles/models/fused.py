@@ -89,7 +89,14 @@ def attention_input(h: Tensor, norm_w: Tensor, eps: float, qkv_w: Tensor, qkv_b:
                     H: int, KV: int, D: int) -> tuple[Tensor, Tensor, Tensor]:
     x = rms_norm(h, norm_w, eps)
     B, T = x.shape[0], x.shape[1]
-    q, k, v = F.linear(x, qkv_w, qkv_b).view(B, T, H + 2 * KV, D).split((H, KV, KV), dim=2)
+    qkv = F.linear(x, qkv_w, qkv_b)
+    if invariant.on(qkv) and not torch.is_grad_enabled():  # --true-on-policy: the same bits in one launch
+        from miles.kernels import invariant as kernels
+
+        qk = kernels.qk_norm_rope(qkv, H, KV, q_norm_w, k_norm_w, eps, cos, sin).transpose(1, 2)
+        q, k = qk.split((H, KV), dim=1)
+        return q, k, qkv.view(B, T, H + 2 * KV, D)[:, :, H + KV :].transpose(1, 2)
+    q, k, v = qkv.view(B, T, H + 2 * KV, D).split((H, KV, KV), dim=2)
     if q_norm_w is not None:
         q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
     q, k = rope_qk(q, k, cos, sin)
