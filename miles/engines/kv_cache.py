@@ -273,8 +273,9 @@ class VerifyAttention:
         if self.nkeys is not None:
             from miles.kernels import invariant as invariant_kernels
 
-            out = invariant_kernels.attention(qg, kc[:n, :, : self.length], vc[:n, :, : self.length],
-                                              self.nkeys.repeat(1, 1, G))
+            if self.nkeys.shape[-1] != G * T:  # once a step: tiled over the GQA group, as qg's rows are
+                self.nkeys = self.nkeys.repeat(1, 1, G)
+            out = invariant_kernels.attention(qg, kc[:n, :, : self.length], vc[:n, :, : self.length], self.nkeys)
             return out.reshape(n, H, T, D)
         keys = cache.decode(kc[:n, :, : self.length])  # views: [n, KV, L, D] (copies when 8-bit)
         values = cache.decode(vc[:n, :, : self.length])

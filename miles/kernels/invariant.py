@@ -1,9 +1,9 @@
 """Batch-invariant Triton kernels for ``--true-on-policy`` on CUDA (bf16, float32 accumulation).
 
 Each kernel computes an output row from that row's inputs alone, summing in an order that
-the reduction's length fixes, never the shape of the call, so a row's bits do not depend on how many rows share the
-launch, where in a tile the row lands, or which path (decode over a cache, prefill, the
-trainer's causal forward) called it:
+the reduction's length fixes, never the shape of the call, so a row's bits do not depend on
+how many rows share the launch, where in a tile the row lands, or which path (decode over a
+cache, prefill, the trainer's causal forward) called it:
 
 - ``matmul``: y = x·Wᵀ (+ b), no split-K: each output element sums its K tiles of ``BLOCK_K``
   in order, one accumulating ``tl.dot`` per tile, from M = 1 (decode) to M = thousands (the
@@ -160,15 +160,23 @@ if triton is not None:
         return v
 
     @triton.jit
+    def _inv_rms(xv, D, eps):
+        """1 / RMS of a row (float32, zeros past its D entries)."""
+        return 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / D + eps)
+
+    @triton.jit
+    def _normed(xv, r, wv, BF16: tl.constexpr):
+        """RMSNorm's output entries: x·r rounded, times the weight rounded, rounded."""
+        return _rne(_rne(wv, BF16) * _rne(xv * r, BF16), BF16)
+
+    @triton.jit
     def _rms_norm(x, w, y, D, eps, sx, sy, BLOCK: tl.constexpr, BF16: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         inside = c < D
         xv = tl.load(x + row * sx + c, mask=inside, other=0.0).to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / D + eps)
-        normed = _rne(xv * r, BF16)
-        wv = _rne(tl.load(w + c, mask=inside, other=0.0).to(tl.float32), BF16)
-        tl.store(y + row * sy + c, _rne(wv * normed, BF16).to(y.dtype.element_ty), mask=inside)
+        wv = tl.load(w + c, mask=inside, other=0.0).to(tl.float32)
+        tl.store(y + row * sy + c, _normed(xv, _inv_rms(xv, D, eps), wv, BF16).to(y.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _qk_norm_rope(x, qn, kn, cos, sin, y, H, T, eps, sx, sy, scb, sct, ssb, sst, NORM: tl.constexpr,
@@ -183,9 +191,9 @@ if triton is not None:
         xr = tl.load(src + rolled).to(tl.float32)
         if NORM:  # _rms_norm's arithmetic, for the element and its rolled partner
             w = qn if h < H else kn
-            r = 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / D + eps)
-            xv = _rne(_rne(tl.load(w + d).to(tl.float32), BF16) * _rne(xv * r, BF16), BF16)
-            xr = _rne(_rne(tl.load(w + rolled).to(tl.float32), BF16) * _rne(xr * r, BF16), BF16)
+            r = _inv_rms(xv, D, eps)
+            xv = _normed(xv, r, tl.load(w + d).to(tl.float32), BF16)
+            xr = _normed(xr, r, tl.load(w + rolled).to(tl.float32), BF16)
         c = _rne(tl.load(cos + b.to(tl.int64) * scb + t.to(tl.int64) * sct + d).to(tl.float32), BF16)
         sn = _rne(tl.load(sin + b.to(tl.int64) * ssb + t.to(tl.int64) * sst + d).to(tl.float32), BF16)
         out = _rne(_rne(xv * c, BF16) + _rne(xr * sn, BF16), BF16)

@@ -44,7 +44,7 @@ def test_every_gemm_tiling_sums_each_element_in_the_same_order() -> None:
 def test_attention_rows_agree_across_row_tiles_and_call_forms() -> None:
     """A query bounded by its key count gets the same bits with a 16- or 64-row tile, decoded
     over a cache or recomputed in a causal forward. (An equivalent bool mask compiles another
-    kernel, whose bits the H200 showed can differ: the mode's engine and trainer pass key counts.)"""
+    kernel, whose bits can differ: the mode's engine and trainer pass key counts.)"""
     from miles.kernels import invariant as kernels
 
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -68,23 +68,7 @@ def test_attention_rows_agree_across_row_tiles_and_call_forms() -> None:
 def test_qk_norm_rope_is_bitwise_the_unfused_bf16_ops(norm: bool) -> None:
     """The mode's one-launch q/k-norm + RoPE against the row-norm kernel then torch's bf16 RoPE
     ops (``fused.rope_qk``, the arithmetic the trainer's layers run), decode- and prefill-shaped."""
-    from miles.kernels import invariant as kernels
-    from miles.models import fused
-    from miles.models.config import tiny_config
-    from miles.models.layers import Rotary
+    from tests.unit.models.test_invariant_kernels import check_qk_norm_rope
 
-    g = torch.Generator(device="cuda").manual_seed(2)
-    H, KV, D = 16, 8, 128
-    rotary = Rotary(tiny_config(head_dim=D, num_attention_heads=H, num_key_value_heads=KV, hidden_size=1024,
-                                rope_theta=1_000_000.0))
-    rotary.reserve(4096, "cuda", torch.bfloat16)
-    qn, kn = ((torch.rand(D, device="cuda", generator=g) + 0.5) if norm else None for _ in range(2))
     for B, T in ((64, 1), (3, 200)):
-        qkv = torch.randn(B, T, (H + 2 * KV) * D, device="cuda", generator=g).to(torch.bfloat16)
-        cos, sin = rotary(torch.randint(0, 4000, (B, T), device="cuda", generator=g), torch.bfloat16)
-        got = kernels.qk_norm_rope(qkv, H, KV, qn, kn, 1e-6, cos, sin)
-        q, k, _ = qkv.view(B, T, H + 2 * KV, D).split((H, KV, KV), dim=2)
-        if norm:
-            q, k = kernels.rms_norm(q, qn, 1e-6), kernels.rms_norm(k, kn, 1e-6)
-        wq, wk = fused.rope_qk(q, k, cos, sin)
-        assert torch.equal(got[:, :, :H].transpose(1, 2), wq) and torch.equal(got[:, :, H:].transpose(1, 2), wk)
+        check_qk_norm_rope(B, T, 16, 8, 128, norm, torch.bfloat16, "cuda", seed=2 + T)

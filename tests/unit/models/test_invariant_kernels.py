@@ -109,23 +109,21 @@ def test_engine_logprobs_equal_the_trainers_through_the_kernels(on_cpu, moe: boo
     assert all(a == t.logprobs for a, t in zip(got, trajs))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm", [True, False])
-def test_qk_norm_rope_is_bitwise_the_unfused_ops(norm: bool, dtype: torch.dtype) -> None:
-    """The one-launch q/k-norm + RoPE equals the row-norm kernel then ``fused.rope_qk`` (torch's
-    own ops, which round every bf16 product and sum) bit for bit, from a qkv projection and the
-    rotary tables as the engine holds them."""
+def check_qk_norm_rope(B: int, T: int, H: int, KV: int, D: int, norm: bool, dtype: torch.dtype, device: str,
+                       seed: int = 3) -> None:
+    """``kernels.qk_norm_rope`` against the row-norm kernel then ``fused.rope_qk`` (torch's own
+    ops), bit for bit, from a random qkv projection and the rotary tables as the engine holds them."""
     from miles.models import fused
     from miles.models.config import tiny_config
     from miles.models.layers import Rotary
 
-    g = torch.Generator().manual_seed(3)
-    B, T, H, KV, D = 3, 5, 4, 2, 16
-    qkv = torch.randn(B, T, (H + 2 * KV) * D, generator=g).to(dtype)
-    qn, kn = (torch.rand(D, generator=g) + 0.5 if norm else None for _ in range(2))
-    rotary = Rotary(tiny_config(head_dim=D, num_attention_heads=H, num_key_value_heads=KV, hidden_size=H * D))
-    rotary.reserve(64, "cpu", dtype)
-    cos, sin = rotary(torch.randint(0, 60, (B, T), generator=g), dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+    qkv = torch.randn(B, T, (H + 2 * KV) * D, device=device, generator=g).to(dtype)
+    qn, kn = (torch.rand(D, device=device, generator=g) + 0.5 if norm else None for _ in range(2))
+    rotary = Rotary(tiny_config(head_dim=D, num_attention_heads=H, num_key_value_heads=KV, hidden_size=H * D,
+                                rope_theta=1_000_000.0))
+    rotary.reserve(4096, device, dtype)
+    cos, sin = rotary(torch.randint(0, 4000, (B, T), device=device, generator=g), dtype)
     got = kernels.qk_norm_rope(qkv, H, KV, qn, kn, 1e-6, cos, sin)
     q, k, _ = qkv.view(B, T, H + 2 * KV, D).split((H, KV, KV), dim=2)
     if norm:
@@ -134,3 +132,11 @@ def test_qk_norm_rope_is_bitwise_the_unfused_ops(norm: bool, dtype: torch.dtype)
     assert torch.equal(got[:, :, :H].transpose(1, 2), wq) and torch.equal(got[:, :, H:].transpose(1, 2), wk)
     if norm and dtype == torch.bfloat16:  # the row-norm kernel rounds as torch's ops do, too
         assert torch.equal(q, invariant._rms_norm_ref(qkv.view(B, T, H + 2 * KV, D)[:, :, :H], qn, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_norm_rope_is_bitwise_the_unfused_ops(norm: bool, dtype: torch.dtype) -> None:
+    """The one-launch q/k-norm + RoPE equals the unfused ops (torch's, which round every bf16
+    product and sum) bit for bit, in triton's interpreter (the same check runs on CUDA)."""
+    check_qk_norm_rope(3, 5, 4, 2, 16, norm, dtype, "cpu")
