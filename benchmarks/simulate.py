@@ -122,7 +122,7 @@ from miles.types import PromptSample, Status  # noqa: E402
 # imported: those modules pull in torch and Ray).
 BUFFER_CALL_INTERVAL_S = 0.02  # a worker calls the buffer at most this often
 ADMISSION_COALESCE_S = 0.025  # the driver's admission answers are at least this far apart
-LEASE_WAIT_S = 1.0  # how long a lease that finds nothing waits in the buffer for work
+LEASE_WAIT_S = 10.0  # how long a lease that finds nothing waits in the buffer for work
 
 BINDS = 0.01  # a row whose mask policy zeroed more than this share of tokens: the bound sets its staleness
 _FINISH, _CALL, _TRAINED, _PUBLISHED, _APPLIED, _ADMIT, _WAKE, _DEADLINE = range(8)

@@ -58,10 +58,11 @@ LAG_PROBE_S = 0.05  # the event-loop lag probe's sleep (20 wake-ups a second)
 # not the trajectories, would keep the buffer over 1% of the run. At most one
 # call per interval, returning what finished and leasing in the same call.
 BUFFER_CALL_INTERVAL_S = 0.02
-# How long a lease that finds nothing waits in the buffer for work. Long enough that a starved
-# worker's calls are few (two a wait at most: the lease and, at its deadline, the next one);
-# short enough that a wait the worker forgot to cancel (its stop raced the answer) ends soon.
-LEASE_WAIT_S = 1.0
+# How long a lease that finds nothing waits in the buffer for work. Work, a drain, a hold or a
+# stop (cancel_wait) end a wait at once, so the deadline only bounds one that nothing ends (a
+# lost wake-up): well inside the lease timeout, and long enough that an idle worker's deadline
+# calls (two a wait: the cancel and the next lease) stay few beside a busy worker's puts.
+LEASE_WAIT_S = 10.0
 
 
 class RolloutWorker:
