@@ -241,22 +241,13 @@ def version_stats(versions: list[int]) -> tuple[int, int, int]:
     to ``min``, ``max`` and ``sum``; the result is the same either way."""
     a, b = versions[0], versions[-1]
     if type(a) is int and type(b) is int and 0 < b - a < 8:
-        # Several versions in non-decreasing runs (a long generation across weight updates):
-        # each run's end by bisection, the run checked with a count over its own slice, where
-        # every compare is an identity hit. Counting each version over the whole list instead
-        # sends every token of the other versions down the slow compare path, which made
-        # this a replay buffer's largest cost at a thousand workers (benchmarks/simulate.py).
-        # Runs that tile the list prove min, max and sum, sorted or not.
-        n, total, start = len(versions), 0, 0
-        for v in range(a, b + 1):
-            end = bisect_right(versions, v, start)
-            if versions[start:end].count(v) != end - start:
-                break
-            total += v * (end - start)
-            start = end
-        else:
-            if start == n:
-                return a, b, total
+        runs = version_runs(versions)
+        if runs is not None:
+            total, start = 0, 0
+            for v, end in runs:
+                total += v * (end - start)
+                start = end
+            return a, b, total
     lo, hi = (a, b) if a <= b else (b, a)
     if type(lo) is int and type(hi) is int and hi - lo < 8:
         n, total, covered = len(versions), 0, 0
@@ -267,6 +258,32 @@ def version_stats(versions: list[int]) -> tuple[int, int, int]:
         if covered == n:
             return lo, hi, total
     return min(versions), max(versions), sum(versions)
+
+
+def version_runs(versions: list[int]) -> list[tuple[int, int]] | None:
+    """``[(version, end), ...]``: the list as runs of one version each, ascending from its
+    first entry to its last (fewer than 8 versions), each run from the previous one's end
+    to its own; None when it is not such runs (then nothing is known about its order).
+
+    Each run's end comes by bisection and the run is checked with a count over its own
+    slice, where every compare is an identity hit. Counting each version over the whole
+    list instead sends every token of the other versions down the slow compare path, which
+    made this a replay buffer's largest cost at a thousand workers (benchmarks/simulate.py).
+    Runs that tile the list prove it non-decreasing."""
+    n = len(versions)
+    a, b = versions[0], versions[-1]
+    if not (type(a) is int and type(b) is int and 0 <= b - a < 8):
+        return None
+    if a == b:
+        return [(a, n)] if versions.count(a) == n else None
+    runs, start = [], 0
+    for v in range(a, b + 1):
+        end = bisect_right(versions, v, start)
+        if versions[start:end].count(v) != end - start:
+            return None
+        runs.append((v, end))
+        start = end
+    return runs if start == n else None
 
 
 LossStats = tuple[int | None, int, int]  # the loss tokens' (oldest version or None, count, version sum)

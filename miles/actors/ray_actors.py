@@ -146,11 +146,12 @@ def _timed(name: str, changes: bool) -> Any:
 
 
 # get_batch_async waits for data; its work happens inside get_batch, which is timed. So does
-# put_and_lease's, inside put_many and lease (timed there, once).
+# put_and_lease's (and the waiting put_and_lease_async's), inside put_many and lease (timed
+# there, once a lease however often a waiting one leases again).
 for _name in ("add_prompts", "lease", "put", "put_many", "release_worker", "release_all_workers",
-              "expire_leases", "set_version", "get_batch", "load_state_dict"):
+              "expire_leases", "set_version", "get_batch", "load_state_dict", "unlease"):
     setattr(_BufferActor, _name, _timed(_name, changes=True))
-for _name in ("renew", "ledger", "prompt_room", "failures"):
+for _name in ("renew", "ledger", "prompt_room", "failures", "cancel_wait"):
     setattr(_BufferActor, _name, _timed(_name, changes=False))
 
 
@@ -346,7 +347,10 @@ def launch(cfg: MilesConfig) -> Actors:
     draft_training = cfg.speculative.enabled and cfg.speculative.enable_draft_training
     procs = 1 + cfg.run.num_rollout_workers + cfg.run.num_reward_workers + int(draft_training)
     threads = max(1, (os.cpu_count() or 1) // max(procs, 1))
-    buffer = ray.remote(_BufferActor).options(num_cpus=0, max_concurrency=1000, **home).remote(flat)
+    # every worker may hold a waiting lease in the buffer while it puts and renews: room for
+    # those calls beyond the driver's and the trainer's
+    concurrency = 1000 + 2 * cfg.run.num_rollout_workers
+    buffer = ray.remote(_BufferActor).options(num_cpus=0, max_concurrency=concurrency, **home).remote(flat)
     broadcaster = ray.remote(WeightBroadcaster).options(num_cpus=0, max_concurrency=1000, **home).remote()
     trainer = ray.remote(_PolicyTrainerActor).options(max_concurrency=16, **trainer_opts).remote(flat, threads)
     broadcaster.attach_source.remote(trainer, plan.trainer_nodes[0] if plan else "")

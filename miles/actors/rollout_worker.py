@@ -5,8 +5,13 @@ then new prompts), rolls each out with the generate function in its own task, sc
 and puts it back — many in flight at once, so the engine's continuous batch stays full and
 reward or environment calls overlap with decoding. The loop calls the buffer at most once
 every ``BUFFER_CALL_INTERVAL_S``, returning what finished and leasing new work in that one
-call (``put_and_lease``): the buffer actor's time follows its calls more than the
-trajectories they carry.
+call (``put_and_lease_async``): the buffer actor's time follows its calls more than the
+trajectories they carry. A lease that finds nothing (admission, the staleness bound, no
+prompts) waits in the buffer up to ``LEASE_WAIT_S`` and answers as soon as work arrives
+(``miles.buffers.waiting``), so a starved worker makes one call where it would poll many
+times; meanwhile the worker returns what finishes in put-only calls. At most one lease is in
+flight; work a waiting lease brings after the worker stopped taking it (a drain, a hold, a
+stop) goes back unstarted (``unlease``).
 
 Weights arrive through ``receive_weights`` while ``run`` goes on: the worker's
 ``WeightInbox`` (``miles.transports``) stages every bucket into the engine while it keeps
@@ -53,6 +58,11 @@ LAG_PROBE_S = 0.05  # the event-loop lag probe's sleep (20 wake-ups a second)
 # not the trajectories, would keep the buffer over 1% of the run. At most one
 # call per interval, returning what finished and leasing in the same call.
 BUFFER_CALL_INTERVAL_S = 0.02
+# How long a lease that finds nothing waits in the buffer for work. Work, a drain, a hold or a
+# stop (cancel_wait) end a wait at once, so the deadline only bounds one that nothing ends (a
+# lost wake-up): well inside the lease timeout, and long enough that an idle worker's deadline
+# calls (two a wait: the cancel and the next lease) stay few beside a busy worker's puts.
+LEASE_WAIT_S = 10.0
 
 
 class RolloutWorker:
@@ -73,6 +83,7 @@ class RolloutWorker:
         poll_interval_s: float = 0.01,
         reward_key: str | None = None,
         buffer_call_interval_s: float = BUFFER_CALL_INTERVAL_S,
+        lease_wait_s: float = LEASE_WAIT_S,
         offload_weights: str = "discard",
     ) -> None:
         self.worker_id = worker_id
@@ -89,11 +100,13 @@ class RolloutWorker:
         self.renew_every_s = max(lease_timeout_s / 3, 0.05)
         self.poll_interval_s = poll_interval_s
         self.buffer_call_interval_s = buffer_call_interval_s
+        self.lease_wait_s = lease_wait_s
         self.reward_key = reward_key
         self.offload_weights = offload_weights  # --offload-rollout: how the engine lets go of its weights
         self._warned_sum = False
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._outbox: list[Trajectory] = []
+        self._lease: asyncio.Task[list[Trajectory]] | None = None  # the one lease call in flight
         self._stopping = False
         self._draining = False
         self._hold_until_version = 0
@@ -128,34 +141,73 @@ class RolloutWorker:
         self._hold_until_version = max(self._hold_until_version, hold_until_version)
         last_renew = time.monotonic()
         last_call = float("-inf")
-        starved_since: float | None = None  # an empty lease with room for work: since when
+        starved_since: float | None = None  # with room for work, since when the buffer had none
         lag = asyncio.create_task(self._probe_loop_lag())
         try:
             while not self._stopping:
-                leased: list[Trajectory] = []
+                lease = self._lease
+                if lease is not None and lease.done():
+                    self._lease = None
+                    leased, started = lease.result()
+                    now = time.monotonic()
+                    if not leased:
+                        starved_since = started if starved_since is None else starved_since
+                    elif starved_since is not None or now - started > self.buffer_call_interval_s:
+                        # it found nothing before, or waited in the buffer for this work
+                        self.counters["starved_s"] += now - (started if starved_since is None else starved_since)
+                        starved_since = None
+                    await self._start(leased)
                 free = self.max_inflight - len(self._inflight)
-                can_lease = free > 0 and not self._draining and self.engine.version >= self._hold_until_version
                 wait = last_call + self.buffer_call_interval_s - time.monotonic()
-                if (can_lease or self._outbox) and wait <= 0:
+                if wait <= 0 and self._lease is None and free > 0 and self._takes_work():
                     last_call = time.monotonic()
-                    leased = await self._exchange(free if can_lease else 0)
-                    for traj in leased:
-                        self._inflight[traj.id] = asyncio.create_task(self._process(traj))
-                    if can_lease and not leased and starved_since is None:
-                        starved_since = time.monotonic()
-                if (leased or free <= 0 or self._draining) and starved_since is not None:
+                    self._lease = asyncio.create_task(self._lease_call(free))
+                elif wait <= 0 and self._outbox:
+                    last_call = time.monotonic()
+                    await self._flush()
+                if (free <= 0 or self._draining) and starved_since is not None:
                     self.counters["starved_s"] += time.monotonic() - starved_since
                     starved_since = None
                 if time.monotonic() - last_renew > self.renew_every_s and self._inflight:
                     await self.buffer.call("renew", self.worker_id)
                     last_renew = time.monotonic()
-                if not leased:
-                    await self._wait_for_change(max(wait, 0.0))
+                await self._wait_for_change(max(wait, 0.0))
         finally:
             lag.cancel()
             if starved_since is not None:
                 self.counters["starved_s"] += time.monotonic() - starved_since
+            lease, self._lease = self._lease, None
+            if lease is not None:  # stop() ended its wait; what it brought goes back unstarted
+                (answer,) = await asyncio.gather(lease, return_exceptions=True)
+                if isinstance(answer, tuple) and answer[0]:
+                    await self.buffer.call("unlease", self.worker_id, [t.id for t in answer[0]])
         return self.stats()
+
+    def _takes_work(self) -> bool:
+        return not (self._draining or self._stopping) and self.engine.version >= self._hold_until_version
+
+    async def _lease_call(self, free: int) -> tuple[list[Trajectory], float]:
+        """The lease call (with the outbox), and when it started."""
+        started = time.monotonic()
+        return await self._exchange(free), started
+
+    async def _start(self, leased: list[Trajectory]) -> None:
+        """Start a generation for each leased trajectory; or, when the worker no longer takes
+        work (a waiting lease answered after a drain, a hold or a stop began), give them back
+        unstarted."""
+        if not leased:
+            return
+        if not self._takes_work():
+            await self.buffer.call("unlease", self.worker_id, [t.id for t in leased])
+            return
+        for traj in leased:
+            self._inflight[traj.id] = asyncio.create_task(self._process(traj))
+
+    async def _end_waiting_lease(self) -> None:
+        """The worker stops taking work: end its lease's wait in the buffer (an answer that
+        raced this is given back by ``_start``)."""
+        if self._lease is not None and not self._lease.done():
+            await self.buffer.call("cancel_wait", self.worker_id)
 
     async def _probe_loop_lag(self) -> None:
         """Sleep ``LAG_PROBE_S`` at a time and add up how late each wake-up came."""
@@ -167,17 +219,26 @@ class RolloutWorker:
             self.counters["loop_lag_max_s"] = max(self.counters["loop_lag_max_s"], late)
 
     async def _wait_for_change(self, at_least: float = 0.0) -> None:
-        """Until a generation finishes (or a poll interval passes); never less than
-        ``at_least`` seconds (what is left of the interval between buffer calls)."""
-        tasks = list(self._inflight.values())
-        if tasks and not self._outbox:
-            start = time.monotonic()
-            await asyncio.wait(tasks, timeout=self.poll_interval_s * 5, return_when=asyncio.FIRST_COMPLETED)
-            at_least -= time.monotonic() - start
-            if at_least > 0:
-                await asyncio.sleep(at_least)
-        else:
+        """Until a generation finishes or the lease answers (or a poll interval passes); never
+        less than ``at_least`` seconds (what is left of the interval between buffer calls),
+        unless the lease answers first: its work starts without another call."""
+        lease = self._lease if self._lease is not None and not self._lease.done() else None
+        tasks: list[asyncio.Task[Any]] = [] if self._outbox else list(self._inflight.values())
+        if lease is not None:
+            tasks.append(lease)
+        if not tasks:
             await asyncio.sleep(max(self.poll_interval_s, at_least))
+            return
+        start = time.monotonic()
+        timeout = max(self.poll_interval_s, at_least) if self._outbox else self.poll_interval_s * 5
+        done, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        at_least -= time.monotonic() - start
+        if at_least <= 0 or (lease is not None and lease in done):
+            return
+        if lease is not None:
+            await asyncio.wait([lease], timeout=at_least)
+        else:
+            await asyncio.sleep(at_least)
 
     async def _process(self, traj: Trajectory) -> None:
         start = time.monotonic()
@@ -243,18 +304,19 @@ class RolloutWorker:
 
     async def _exchange(self, lease: int) -> list[Trajectory]:
         """One call into the buffer: return the outbox and lease up to ``lease`` new ones
-        (``put_and_lease``); a put the buffer refuses is retried one by one, then leased."""
+        (``put_and_lease_async``, waiting up to ``lease_wait_s`` for work); a put the buffer
+        refuses is retried one by one, then leased."""
         if lease <= 0:
             await self._flush()
             return []
         batch, self._outbox = self._outbox, []
         self.counters["lease_calls"] += 1
         try:
-            return await self.buffer.call("put_and_lease", batch, self.worker_id, lease)
+            return await self.buffer.call("put_and_lease_async", batch, self.worker_id, lease, self.lease_wait_s)
         except TrajectoryError:
             self._outbox = batch + self._outbox
             await self._flush()
-            return await self.buffer.call("lease", self.worker_id, lease)
+            return await self.buffer.call("lease_async", self.worker_id, lease, self.lease_wait_s)
 
     async def _flush(self) -> None:
         if not self._outbox:
@@ -292,6 +354,7 @@ class RolloutWorker:
         if self.partial_rollout or not self._inflight:
             return
         self._draining = True
+        await self._end_waiting_lease()
         self._idle.clear()
         if self._inflight:
             await self._idle.wait()
@@ -316,6 +379,8 @@ class RolloutWorker:
         With ``hold_until_version`` the worker leases nothing more until it runs that
         policy version (end of a synchronous round: resume on the new weights, not the old)."""
         self._hold_until_version = max(self._hold_until_version, hold_until_version)
+        if self.engine.version < self._hold_until_version:
+            await self._end_waiting_lease()
         n = len(self._inflight)
         if n:
             self.ctx.aborts += 1  # multi-turn episodes park between turns too
@@ -337,6 +402,7 @@ class RolloutWorker:
     async def stop(self) -> dict[str, float]:
         """Stop leasing, park in-flight work in the buffer, return counters."""
         self._stopping = True
+        await self._end_waiting_lease()
         await self.abort_inflight()
         await self._flush()
         await self.inbox.settle(10.0)  # a weight update that was landing finishes (its drain is over)

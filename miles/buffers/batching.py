@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from miles.buffers.records import READY, Group
-from miles.scheduler.staleness import mask_stale_tokens, within_bound
-from miles.types import Trajectory, loss_version_stats
+from miles.scheduler.staleness import mask_stale, within_bound
+from miles.types import Trajectory
 
 if TYPE_CHECKING:  # core imports this module
     from miles.buffers.core import BufferCore
@@ -59,8 +59,9 @@ def _train(buf: BufferCore, groups: list[Group], trainer_version: int) -> list[l
         for rec in group.members:
             traj = rec.traj
             if mask and not within_bound(rec.oldest, trainer_version, eta):
-                masked += mask_stale_tokens(traj, trainer_version, eta)
-                rec.oldest, rec.n_loss, rec.vsum = loss_version_stats(traj.versions, traj.loss_mask)
+                n, (rec.oldest, rec.n_loss, rec.vsum) = mask_stale(traj, trainer_version, eta,
+                                                                    (rec.oldest, rec.n_loss, rec.vsum))
+                masked += n
             if rec.n_loss:
                 n_tokens += rec.n_loss
                 stale_sum += trainer_version * rec.n_loss - rec.vsum

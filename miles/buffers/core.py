@@ -27,6 +27,7 @@ from miles.buffers.policies import EvictionPolicy, GroupFilter, SamplingPolicy, 
 from miles.buffers.records import (
     IN_FLIGHT, PARTIAL, QUEUED, READY, STATE_NAMES, WAITING, Group, Record, reset, restore,
 )
+from miles.buffers.waiting import LeaseWaiters
 from miles.scheduler.staleness import is_doomed
 from miles.types import LossStats, Status, Trajectory
 
@@ -101,6 +102,7 @@ class BufferCore:
         # (need, future) of coroutines waiting for ready groups / free room
         self._ready_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._room_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._lease_waiters = LeaseWaiters()  # starved workers' waiting leases (``waiting.py``)
 
     def _clear(self) -> None:
         self._version = 0
@@ -193,7 +195,10 @@ class BufferCore:
         w = self._workers.pop(worker_id, None)
         if w is None:
             return 0
-        recs = list(w.recs.values())
+        return self._requeue(list(w.recs.values()))
+
+    def _requeue(self, recs: list[Record]) -> int:
+        """Leased records back to the queues' fronts, cut back to what was leased."""
         for rec in reversed(recs):  # reversed: each goes to the queue's front
             rec.worker = None
             rec.traj = restore(rec.traj, rec.snap)
@@ -384,6 +389,8 @@ class BufferCore:
             _wake(self._ready_waiters, len(self._ready))
         if self._room_waiters:
             _wake(self._room_waiters, self.config.capacity - len(self._recs))
+        if self._lease_waiters:
+            self._lease_waiters.wake(self._count[QUEUED] + self._count[PARTIAL])
 
 
 def _wake(waiters: list[tuple[int, asyncio.Future[None]]], have: int) -> None:

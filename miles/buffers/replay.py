@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from miles.buffers import batching, checkpoint
@@ -144,6 +144,7 @@ class ReplayBuffer(BufferCore):
                 )
                 self._admit_record(group, traj, QUEUED)
             gids.append(gid)
+        self._notify()  # waiting leases
         return gids
 
     def add_groups(self, groups: Sequence[Sequence[Trajectory]]) -> list[str]:
@@ -216,6 +217,42 @@ class ReplayBuffer(BufferCore):
             self.put_many(trajs, worker_id)
         return self.lease(worker_id, max_items)
 
+    def lease_or_wait(self, worker_id: str, max_items: int, wake: Callable[[], None]) -> list[Trajectory]:
+        """``lease``; when it finds nothing, register a waiting lease that calls ``wake``
+        (once, from inside whichever buffer call makes work leasable) so the worker leases
+        again then instead of polling (``miles.buffers.waiting``). Ends the worker's
+        previous waiting lease either way, handing on what it was woken for."""
+        out = self.lease(worker_id, max_items)
+        self.cancel_wait(worker_id)
+        if not out and max_items > 0:
+            self._lease_waiters.add(worker_id, max_items, wake)
+        return out
+
+    def cancel_wait(self, worker_id: str) -> bool:
+        """End the worker's waiting lease, if it has one: a waiting ``lease_async`` returns
+        nothing (the worker stops, drains or holds, or is gone). Work it was woken for goes
+        to the next waiters. Returns whether there was one."""
+        waiter = self._lease_waiters.remove(worker_id)
+        if waiter is None:
+            return False
+        if waiter.woken:
+            self._lease_waiters.wake(self._count[QUEUED] + self._count[PARTIAL])
+        else:
+            waiter.wake()  # a waiting coroutine sees its lease gone and returns
+        return True
+
+    def unlease(self, worker_id: str, ids: Sequence[str]) -> int:
+        """Give back leased trajectories the worker has not started (a waiting lease that
+        answered after the worker stopped taking work): they go back to the queues' fronts
+        as they were leased, counted as neither released nor expired. Returns how many."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return 0
+        recs = [w.recs.pop(tid) for tid in ids if tid in w.recs]
+        if not w.recs:
+            del self._workers[worker_id]
+        return self._requeue(recs)
+
     def renew(self, worker_id: str) -> list[str]:
         """Heartbeat: extend all of the worker's leases. Returns the ids it holds whose
         group was dropped meanwhile (their results will be discarded: abort them)."""
@@ -276,6 +313,7 @@ class ReplayBuffer(BufferCore):
     def release_worker(self, worker_id: str) -> int:
         """The worker is gone: its leased trajectories go back to the queues (PARTIAL if
         they had tokens when leased, else PENDING), exactly once. Returns how many."""
+        self.cancel_wait(worker_id)  # a gone worker's waiting lease must not lease for it
         n = self._return_leases(worker_id)
         self._ev["released"] += n
         return n
@@ -332,6 +370,42 @@ class ReplayBuffer(BufferCore):
                 return batch
             if not await _wait(self._ready_waiters, num_groups, loop, deadline):
                 return self.get_batch(num_groups, trainer_version)
+
+    async def lease_async(self, worker_id: str, max_items: int, wait_s: float = 0.0) -> list[Trajectory]:
+        """``lease``, waiting up to ``wait_s`` seconds for work when there is none: the
+        worker is woken when work arrives (``lease_or_wait``) and returns at once with it,
+        or with nothing at the deadline or when ``cancel_wait`` ends the wait."""
+        if wait_s <= 0 or max_items <= 0:
+            return self.lease(worker_id, max_items)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        waiter = None
+        try:
+            while True:
+                woken: asyncio.Future[None] = loop.create_future()
+                out = self.lease_or_wait(worker_id, max_items, lambda f=woken: f.done() or f.set_result(None))
+                waiter = self._lease_waiters.get(worker_id)
+                if out:
+                    return out
+                try:
+                    await asyncio.wait_for(woken, max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    return []
+                if self._lease_waiters.get(worker_id) is not waiter:  # cancelled
+                    waiter = None
+                    return []
+        finally:
+            if waiter is not None and self._lease_waiters.get(worker_id) is waiter:
+                self.cancel_wait(worker_id)
+
+    async def put_and_lease_async(
+        self, trajs: Sequence[Trajectory], worker_id: str, max_items: int, wait_s: float = 0.0
+    ) -> list[Trajectory]:
+        """``put_and_lease`` whose lease waits up to ``wait_s`` seconds for work
+        (``lease_async``); the put happens at once."""
+        if trajs:
+            self.put_many(trajs, worker_id)
+        return await self.lease_async(worker_id, max_items, wait_s)
 
     async def add_prompts_async(
         self, prompts: Sequence[PromptSample], n_samples_per_prompt: int | None = None,

@@ -6,7 +6,7 @@ Staleness of a token trained at trainer version ``v_t`` is ``v_t - v_token``; th
 * at **admission**, by :func:`admission` / :class:`Scheduler` (AReaL's rule): the driver does
   not start more prompts than the versions the trainer can still reach would consume;
 * at **consumption**, by :class:`miles.buffers.ReplayBuffer`, which calls the token-level
-  helpers below (:func:`is_doomed`, :func:`mask_stale_tokens`, and
+  helpers below (:func:`is_doomed`, :func:`mask_stale_tokens`, :func:`mask_stale`, and
   :func:`loss_version_stats`, which lives in ``miles.types`` beside the trajectory's
   validation that computes it) and never hands out a loss token older than the bound.
 
@@ -27,6 +27,8 @@ from bisect import bisect_left
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
+
+from miles.types import LossStats, loss_version_stats, version_runs
 
 if TYPE_CHECKING:  # the buffer imports this module; avoid the cycle at runtime
     from miles.buffers.ledger import Ledger
@@ -74,6 +76,36 @@ def mask_stale_tokens(traj: Trajectory, trainer_version: int, max_staleness: int
             mask[i] = 0
             masked += 1
     return masked
+
+
+def mask_stale(
+    traj: Trajectory, trainer_version: int, max_staleness: int, stats: LossStats
+) -> tuple[int, LossStats]:
+    """``mask_stale_tokens``, and the loss tokens' stats after it (``loss_version_stats``),
+    given their stats before (``stats``).
+
+    When every token carries loss and the versions are ascending runs (``version_runs``,
+    the case of a generation that spans weight updates), the stale tokens are a prefix
+    found by bisection and the new stats follow from the runs: no pass over the tokens
+    but the mask's own write. A pass that compares each token with a version it is not (a
+    sort, a count of 1s over a mask that holds 0s too) runs the slow compare path on every
+    token, and made the mask policy the buffer's largest cost at a thousand workers."""
+    versions, mask = traj.versions, traj.loss_mask
+    n = len(versions)
+    runs = version_runs(versions) if n and stats[1] == n else None
+    if runs is None:
+        masked = mask_stale_tokens(traj, trainer_version, max_staleness)
+        return masked, loss_version_stats(versions, mask)
+    cutoff = trainer_version - max_staleness  # tokens with version < cutoff are stale
+    end, stale_sum, start = 0, 0, 0
+    for v, run_end in runs:
+        if v >= cutoff:
+            break
+        stale_sum += v * (run_end - start)
+        end = start = run_end
+    if end:
+        mask[:end] = [0] * end
+    return end, (versions[end] if end < n else None, n - end, stats[2] - stale_sum)
 
 
 # ---- admission -------------------------------------------------------------------------

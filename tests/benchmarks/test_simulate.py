@@ -55,3 +55,14 @@ def test_the_bound_check_sees_a_stale_token() -> None:
     sim.record(traj, 3)
     assert not sim.bound_held and sim.stale_max == 3
     assert sim.hist == {3: 1, 0: 1}
+
+
+def test_starved_workers_wait_in_the_buffers_waiting_leases() -> None:
+    """Under a binding bound workers starve; their leases wait in the buffer's own waiter list
+    (one per waiting worker, nothing left over), woken by the buffer, not polled."""
+    sim = Simulation(SimConfig(workers=3, eta=1, **TINY))
+    r = sim.run()
+    assert r.ledger_ok and r.bound_held
+    assert sim.waits > 0
+    waiting = {w.wid for w in sim.workers if w.waiting}
+    assert set(sim.buf._lease_waiters._by_worker) == waiting

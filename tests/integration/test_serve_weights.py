@@ -238,7 +238,7 @@ class _Buffer:
         for t in trajs:
             (self.pending if t.status is Status.PARTIAL else self.done).append(t)
 
-    def put_and_lease(self, trajs, worker_id, n):
+    def put_and_lease_async(self, trajs, worker_id, n, wait_s):
         self.put_many(trajs, worker_id)
         return self.lease(worker_id, n)
 

@@ -267,8 +267,8 @@ def test_the_uniform_reward_filter_judges_the_reward_key_entry(tmp_path) -> None
 
 
 def test_buffer_calls_are_an_interval_apart_and_every_trajectory_arrives() -> None:
-    """The run loop returns finished work and leases in one call (``put_and_lease``), at most
-    one call per ``buffer_call_interval_s``; nothing is held back for good."""
+    """The run loop returns finished work and leases in one call (``put_and_lease_async``), at
+    most one call per ``buffer_call_interval_s``; nothing is held back for good."""
     import time
 
     from miles.actors.handles import Peer
@@ -280,7 +280,7 @@ def test_buffer_calls_are_an_interval_apart_and_every_trajectory_arrives() -> No
         class Counting:
             def __getattr__(self, name: str):
                 fn = getattr(buf, name)
-                if name not in ("put_and_lease", "put_many", "lease"):
+                if name not in ("put_and_lease", "put_and_lease_async", "put_many", "lease", "lease_async"):
                     return fn
 
                 def counted(*args, **kwargs):
@@ -303,4 +303,59 @@ def test_buffer_calls_are_an_interval_apart_and_every_trajectory_arrives() -> No
     assert ready == 8
     gaps = [b[0] - a[0] for a, b in zip(calls, calls[1:])]
     assert min(gaps) >= 0.1 - 0.005, gaps
-    assert {name for _, name in calls} <= {"put_and_lease", "put_many"}  # never a lease call of its own
+    assert {name for _, name in calls} <= {"put_and_lease_async", "put_many"}  # never a lease call of its own
+
+
+def test_a_starved_worker_waits_in_one_lease_call_and_starts_when_work_arrives() -> None:
+    """Nothing to lease: one call that waits in the buffer (no poll every interval), answered
+    by the admission; a stop ends the next wait, and nothing stays leased or waiting."""
+    from miles.actors.handles import Peer
+
+    async def scenario() -> tuple[list[str], list[str], int]:
+        worker, buf, _ = _worker(partial=False, max_len=6)
+        worker.lease_wait_s = 60.0  # only an admission or the stop can end a wait
+        calls: list[str] = []
+
+        class Counting:
+            def __getattr__(self, name: str):
+                fn = getattr(buf, name)
+
+                def counted(*args, **kwargs):
+                    calls.append(name)
+                    return fn(*args, **kwargs)
+                return counted
+
+        worker.buffer = Peer(Counting())
+        run = asyncio.create_task(worker.run())
+        while not buf._lease_waiters:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # ten call intervals: a polling worker would call ten times
+        before = list(calls)
+        buf.add_prompts(_prompts(1))
+        while buf.ledger().ready < 2:
+            await asyncio.sleep(0.01)
+        while not buf._lease_waiters:  # starved again
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(worker.stop(), 10.0)
+        await asyncio.wait_for(run, 10.0)
+        await worker.engine.close()
+        return before, buf.leased("w0"), len(buf._lease_waiters)
+
+    before, leased, waiters = asyncio.run(scenario())
+    assert before == ["put_and_lease_async"]
+    assert leased == [] and waiters == 0
+
+
+def test_work_leased_after_the_worker_stopped_taking_it_goes_back_unstarted() -> None:
+    async def scenario() -> tuple[int, int, int]:
+        worker, buf, _ = _worker(partial=False)
+        buf.add_prompts(_prompts(1))
+        leased = buf.lease("w0", 2)  # as a waiting lease that answered after the stop began
+        worker._stopping = True
+        await worker._start(leased)
+        await worker.engine.close()
+        ledger = buf.ledger()
+        ledger.check()
+        return len(worker._inflight), ledger.queued, ledger.in_flight
+
+    assert asyncio.run(scenario()) == (0, 2, 0)

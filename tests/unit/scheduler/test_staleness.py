@@ -97,6 +97,29 @@ def test_mask_stale_tokens_zeroes_exactly_the_stale_loss_tokens() -> None:
         assert t.loss_mask == want and t.versions == versions
 
 
+def test_mask_stale_agrees_with_masking_then_counting() -> None:
+    """The fast path (ascending runs, every token carrying loss) and the general one give
+    what ``mask_stale_tokens`` then ``loss_version_stats`` give, on every shape."""
+    from miles.scheduler.staleness import mask_stale
+    from miles.types import loss_version_stats
+
+    rng = random.Random(3)
+    for _ in range(2000):
+        n = rng.randint(1, 40)
+        base = rng.randint(0, 5)
+        if rng.random() < 0.7:  # ascending runs, some versions skipped
+            versions = sorted(base + rng.choice((0, 1, 2, 4, 7, 9)) for _ in range(n))
+        else:
+            versions = [base + rng.randint(0, 9) for _ in range(n)]
+        mask = [1] * n if rng.random() < 0.7 else [rng.randint(0, 1) for _ in range(n)]
+        trainer, eta = base + rng.randint(0, 12), rng.randint(0, 4)
+        fast = Trajectory(id="t", prompt_id="p", group_id="g", versions=list(versions), loss_mask=list(mask))
+        slow = Trajectory(id="t", prompt_id="p", group_id="g", versions=list(versions), loss_mask=list(mask))
+        got = mask_stale(fast, trainer, eta, loss_version_stats(versions, mask))
+        want = mask_stale_tokens(slow, trainer, eta), loss_version_stats(slow.versions, slow.loss_mask)
+        assert got == want and fast.loss_mask == slow.loss_mask, (versions, mask, trainer, eta)
+
+
 def test_scheduler_events_and_state() -> None:
     s = Scheduler(SchedulerConfig(rollout_batch_size=2, max_staleness=1))
     assert s.capacity() == 4
