@@ -64,7 +64,7 @@ QUICK = {
 GOAL = 0.7
 # The engine options --true-on-policy sets (miles.actors.factory.build_engine).
 MODE_ENGINE = dict(decode_attention="sdpa", cpu_decode_kernel=False, decode_residual_gemm=False,
-                   decode_fused_mlp=False, compile=False, fused_sampling=False)
+                   decode_fused_mlp=False, compile=False)
 
 
 def build_model(shape: dict, seed: int = 0) -> CausalLM:

@@ -119,10 +119,10 @@ def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0) -> A
     engine_cfg = msgspec.structs.replace(cfg.engine, seed=cfg.run.seed + seed_offset, max_seq_len=context_len(cfg))
     if cfg.run.true_on_policy:  # the torch decode path, whose GEMMs and attention invariant.enable replaces
         # (eager: compiled layer functions would fuse RMSNorm, RoPE and SiLU·up in their own
-        # rounding; the sampler's torch log-sum-exp is the mode's row kernel, as the trainer's)
+        # rounding; the fused sampler's tokens get their log-probs from the mode's log-sum-exp,
+        # the trainer's)
         engine_cfg = msgspec.structs.replace(engine_cfg, decode_attention="sdpa", cpu_decode_kernel=False,
-                                             decode_residual_gemm=False, decode_fused_mlp=False, compile=False,
-                                             fused_sampling=False)
+                                             decode_residual_gemm=False, decode_fused_mlp=False, compile=False)
     model = load_pretrained(cfg.rollout.hf_checkpoint, device=engine_cfg.device)
     from miles.models.quant import apply_quantization
 

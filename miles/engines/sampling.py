@@ -288,6 +288,16 @@ def _sampled(logits: Tensor, batch: SamplingBatch, rows: Any, generator: torch.G
     return tok, logprob
 
 
+def recorded_logprobs(logits: Tensor, batch: SamplingBatch, tokens: Tensor) -> Tensor:
+    """``sample``'s recorded log-probs of ``tokens`` for a batch that does not truncate, by its
+    torch ops: under --true-on-policy their log-sum-exp is the trainer's kernel, so the fused
+    draw's tokens get the log-probs the trainer recomputes, bit for bit (its own are ~1e-6 off)."""
+    logits = logits.float()
+    temps = [1.0 if t <= GREEDY_EPS else t for t in batch.temperature]
+    scaled = logits if all(t == 1.0 for t in temps) else logits / to_device(temps, torch.float32, logits.device)[:, None]
+    return scaled.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)
+
+
 def uniforms(keys: list[int | None], V: int, dev: torch.device, gen: torch.Generator | None) -> Tensor:
     """[rows, V] uniforms in [0, 1): a seeded row's from its key (the same on every replay),
     the others' from ``gen``."""

@@ -32,7 +32,8 @@ from torch import Tensor
 from miles.engines.config import EngineConfig
 from miles.engines.requests import Request
 from miles.engines.runner import GRAPH_CAPTURES, ModelRunner, StepOut
-from miles.engines.sampling import SamplingBatch, fused_sample, sample
+from miles.engines.sampling import SamplingBatch, fused_sample, recorded_logprobs, sample
+from miles.models import invariant
 from miles.utils.cuts import cut_by_length
 from miles.utils.device import to_device
 
@@ -328,6 +329,8 @@ class Stepper:
         fused = kernel.sample(out.logits, batch, self.generator) if kernel is not None else None
         if fused is None and self.fused_sampling:  # the same in one Triton pass (CUDA)
             fused = fused_sample(out.logits, batch, self.generator)
+            if fused is not None and invariant.on(out.logits):  # --true-on-policy: the trainer's log-probs
+                fused[1][1] = recorded_logprobs(out.logits, batch, fused[0])
         if fused is not None:  # the same draw and checks in one C call (CPU)
             tokens, stacked = fused
         else:

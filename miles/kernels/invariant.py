@@ -31,12 +31,16 @@ cache, prefill, the trainer's causal forward) called it:
   eager torch's roundings (the norm as ``rms_norm``, each RoPE product and their sum rounded to
   the model's dtype, as bf16 tensor ops round): bitwise the unfused ops the trainer runs, in
   place of the nine launches a decode layer made of them.
+- ``silu_mul``: SiLU·up with eager torch's roundings (libdevice's ``expf`` and an IEEE
+  division, as torch's CUDA SiLU computes, then the product), one launch for torch's two;
+  ``matmul(..., residual=h)`` adds the residual stream in the GEMM's epilogue, rounded as
+  ``h + linear(x, w)`` is. A decode layer makes four launches fewer.
 - ``kv_write``: a decode step's new K and V into each row's cache position, one launch. It
   computes nothing; it replaces two advanced-index writes, which under
   ``torch.use_deterministic_algorithms`` (the mode's) sort their indices every layer.
 
-Where a kernel rounds an intermediate to bf16 as torch would (``rms_norm``, ``qk_norm_rope``)
-it rounds with integer operations (``_rne``): triton folds ``x.to(bf16).to(float32)`` away and
+Where a kernel rounds an intermediate to bf16 as torch would (``rms_norm``, ``qk_norm_rope``,
+``silu_mul``, the residual add) it rounds with integer operations (``_rne``): triton folds ``x.to(bf16).to(float32)`` away and
 contracts the products around it into FMAs, so a cast pair does not round.
 
 The kernels are forward-only; ``miles.models.invariant`` wraps them for autograd.
@@ -50,13 +54,14 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # the CPU install has no triton
     triton = None
 
 from miles.kernels.decode_attention import available  # the same rule: CUDA, or the interpreter
 
 __all__ = ["ATTN_BLOCK_M", "ATTN_BLOCK_N", "CUDA_GEMMS", "GEMM", "attention", "available", "gemm_config", "kv_write",
-           "log_softmax", "logsumexp", "matmul", "qk_norm_rope", "rms_norm", "softmax"]
+           "log_softmax", "logsumexp", "matmul", "qk_norm_rope", "rms_norm", "silu_mul", "softmax"]
 
 GEMM = (64, 128, 64, 4, 4)  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the tiling off CUDA
 BLOCK_K = GEMM[2]  # the reduction tile: fixed for every GEMM on every device
@@ -71,8 +76,9 @@ LSE_BLOCK, LSE_WARPS = 4096, 8  # logits per step of a row's log-sum-exp
 if triton is not None:
 
     @triton.jit
-    def _matmul(a, b, c, bias, M, N, K, sam, sak, sbn, sbk, scm, scn,
-                HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def _matmul(a, b, c, bias, res, M, N, K, sam, sak, sbn, sbk, scm, scn, srm, srn,
+                HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BF16: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
@@ -89,8 +95,11 @@ if triton is not None:
             b_ptr += BK * sbk
         if HAS_BIAS:
             acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(c + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn, acc.to(c.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+        inside = (rm[:, None] < M) & (rn[None, :] < N)
+        if HAS_RES:  # the residual add, as torch's: the GEMM's output rounded, plus h, rounded
+            h = tl.load(res + rm[:, None].to(tl.int64) * srm + rn[None, :] * srn, mask=inside, other=0.0)
+            acc = _rne(_rne(acc, BF16) + h.to(tl.float32), BF16)
+        tl.store(c + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn, acc.to(c.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _attention(q, k, v, o, mask, nkeys, S, R, Q, G, sm_scale,
@@ -200,6 +209,20 @@ if triton is not None:
         tl.store(y + row.to(tl.int64) * sy + h * D + d, out.to(y.dtype.element_ty))
 
     @triton.jit
+    def _silu_mul(x, y, I, sx, sy, BLOCK: tl.constexpr, BF16: tl.constexpr, PRECISE: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = c < I
+        g = tl.load(x + row * sx + c, mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(x + row * sx + I + c, mask=inside, other=0.0).to(tl.float32)
+        if PRECISE:  # torch's CUDA silu: x / (1 + expf(-x)), libdevice's expf and an IEEE division
+            e = libdevice.exp(-g)
+        else:  # triton's interpreter has no libdevice
+            e = tl.exp(-g)
+        s = tl.math.div_rn(g, 1.0 + e)
+        tl.store(y + row * sy + c, _rne(_rne(s, BF16) * u, BF16).to(y.dtype.element_ty), mask=inside)
+
+    @triton.jit
     def _lse(x, out, V, sx, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
@@ -244,24 +267,52 @@ def gemm_config(M: int, N: int, device: torch.device) -> tuple[int, int, int, in
 
 
 def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-           config: tuple[int, int, int, int, int] | None = None) -> Tensor:
+           config: tuple[int, int, int, int, int] | None = None, residual: Tensor | None = None) -> Tensor:
     """``x`` [..., K] · ``weight`` [N, K]ᵀ (+ ``bias``) in ``x``'s dtype; ``weight`` must be in it.
-    ``config`` overrides ``gemm_config`` (the tests' check that every tiling agrees)."""
+    ``residual`` [..., N] (x's dtype): ``residual + matmul(x, weight, bias)`` with torch's two
+    roundings, in the GEMM's epilogue (a decode layer's two residual adds are launches of their
+    own otherwise). ``config`` overrides ``gemm_config`` (the tests' check that every tiling agrees)."""
     K = x.shape[-1]
     if weight.shape[-1] != K:
         raise ValueError(f"matmul: input width {K} != weight width {weight.shape[-1]}")
     a = x.reshape(-1, K)
     M, N = a.shape[0], weight.shape[0]
+    r = None
+    if residual is not None:
+        if residual.shape[:-1] != x.shape[:-1] or residual.shape[-1] != N or residual.dtype != x.dtype:
+            raise ValueError(f"matmul: residual {tuple(residual.shape)} {residual.dtype} for an output of "
+                             f"{(*x.shape[:-1], N)} {x.dtype}")
+        r = residual.reshape(M, N)
     c = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M and N:
         BM, BN, BK, warps, stages = config or gemm_config(M, N, x.device)
         if BK != BLOCK_K:
             raise ValueError(f"matmul: the reduction tile is {BLOCK_K} on every device, not {BK}")
         _matmul[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
-            a, weight, c, bias if bias is not None else c, M, N, K, a.stride(0), a.stride(1), weight.stride(0),
-            weight.stride(1), c.stride(0), c.stride(1), HAS_BIAS=bias is not None, BM=BM, BN=BN, BK=BK,
-            num_warps=warps, num_stages=stages)
+            a, weight, c, bias if bias is not None else c, r if r is not None else c, M, N, K, a.stride(0),
+            a.stride(1), weight.stride(0), weight.stride(1), c.stride(0), c.stride(1),
+            *(r.stride() if r is not None else (0, 0)), HAS_BIAS=bias is not None, HAS_RES=r is not None,
+            BF16=x.dtype == torch.bfloat16, BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
     return c.view(*x.shape[:-1], N)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """``F.silu(gate) * up`` of ``gate_up`` [..., 2·I] (gate then up), in its dtype with eager
+    torch's roundings (SiLU in float32 rounded, the product rounded): one launch for the two."""
+    I2 = gate_up.shape[-1]
+    if I2 % 2 or gate_up.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"silu_mul: width {I2} in {gate_up.dtype} (even, float32 or bf16)")
+    a = gate_up.reshape(-1, I2)
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    I = I2 // 2
+    y = torch.empty((a.shape[0], I), device=a.device, dtype=a.dtype)
+    if a.shape[0] and I:
+        block = min(1024, triton.next_power_of_2(I))
+        _silu_mul[(a.shape[0], triton.cdiv(I, block))](a, y, I, a.stride(0), y.stride(0), BLOCK=block,
+                                                      BF16=a.dtype == torch.bfloat16,
+                                                      PRECISE=a.device.type == "cuda", num_warps=ROW_WARPS)
+    return y.view(*gate_up.shape[:-1], I)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, nkeys: Tensor, mask: Tensor | None = None,

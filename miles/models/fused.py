@@ -109,20 +109,40 @@ def qkv_projection(h: Tensor, norm_w: Tensor, eps: float, qkv_w: Tensor, qkv_b: 
     return F.linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
 
 
+def _kernels_serve(*ts: Tensor) -> bool:
+    """--true-on-policy on CUDA, outside autograd, all in one dtype: the mode's fused kernels
+    (bitwise the eager ops the trainer's forward runs) may replace a pair of eager ops."""
+    return invariant.on(ts[0]) and not torch.is_grad_enabled() and all(t.dtype == ts[0].dtype for t in ts)
+
+
 def silu_mul(gate_up: Tensor) -> Tensor:
+    # on CUDA, whose SiLU the kernel computes (libdevice's expf); triton's interpreter has numpy's
+    if _kernels_serve(gate_up) and gate_up.is_cuda:
+        from miles.kernels import invariant as kernels
+
+        return kernels.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
+def residual_linear(h: Tensor, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """``h + F.linear(x, w, b)``: a residual add after a projection."""
+    if _kernels_serve(h, x, w, *(() if b is None else (b,))):
+        from miles.kernels import invariant as kernels
+
+        return kernels.matmul(x, w, b, residual=h)
+    return h + F.linear(x, w, b)
+
+
 def attention_output(h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None) -> Tensor:
     B, T = h.shape[0], h.shape[1]
-    return h + F.linear(attn.transpose(1, 2).reshape(B, T, -1), o_w, o_b)
+    return residual_linear(h, attn.transpose(1, 2).reshape(B, T, -1), o_w, o_b)
 
 
 def attention_output_mlp(h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None, norm_w: Tensor,
                          eps: float, gate_up_w: Tensor, down_w: Tensor) -> Tensor:
     h = attention_output(h, attn, o_w, o_b)
-    return h + F.linear(silu_mul(F.linear(rms_norm(h, norm_w, eps), gate_up_w)), down_w)
+    return residual_linear(h, silu_mul(F.linear(rms_norm(h, norm_w, eps), gate_up_w)), down_w)
 
 
 class FastPath:

@@ -72,3 +72,26 @@ def test_qk_norm_rope_is_bitwise_the_unfused_bf16_ops(norm: bool) -> None:
 
     for B, T in ((64, 1), (3, 200)):
         check_qk_norm_rope(B, T, 16, 8, 128, norm, torch.bfloat16, "cuda", seed=2 + T)
+
+
+def test_silu_mul_and_the_residual_epilogue_are_bitwise_the_eager_bf16_ops() -> None:
+    """The decode layer's SiLU·up kernel against torch's ``F.silu(gate) * up``, and the GEMM's
+    residual epilogue against ``h + matmul`` under every tiling, in bf16, decode- and
+    prefill-shaped, over the range where SiLU's exp saturates too."""
+    import torch.nn.functional as F
+
+    from miles.kernels import invariant as kernels
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    edge = torch.tensor([-100.0, -88.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 88.0, 100.0], device="cuda")
+    for M in (1, 64, 300):
+        gu = (torch.randn(M, 2 * 3072, device="cuda", generator=g) * 6).to(torch.bfloat16)
+        gu[:, : edge.numel()] = edge.to(torch.bfloat16)
+        gate, up = gu.chunk(2, dim=-1)
+        assert torch.equal(kernels.silu_mul(gu), F.silu(gate) * up), M
+        x = torch.randn(M, 3072, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+        h = torch.randn(M, 1024, device="cuda", dtype=torch.bfloat16, generator=g) * 4
+        want = h + kernels.matmul(x, w)
+        for cfg in kernels.CUDA_GEMMS:
+            assert torch.equal(kernels.matmul(x, w, config=cfg, residual=h), want), (M, cfg)

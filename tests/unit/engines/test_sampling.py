@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from miles.engines.sampling import UNIFORM_BITS, SamplingBatch, counter_uniform, row_key, sample, truncate, unit
+from miles.engines.sampling import (UNIFORM_BITS, SamplingBatch, counter_uniform, recorded_logprobs, row_key, sample,
+                                    truncate, unit)
 from miles.types import SamplingParams
 
 
@@ -23,6 +24,16 @@ def test_logprob_is_log_softmax_over_temperature_without_truncation() -> None:
     temps = torch.tensor([0.5, 1.0, 1.7, 0.9])
     ref = torch.log_softmax(logits / temps[:, None], -1).gather(-1, tok[:, None])[:, 0]
     assert torch.allclose(lp, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("temps", [(0.0, 0.7, 1.0, 1e-7, 1.3), (1.0, 1.0), (0.0, 0.0)])
+def test_recorded_logprobs_of_the_drawn_tokens_are_samples_own_bitwise(temps: tuple[float, ...]) -> None:
+    """The log-probs --true-on-policy gives the fused draw's tokens are those ``sample`` records for
+    the same tokens, bit for bit, greedy and tempered rows mixed (it takes the same ops)."""
+    logits = torch.randn(len(temps), 300, generator=torch.Generator().manual_seed(3)) * 3
+    batch = _batch([SamplingParams(temperature=t, seed=i) for i, t in enumerate(temps)])
+    tok, lp = sample(logits, batch, None)
+    assert torch.equal(recorded_logprobs(logits, batch, tok), lp)
 
 
 def test_greedy_rows_take_argmax_and_record_t1_logprob() -> None:
