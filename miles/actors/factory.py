@@ -46,6 +46,7 @@ def configure_process(cfg: MilesConfig, threads: int) -> None:
         from miles.models import invariant
 
         invariant.enable(keys=context_len(cfg), device="cuda" if cuda else "cpu")
+        invariant.skip_uninitialized_fill()
 
 
 def load_tokenizer(cfg: MilesConfig) -> Any:
