@@ -11,7 +11,8 @@ cache, prefill, the trainer's causal forward) called it:
   only decide which program computes an element, not the order of its sum, so on CUDA they are
   picked by shape (``gemm_config``: enough programs to fill the GPU); every candidate gives
   the same bits as every other (``tests/gpu/test_true_on_policy_gpu.py`` checks it).
-  Elsewhere (triton's interpreter, whose ``tl.dot`` is numpy's) one tiling serves all shapes.
+  Elsewhere (triton's interpreter, whose ``tl.dot`` is numpy's, on float32 tiles: its bf16 dot is broken)
+  one tiling serves all shapes.
 - ``attention``: a query's softmax and weighted sum of V run over keys in fixed chunks of
   ``ATTN_BLOCK_N`` positions from key 0, an online softmax whose chunks past the query's last
   visible key are exact identities (their weights are 0, the rescale 1). Rows are (GQA group
@@ -40,8 +41,9 @@ cache, prefill, the trainer's causal forward) called it:
   ``torch.use_deterministic_algorithms`` (the mode's) sort their indices every layer.
 
 Where a kernel rounds an intermediate to bf16 as torch would (``rms_norm``, ``qk_norm_rope``,
-``silu_mul``, the residual add) it rounds with integer operations (``_rne``): triton folds ``x.to(bf16).to(float32)`` away and
-contracts the products around it into FMAs, so a cast pair does not round.
+``silu_mul``, the residual add) it rounds with integer operations (``_rne``): triton folds
+``x.to(bf16).to(float32)`` away and contracts the products around it into FMAs, so a cast pair
+does not round.
 
 The kernels are forward-only; ``miles.models.invariant`` wraps them for autograd.
 """
@@ -70,7 +72,7 @@ CUDA_GEMMS = ((128, 128, BLOCK_K, 8, 3), (64, 128, BLOCK_K, 4, 4), (64, 64, BLOC
               (16, 32, BLOCK_K, 4, 4), (16, 16, BLOCK_K, 2, 4))
 ATTN_BLOCK_M, ATTN_BLOCK_N, ATTN_WARPS, ATTN_STAGES = 64, 64, 4, 2
 ATTN_DECODE_BLOCK_M = 16  # CUDA's row tile where a call has at most this many rows per KV head
-ATTN_DECODE_WARPS = 2  # and its warps: the fastest of 1-8 on the H200 at batch 64 (12.5 µs against 18.3), the same bits
+ATTN_DECODE_WARPS = 2  # and its warps: the fastest for decode's few rows (every count gives the same bits)
 ROW_WARPS = 4
 LSE_BLOCK, LSE_WARPS = 4096, 8  # logits per step of a row's log-sum-exp
 
@@ -79,7 +81,7 @@ if triton is not None:
     @triton.jit
     def _matmul(a, b, c, bias, res, M, N, K, sam, sak, sbn, sbk, scm, scn, srm, srn,
                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BF16: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr):
+                BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
@@ -91,22 +93,23 @@ if triton is not None:
         for k0 in range(0, K, BK):
             a_t = tl.load(a_ptr, mask=(rm[:, None] < M) & (rk[None, :] + k0 < K), other=0.0)
             b_t = tl.load(b_ptr, mask=(rn[None, :] < N) & (rk[:, None] + k0 < K), other=0.0)
-            acc = tl.dot(a_t, b_t, acc)
+            acc = tl.dot(_up(a_t, UPCAST), _up(b_t, UPCAST), acc)
             a_ptr += BK * sak
             b_ptr += BK * sbk
         if HAS_BIAS:
             acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         inside = (rm[:, None] < M) & (rn[None, :] < N)
+        acc = _rne(acc, BF16)  # CUDA's cast rounds so too; the interpreter's would truncate
         if HAS_RES:  # the residual add, as torch's: the GEMM's output rounded, plus h, rounded
             h = tl.load(res + rm[:, None].to(tl.int64) * srm + rn[None, :] * srn, mask=inside, other=0.0)
-            acc = _rne(_rne(acc, BF16) + h.to(tl.float32), BF16)
+            acc = _rne(acc + h.to(tl.float32), BF16)
         tl.store(c + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn, acc.to(c.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _attention(q, k, v, o, mask, nkeys, S, R, Q, G, sm_scale,
                    sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sob, soh, sot, smb, smh, smt, sms,
                    snb, snh, snt, D: tl.constexpr, HAS_MASK: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr):
+                   BN: tl.constexpr, UPCAST: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         r = tl.program_id(2) * BM + tl.arange(0, BM)  # rows: (group head g, query t) of this KV head
@@ -130,7 +133,7 @@ if triton is not None:
             n = n0 + tl.arange(0, BN)
             inside = n < hi  # past the tile's last visible key nothing is read: a cache's stale slots stay out
             kt = tl.load(kbase + n[None, :].to(tl.int64) * sks + d[:, None], mask=inside[None, :], other=0.0)
-            s = tl.dot(qt, kt) * scale
+            s = tl.dot(_up(qt, UPCAST), _up(kt, UPCAST)) * scale
             ok = (n[None, :] < n_row[:, None]) & inside[None, :] & live[:, None]
             if HAS_MASK:
                 ok = ok & (tl.load(mask + mrow[:, None] + n[None, :].to(tl.int64) * sms,
@@ -142,8 +145,9 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_use)
             vt = tl.load(vbase + n[:, None].to(tl.int64) * svs + d[None, :], mask=inside[:, None], other=0.0)
             pv = p.to(vt.dtype)
-            acc = tl.dot(pv, vt, acc * alpha[:, None])
-            l_acc = tl.dot(pv, (tl.zeros((BN, 16), tl.float32) + 1.0).to(vt.dtype), l_acc * alpha[:, None])
+            acc = tl.dot(_up(pv, UPCAST), _up(vt, UPCAST), acc * alpha[:, None])
+            ones = (tl.zeros((BN, 16), tl.float32) + 1.0).to(vt.dtype)
+            l_acc = tl.dot(_up(pv, UPCAST), _up(ones, UPCAST), l_acc * alpha[:, None])
             m_i = m_new
         l_i = tl.max(l_acc, 1)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -158,6 +162,14 @@ if triton is not None:
         d = tl.arange(0, D)
         tl.store(kc + b * skb + h * skh + p * sks + d, tl.load(k + b * sxb + h * sxh + d))
         tl.store(vc + b * svb + h * svh + p * svs + d, tl.load(v + b * syb + h * syh + d))
+
+    @triton.jit
+    def _up(t, UPCAST: tl.constexpr):
+        """``t`` as float32 for a ``tl.dot`` under triton's interpreter, whose bf16 dot is not a
+        product at all (its values come out ~1e10); on CUDA ``t`` as it is."""
+        if UPCAST:
+            t = t.to(tl.float32)
+        return t
 
     @triton.jit
     def _rne(v, BF16: tl.constexpr):
@@ -293,7 +305,8 @@ def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None,
             a, weight, c, bias if bias is not None else c, r if r is not None else c, M, N, K, a.stride(0),
             a.stride(1), weight.stride(0), weight.stride(1), c.stride(0), c.stride(1),
             *(r.stride() if r is not None else (0, 0)), HAS_BIAS=bias is not None, HAS_RES=r is not None,
-            BF16=x.dtype == torch.bfloat16, BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+            BF16=x.dtype == torch.bfloat16, BM=BM, BN=BN, BK=BK, UPCAST=x.device.type != "cuda", num_warps=warps,
+            num_stages=stages)
     return c.view(*x.shape[:-1], N)
 
 
@@ -344,7 +357,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, nkeys: Tensor, mask: Tensor | Non
     if B and R:
         _attention[grid](q, k, v, o, m, n, S, R, Q, G, D ** -0.5 if scale is None else scale,
                          *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *ms, *n.stride(),
-                         D=D, HAS_MASK=mask is not None, BM=BM, BN=ATTN_BLOCK_N,
+                         D=D, HAS_MASK=mask is not None, BM=BM, BN=ATTN_BLOCK_N, UPCAST=q.device.type != "cuda",
                          num_warps=ATTN_DECODE_WARPS if BM == ATTN_DECODE_BLOCK_M else ATTN_WARPS,
                          num_stages=ATTN_STAGES)
     return o

@@ -387,8 +387,8 @@ def enable(keys: int, linear_fn: Any = None, device: torch.device | str = "cpu",
 def skip_uninitialized_fill() -> None:
     """Deterministic algorithms (the mode's) fill every new tensor with NaN so that a read of
     memory nothing wrote is reproducible; the mode's kernels and ops write every element they
-    later read, so the fills are pure cost: 268 launches a decode step of a 28-layer model,
-    about a tenth of its time on the H200."""
+    later read, so the fills are pure cost: a launch for every tensor a decode step creates,
+    several a layer (benchmarks/log/true_on_policy.md has the profile)."""
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 

@@ -29,6 +29,8 @@ def test_gemm_rows_and_columns_do_not_depend_on_the_batch() -> None:
     for rows in ([0], [69], [5, 20, 3], list(range(70))[::-1]):
         assert torch.equal(kernels.matmul(x[rows], w, b), full[rows])
     assert torch.equal(kernels.matmul(x[:3], w[7:30], b[7:30]), full[:3, 7:30])  # a fused projection's slice
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)  # bf16 tiles: a product here too, as on CUDA
+    assert (kernels.matmul(xb, wb).float() - F.linear(xb.float(), wb.float())).abs().max() < 0.25
 
 
 def test_row_kernels_do_not_depend_on_the_batch() -> None:
@@ -144,13 +146,13 @@ def test_qk_norm_rope_is_bitwise_the_unfused_ops(norm: bool, dtype: torch.dtype)
     check_qk_norm_rope(3, 5, 4, 2, 16, norm, dtype, "cpu")
 
 
-def test_the_residual_epilogue_is_the_unfused_add() -> None:
-    """``matmul(x, w, residual=h)`` is ``h + matmul(x, w)`` bit for bit, with and without a bias,
-    and per row as in a batch. In float32: the interpreter's float32 → bf16 casts truncate where
-    CUDA's (and the epilogue's) round to nearest even, so bf16 is checked on CUDA (``tests/gpu``)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_residual_epilogue_is_the_unfused_add(dtype: torch.dtype) -> None:
+    """``matmul(x, w, residual=h)`` is ``h + matmul(x, w)`` (torch's add of the rounded GEMM
+    output) bit for bit, with and without a bias, and per row as in a batch."""
     g = torch.Generator().manual_seed(4)
-    x, w, b = (torch.randn(*s, generator=g) for s in ((21, 96), (40, 96), (40,)))
-    h = torch.randn(21, 40, generator=g) * 3
+    x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((21, 96), (40, 96), (40,)))
+    h = (torch.randn(21, 40, generator=g) * 3).to(dtype)
     for bias in (None, b):
         want = h + kernels.matmul(x, w, bias)
         got = kernels.matmul(x, w, bias, residual=h)
