@@ -35,38 +35,25 @@ from miles.utils.loading import load_function
 
 
 class ClientFactory:
-    """Builds each episode's ``openai.AsyncOpenAI``; the clients share one HTTP connection pool
-    (building an HTTP client loads the CA store, which costs more than a model call)."""
+    """Builds each episode's ``openai.AsyncOpenAI`` (``miles.agent.client``); imports openai
+    on first use, so a run without agents does not need it."""
 
     def __init__(self) -> None:
-        self.http: Any = None
+        self._factory: Any = None
 
     def __call__(self, base_url: str, timeout_s: float) -> Any:
-        try:
-            import openai
-        except ImportError as exc:
-            raise ImportError("--custom-agent-function-path needs the openai package: "
-                              "pip install 'miles[agent]'") from exc
-        if self.http is None:
-            self.http = _http_client(openai, timeout_s)
-        # No retries: a refused request (4xx) is the agent's to see, and a 5xx ends the episode.
-        return openai.AsyncOpenAI(base_url=base_url, api_key="miles", max_retries=0, timeout=timeout_s,
-                                  http_client=self.http)
+        if self._factory is None:
+            try:
+                from miles.agent.client import ClientFactory as _Factory
+            except ImportError as exc:
+                raise ImportError("--custom-agent-function-path needs the openai package: "
+                                  "pip install 'miles[agent]'") from exc
+            self._factory = _Factory()
+        return self._factory(base_url, timeout_s)
 
     async def close(self) -> None:
-        if self.http is not None:
-            await self.http.aclose()
-            self.http = None
-
-
-def _http_client(openai: Any, timeout_s: float) -> Any:
-    """The aiohttp transport where this ``openai`` has it (aiohttp is a miles dependency): a
-    loopback round trip through it costs a fraction of one through httpx, which matters when
-    every turn of an episode is a call."""
-    try:
-        return openai.DefaultAioHttpClient(timeout=timeout_s)
-    except (AttributeError, RuntimeError):  # an openai without the aiohttp transport
-        return openai.DefaultAsyncHttpxClient(timeout=timeout_s)
+        if self._factory is not None:
+            await self._factory.close()
 
 
 class AgentRollout:

@@ -1,0 +1,240 @@
+"""The ``openai.AsyncOpenAI`` each episode's agent gets, lean for a session server on loopback.
+
+``ClientFactory`` (``miles.agent.rollout`` builds one per rollout worker) makes every
+episode's client. An episode's calls are sequential round trips to this process's own
+session server, so what the client does per call besides HTTP is per-turn overhead
+(``benchmarks/agentic.py --overhead``). Two parts of the stock client cost more than the
+server's whole turn and do nothing on this path; the client here leaves them out and keeps
+the rest of the library (option handling, headers, response parsing into ``ChatCompletion``,
+``AsyncStream`` for ``stream=True``, ``BadRequestError`` and the other status errors):
+
+- the request transform. ``chat.completions.create`` walks every message against the
+  union of OpenAI's message TypedDicts to apply key aliases and value formats, several
+  milliseconds for a few dozen messages. The chat and completions params declare none
+  (``tests/unit/agent/test_client.py`` checks, so an ``openai`` that adds one fails
+  there), so the transform returns the arguments less the omitted ones, with pydantic
+  objects dumped; ``create`` here builds that body itself and posts it with the
+  resource's own ``_post``. The call's signature is the library's: the same names are
+  accepted and required.
+- httpx's send layers (auth flow, redirects, cookie jar, event hooks) and the generic
+  aiohttp adapter. The session server needs none of them (the session id in the URL is
+  the credential; it never redirects or sets cookies): ``_LoopbackHttp.send`` hands the
+  request to an aiohttp session with kept-alive connections and reads the body in one go
+  unless the caller streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import aiohttp
+import openai
+import pydantic
+from openai.resources.chat.completions import AsyncCompletions as _AsyncChatCompletions
+from openai.resources.completions import AsyncCompletions as _AsyncTextCompletions
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+# the httpx the installed openai is built on (``httpx`` or its fork ``httpx2``)
+httpx = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
+
+_OMITTED = tuple(t for t in (getattr(openai, "Omit", None), getattr(openai, "NotGiven", None)) if t is not None)
+_REQUEST_ARGS = ("extra_headers", "extra_query", "extra_body", "timeout")
+_FORWARD = (str, int, float, bool, type(None))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as the request transform leaves it when no key has an alias or format:
+    omitted entries dropped, pydantic objects dumped as the transform dumps them, other
+    iterables as lists."""
+    if isinstance(value, _FORWARD):
+        return value
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items() if not isinstance(v, _OMITTED)}
+    if isinstance(value, pydantic.BaseModel):
+        return value.model_dump(exclude_unset=True, mode="json", exclude=getattr(value, "__api_exclude__", None))
+    if isinstance(value, Iterable) and not isinstance(value, (bytes, bytearray)):
+        return [_plain(v) for v in value]
+    return value
+
+
+class _Create:
+    """One ``create`` endpoint: its path, result types, and the library's signature."""
+
+    def __init__(self, path: str, library_create: Any, cast_to: type, chunk: type) -> None:
+        self.path, self.cast_to, self.chunk = path, cast_to, chunk
+        params = inspect.signature(library_create).parameters
+        self.names = frozenset(params) - {"self"}
+        self.required = tuple(n for n, p in params.items()
+                              if n != "self" and p.kind is p.KEYWORD_ONLY and p.default is p.empty)
+        self.required = self.required or ("model",)
+
+    def body(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The JSON body of a call with these keyword arguments (TypeError where the library's
+        ``create`` would raise one)."""
+        unknown = params.keys() - self.names
+        if unknown:
+            raise TypeError(f"create() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+        missing = [n for n in self.required if n not in params]
+        if missing:
+            raise TypeError(f"create() is missing required arguments: {', '.join(missing)}")
+        if isinstance(params.get("response_format"), type):  # a pydantic class: parse()'s job
+            raise TypeError("You tried to pass a `BaseModel` class to `chat.completions.create()`; "
+                            "You must use `chat.completions.parse()` instead")
+        body = {k: _plain(v) for k, v in params.items() if k not in _REQUEST_ARGS and not isinstance(v, _OMITTED)}
+        if params.get("extra_body"):
+            body.update(_plain(params["extra_body"]))
+        return body
+
+    async def __call__(self, resource: Any, params: dict[str, Any]) -> Any:
+        body = self.body(params)
+        options: dict[str, Any] = {}
+        if params.get("extra_headers") is not None:
+            options["headers"] = params["extra_headers"]
+        if params.get("extra_query") is not None:
+            options["params"] = params["extra_query"]
+        if "timeout" in params and not isinstance(params["timeout"], _OMITTED):
+            options["timeout"] = params["timeout"]
+        stream = bool(params.get("stream"))
+        return await resource._post(self.path, body=body, options=options, cast_to=self.cast_to, stream=stream,
+                                    stream_cls=openai.AsyncStream[self.chunk])
+
+
+_CHAT = _Create("/chat/completions", _AsyncChatCompletions.create, ChatCompletion, ChatCompletionChunk)
+_TEXT = _Create("/completions", _AsyncTextCompletions.create, Completion, Completion)
+
+
+class _ChatCompletions(_AsyncChatCompletions):
+    async def create(self, **params: Any) -> Any:  # type: ignore[override]
+        return await _CHAT(self, params)
+
+
+class _TextCompletions(_AsyncTextCompletions):
+    async def create(self, **params: Any) -> Any:  # type: ignore[override]
+        return await _TEXT(self, params)
+
+
+class SessionClient(openai.AsyncOpenAI):
+    """``openai.AsyncOpenAI`` whose ``chat.completions.create`` and ``completions.create``
+    skip the request transform (module docstring)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.chat.__dict__["completions"] = _ChatCompletions(self)  # chat is a cached_property
+        self.__dict__["completions"] = _TextCompletions(self)
+        self._urls: dict[str, Any] = {}
+
+    def platform_headers(self) -> dict[str, str]:
+        """None: the ``X-Stainless-*`` telemetry headers are for OpenAI's API, not a session."""
+        return {}
+
+    def _prepare_url(self, url: str) -> Any:
+        """The library's URL merge, once per path: an episode calls one or two paths."""
+        out = self._urls.get(url)
+        if out is None:
+            out = self._urls[url] = super()._prepare_url(url)
+        return out
+
+
+class _Body(httpx.AsyncByteStream):
+    """A response body that aiohttp delivers as it arrives (SSE streams)."""
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self.response = response
+
+    async def __aiter__(self) -> Any:
+        async for chunk in self.response.content.iter_any():
+            yield chunk
+
+    async def aclose(self) -> None:
+        self.response.release()
+
+
+class _LoopbackHttp(httpx.AsyncClient):
+    """An httpx client that sends straight through one aiohttp session (module docstring)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(timeout=timeout_s, follow_redirects=False)
+        self._aio: aiohttp.ClientSession | None = None
+        self._timeouts: dict[tuple[Any, Any], aiohttp.ClientTimeout] = {}
+        self._urls: dict[str, Any] = {}
+
+    def build_request(self, method: str, url: Any, *, content: Any = None, headers: Any = None, timeout: Any = None,
+                      extensions: Any = None, **rest: Any) -> Any:
+        """The request as given: the client holds no base URL, cookies or headers of its own to
+        merge, and a URL already parsed is not parsed again. Form data, files, query params or
+        JSON go through httpx's merge."""
+        if any(v is not None for v in rest.values()) or extensions:
+            return super().build_request(method, url, content=content, headers=headers, timeout=timeout,
+                                         extensions=extensions, **rest)
+        parsed = self._urls.get(url)
+        if parsed is None:
+            if len(self._urls) >= 4096:  # one or two per episode; episodes end
+                self._urls.clear()
+            parsed = self._urls[url] = httpx.URL(url)
+        limits = timeout if isinstance(timeout, httpx.Timeout) else self.timeout if timeout is None \
+            else httpx.Timeout(timeout)
+        return httpx.Request(method, parsed, content=content, headers=headers,
+                             extensions={"timeout": limits.as_dict()})
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._aio is None:
+            # limit=0: one kept-alive connection per episode in flight, however many that is
+            self._aio = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
+                                              skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        return self._aio
+
+    async def send(self, request: Any, *, stream: bool = False, **_: Any) -> Any:
+        """The response to ``request``, its body read unless ``stream`` (auth and redirect
+        arguments have nothing to act on here)."""
+        t = request.extensions.get("timeout") or {}
+        key = (t.get("connect"), t.get("read"))
+        timeout = self._timeouts.get(key)
+        if timeout is None:
+            timeout = self._timeouts[key] = aiohttp.ClientTimeout(sock_connect=key[0], sock_read=key[1])
+        try:
+            resp = await self._session().request(request.method, str(request.url), headers=request.headers.multi_items(),
+                                                 data=request.content or None, allow_redirects=False, timeout=timeout)
+            if not stream:
+                body = await resp.read()
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            raise httpx.ReadTimeout(str(exc) or "timed out", request=request) from exc
+        except aiohttp.ClientError as exc:
+            raise httpx.ConnectError(str(exc), request=request) from exc
+        headers = resp.raw_headers
+        if stream:
+            return httpx.Response(resp.status, headers=headers, stream=_Body(resp), request=request)
+        return httpx.Response(resp.status, headers=headers, content=body, request=request)
+
+    async def aclose(self) -> None:
+        if self._aio is not None:
+            await self._aio.close()
+            self._aio = None
+        await super().aclose()
+
+
+class ClientFactory:
+    """Builds each episode's client; the clients share one HTTP client and its connections
+    (building one loads the CA store, which costs more than a model call)."""
+
+    def __init__(self) -> None:
+        self.http: _LoopbackHttp | None = None
+
+    def __call__(self, base_url: str, timeout_s: float) -> SessionClient:
+        if self.http is None:
+            self.http = _LoopbackHttp(timeout_s)
+        # No retries: a refused request (4xx) is the agent's to see, and a 5xx ends the episode.
+        # Strict response validation: the session server's responses follow OpenAI's schema
+        # (the tests check it), and pydantic's validator builds the response objects in a
+        # twentieth of the time of the library's lenient field-by-field construction.
+        return SessionClient(base_url=base_url, api_key="miles", max_retries=0, timeout=timeout_s,
+                             http_client=self.http, _strict_response_validation=True)
+
+    async def close(self) -> None:
+        if self.http is not None:
+            await self.http.aclose()
+            self.http = None
