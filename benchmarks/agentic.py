@@ -145,14 +145,15 @@ def summarize(out: Path, inflight: int) -> dict[str, float]:
     worker = summary["workers"][0]
     steady = steps[1:] or steps
     wall = sum(s["perf/step_s"] for s in steady)
-    window = worker.get("env/window_s", 0.0) or worker.get("rollout/uptime_s", 0.0) or 1e-9
-    ended = sum(worker.get(f"{p}/episodes_{s}", 0.0) for p in ("env", "agent") for s in ("completed", "truncated"))
+    path = "agent" if "agent/episodes" in worker else "env"  # both record the same occupancy integrals
+    window = worker.get(f"{path}/window_s", 0.0) or worker.get("rollout/uptime_s", 0.0) or 1e-9
+    ended = sum(worker.get(f"{path}/episodes_{s}", 0.0) for s in ("completed", "truncated"))
     return {
         "trained_eps": sum(s["perf/trained_samples"] for s in steady) / wall,
         "trained_tps": sum(s["perf/trained_tokens"] for s in steady) / wall,
         "rolled_eps": ended / window,
-        "busy": worker.get("env/busy_s", 0.0) / window,
-        "slots": worker.get("env/episode_s", 0.0) / (window * inflight),
+        "busy": worker.get(f"{path}/busy_s", 0.0) / window,
+        "slots": worker.get(f"{path}/episode_s", 0.0) / (window * inflight),
         "staleness": statistics.fmean(s["buffer/staleness_mean"] for s in steady),
         "masked_tokens": float(summary["ledger"]["masked_tokens"]),
         "turns": worker.get("env/turns_per_episode", 0.0) or worker.get("agent/calls", 0.0) / max(ended, 1.0),
