@@ -16,28 +16,28 @@ the rest of the library (option handling, headers, response parsing into ``ChatC
   objects dumped; ``create`` here builds that body itself and posts it with the
   resource's own ``_post``. The call's signature is the library's: the same names are
   accepted and required.
-- httpx's send layers (auth flow, redirects, cookie jar, event hooks) and the generic
-  aiohttp adapter. The session server needs none of them (the session id in the URL is
-  the credential; it never redirects or sets cookies): ``_LoopbackHttp.send`` hands the
-  request to an aiohttp session with kept-alive connections and reads the body in one go
+- httpx's send layers (auth flow, redirects, cookie jar, event hooks) and a general HTTP
+  client under them. The session server needs none of them (the session id in the URL is
+  the credential; it never redirects or sets cookies): ``_LoopbackHttp.send`` writes the
+  request on a kept-alive connection of ``miles.agent.http`` and reads the body in one go
   unless the caller streams.
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import aiohttp
 import openai
 import pydantic
 from openai.resources.chat.completions import AsyncCompletions as _AsyncChatCompletions
 from openai.resources.completions import AsyncCompletions as _AsyncTextCompletions
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from miles.agent import http
 
 # the httpx the installed openai is built on (``httpx`` or its fork ``httpx2``)
 httpx = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
@@ -141,26 +141,31 @@ class SessionClient(openai.AsyncOpenAI):
 
 
 class _Body(httpx.AsyncByteStream):
-    """A response body that aiohttp delivers as it arrives (SSE streams)."""
+    """A response body read as it arrives (SSE streams)."""
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self.response = response
+    def __init__(self, response: http.Response, request: Any) -> None:
+        self.response, self.request = response, request
 
     async def __aiter__(self) -> Any:
-        async for chunk in self.response.content.iter_any():
-            yield chunk
+        try:
+            async for chunk in self.response.chunks():
+                yield chunk
+        except TimeoutError as exc:
+            raise httpx.ReadTimeout("timed out reading the response", request=self.request) from exc
+        except http.HttpError as exc:
+            raise httpx.ReadError(str(exc), request=self.request) from exc
 
     async def aclose(self) -> None:
-        self.response.release()
+        self.response.close()
 
 
 class _LoopbackHttp(httpx.AsyncClient):
-    """An httpx client that sends straight through one aiohttp session (module docstring)."""
+    """An httpx client that sends straight over ``miles.agent.http`` connections (module
+    docstring)."""
 
     def __init__(self, timeout_s: float) -> None:
         super().__init__(timeout=timeout_s, follow_redirects=False)
-        self._aio: aiohttp.ClientSession | None = None
-        self._timeouts: dict[tuple[Any, Any], aiohttp.ClientTimeout] = {}
+        self._pool = http.Connections()
         self._urls: dict[str, Any] = {}
 
     def build_request(self, method: str, url: Any, *, content: Any = None, headers: Any = None, timeout: Any = None,
@@ -181,39 +186,34 @@ class _LoopbackHttp(httpx.AsyncClient):
         return httpx.Request(method, parsed, content=content, headers=headers,
                              extensions={"timeout": limits.as_dict()})
 
-    def _session(self) -> aiohttp.ClientSession:
-        if self._aio is None:
-            # limit=0: one kept-alive connection per episode in flight, however many that is
-            self._aio = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
-                                              skip_auto_headers=("User-Agent", "Accept-Encoding"))
-        return self._aio
-
     async def send(self, request: Any, *, stream: bool = False, **_: Any) -> Any:
         """The response to ``request``, its body read unless ``stream`` (auth and redirect
         arguments have nothing to act on here)."""
+        url = request.url
+        if url.scheme != "http":
+            raise httpx.UnsupportedProtocol(f"the session client speaks plain http, not {url.scheme!r}",
+                                            request=request)
         t = request.extensions.get("timeout") or {}
-        key = (t.get("connect"), t.get("read"))
-        timeout = self._timeouts.get(key)
-        if timeout is None:
-            timeout = self._timeouts[key] = aiohttp.ClientTimeout(sock_connect=key[0], sock_read=key[1])
+        head = b"".join([request.method.encode(), b" ", url.raw_path, b" HTTP/1.1\r\n",
+                         *[b"%s: %s\r\n" % kv for kv in request.headers.raw], b"\r\n"])
+        body = await request.aread()
         try:
-            resp = await self._session().request(request.method, str(request.url), headers=request.headers.multi_items(),
-                                                 data=request.content or None, allow_redirects=False, timeout=timeout)
+            resp = await self._pool.request(url.host, url.port or 80, head, body, connect_timeout=t.get("connect"),
+                                            read_timeout=t.get("read"))
             if not stream:
-                body = await resp.read()
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise httpx.ReadTimeout(str(exc) or "timed out", request=request) from exc
-        except aiohttp.ClientError as exc:
+                await resp.read()
+        except TimeoutError as exc:
+            raise httpx.ReadTimeout("timed out waiting for the session server", request=request) from exc
+        except http.HttpError as exc:
             raise httpx.ConnectError(str(exc), request=request) from exc
-        headers = resp.raw_headers
+        ext = {"http_version": b"HTTP/1.1", "reason_phrase": resp.reason}
         if stream:
-            return httpx.Response(resp.status, headers=headers, stream=_Body(resp), request=request)
-        return httpx.Response(resp.status, headers=headers, content=body, request=request)
+            return httpx.Response(resp.status, headers=resp.headers, stream=_Body(resp, request), request=request,
+                                  extensions=ext)
+        return httpx.Response(resp.status, headers=resp.headers, content=resp.body, request=request, extensions=ext)
 
     async def aclose(self) -> None:
-        if self._aio is not None:
-            await self._aio.close()
-            self._aio = None
+        await self._pool.close()
         await super().aclose()
 
 
