@@ -33,17 +33,25 @@ class Response:
         self.timeout = timeout
         self.released = False
         self.body = b""
-        self._length: int | None = None
+        self.length: int | None = None
         self._chunked = False
         self._keep = True
         for name, value in headers:
             name = name.lower()
             if name == b"content-length":
-                self._length = int(value)
+                self.length = int(value)
             elif name == b"transfer-encoding" and value.strip().lower() == b"chunked":
                 self._chunked = True
             elif name == b"connection" and value.strip().lower() == b"close":
                 self._keep = False
+
+    def sized(self) -> bool:
+        """Whether the body is ``Content-Length`` bytes."""
+        return self.length is not None and not self._chunked
+
+    def done(self) -> None:
+        """The body has been read to its end."""
+        self._release(keep=self._keep)
 
     async def read(self) -> bytes:
         self.body = b"".join([c async for c in self.chunks()])
@@ -63,9 +71,9 @@ class Response:
                             break
                         data = await reader.readexactly(size + 2)
                         yield data[:-2]
-                elif self._length is not None:
-                    if self._length:
-                        yield await reader.readexactly(self._length)
+                elif self.length is not None:
+                    if self.length:
+                        yield await reader.readexactly(self.length)
                 else:
                     self._keep = False
                     while data := await reader.read(1 << 16):
@@ -84,6 +92,19 @@ class Response:
         if not self.released:  # once: the connection may be serving the next request by now
             self.released = True
             self.pool.release(self.conn, keep=keep)
+
+
+def _parse_head(raw: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    lines = raw.split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        raise HttpError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
+    headers = []
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(b":")
+            headers.append((name, value.strip()))
+    return int(parts[1]), parts[2].strip() if len(parts) > 2 else b"", headers
 
 
 async def _trailer(reader: asyncio.StreamReader) -> None:
@@ -113,39 +134,42 @@ class Connections:
             raise HttpError(f"cannot connect to {key[0]}:{key[1]}: {exc}") from exc
         return _Conn(key, reader, writer)
 
-    async def request(self, host: str, port: int, head: bytes, body: bytes, *, connect_timeout: float | None,
-                      read_timeout: float | None) -> Response:
+    async def request(self, host: str, port: int, head: bytes, body: bytes, *, stream: bool,
+                      connect_timeout: float | None, read_timeout: float | None) -> Response:
         """Send ``head`` (request line and headers, CRLF-terminated) and ``body``; the response
-        once its headers are in. TimeoutError past the timeouts, HttpError on a broken connection."""
+        with its body read unless ``stream``. TimeoutError past the timeouts, HttpError on a
+        broken connection or a response that is not HTTP/1.x."""
         key = (host, port)
         idle = self.idle.get(key)
         while True:
             conn = idle.pop() if idle else await self._connect(key, connect_timeout)
+            resp: Response | None = None
             try:
                 conn.writer.write(head + body)
                 async with asyncio.timeout(read_timeout):
                     raw = await conn.reader.readuntil(b"\r\n\r\n")
+                    resp = Response(self, conn, *_parse_head(raw), read_timeout)
+                    if not stream and resp.sized():  # the usual case: the body in the same wait
+                        resp.body = await conn.reader.readexactly(resp.length) if resp.length else b""
+                        resp.done()
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                if resp is not None:
+                    resp.close()
+                    raise HttpError(f"the response body broke off: {exc!r}") from exc
                 self.release(conn, keep=False)
                 if conn.reused and not getattr(exc, "partial", b""):
                     continue  # the server closed it while it sat idle: once more on a new one
                 raise HttpError(f"the connection broke: {exc!r}") from exc
             except BaseException:
-                self.release(conn, keep=False)
+                if resp is not None:
+                    resp.close()
+                else:
+                    self.release(conn, keep=False)
                 raise
             break
-        lines = raw.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-            self.release(conn, keep=False)
-            raise HttpError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
-        headers = []
-        for line in lines[1:]:
-            if line:
-                name, _, value = line.partition(b":")
-                headers.append((name, value.strip()))
-        return Response(self, conn, int(parts[1]), parts[2].strip() if len(parts) > 2 else b"", headers,
-                        read_timeout)
+        if not stream and not resp.released:
+            await resp.read()
+        return resp
 
     def release(self, conn: _Conn, *, keep: bool) -> None:
         """Back to the pool (``keep``: the response was read to its end and the server keeps
