@@ -3,9 +3,9 @@
 ``ClientFactory`` (``miles.agent.rollout`` builds one per rollout worker) makes every
 episode's client. An episode's calls are sequential round trips to this process's own
 session server, so what the client does per call besides HTTP is per-turn overhead
-(``benchmarks/agentic.py --overhead``). Two parts of the stock client cost more than the
-server's whole turn and do nothing on this path; the client here leaves them out and keeps
-the rest of the library (option handling, headers, response parsing into ``ChatCompletion``,
+(``benchmarks/agentic.py --overhead``). The stock client spends several times the server's
+whole turn on work this path does not need; the client here leaves that out and keeps the
+rest of the library (its ``request`` loop, headers, ``ChatCompletion`` objects,
 ``AsyncStream`` for ``stream=True``, ``BadRequestError`` and the other status errors):
 
 - the request transform. ``chat.completions.create`` walks every message against the
@@ -13,18 +13,24 @@ the rest of the library (option handling, headers, response parsing into ``ChatC
   milliseconds for a few dozen messages. The chat and completions params declare none
   (``tests/unit/agent/test_client.py`` checks, so an ``openai`` that adds one fails
   there), so the transform returns the arguments less the omitted ones, with pydantic
-  objects dumped; ``create`` here builds that body itself and posts it with the
-  resource's own ``_post``. The call's signature is the library's: the same names are
-  accepted and required.
+  objects dumped; ``create`` here builds that body itself (the library's signature: the
+  same names accepted and required) and hands it to the client's ``request``.
+- per-call rebuilding: request options field by field, headers and URL (the same for
+  every call of an episode's path), the platform lookup on a worker thread for telemetry
+  headers (``X-Stainless-*``, for OpenAI's API, left out here).
+- lenient response construction: pydantic's validator builds the ``ChatCompletion`` in a
+  twentieth of the time (``_strict_response_validation``; the server's responses follow
+  the schema).
 - httpx's send layers (auth flow, redirects, cookie jar, event hooks) and a general HTTP
   client under them. The session server needs none of them (the session id in the URL is
   the credential; it never redirects or sets cookies): ``_LoopbackHttp.send`` writes the
-  request on a kept-alive connection of ``miles.agent.http`` and reads the body in one go
-  unless the caller streams.
+  request on a kept-alive connection of ``miles.agent.transport`` and reads the body with
+  the head unless the caller streams.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Iterable, Mapping
@@ -33,13 +39,13 @@ from typing import Any
 import msgspec
 import openai
 import pydantic
+from openai._models import FinalRequestOptions
 from openai.resources.chat.completions import AsyncCompletions as _AsyncChatCompletions
 from openai.resources.completions import AsyncCompletions as _AsyncTextCompletions
-from openai._models import FinalRequestOptions
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from miles.agent import http
+from miles.agent import transport
 
 # the httpx the installed openai is built on (``httpx`` or its fork ``httpx2``)
 httpx = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
@@ -82,7 +88,6 @@ class _Create:
         self.names = frozenset(params) - {"self"}
         self.required = tuple(n for n, p in params.items()
                               if n != "self" and p.kind is p.KEYWORD_ONLY and p.default is p.empty)
-        self.required = self.required or ("model",)
 
     def body(self, params: dict[str, Any]) -> dict[str, Any]:
         """The JSON body of a call with these keyword arguments (TypeError where the library's
@@ -130,6 +135,13 @@ class _TextCompletions(_AsyncTextCompletions):
         return await _TEXT(self, params)
 
 
+@functools.cache
+def _platform() -> Any:
+    from openai._base_client import get_platform
+
+    return get_platform()
+
+
 class SessionClient(openai.AsyncOpenAI):
     """``openai.AsyncOpenAI`` whose ``chat.completions.create`` and ``completions.create``
     skip the request transform (module docstring)."""
@@ -139,6 +151,9 @@ class SessionClient(openai.AsyncOpenAI):
         self.chat.__dict__["completions"] = _ChatCompletions(self)  # chat is a cached_property
         self.__dict__["completions"] = _TextCompletions(self)
         self._shapes: dict[tuple[Any, ...], tuple[Any, Any, Any, dict[str, Any]]] = {}
+        # the library looks the platform up in a worker thread on a client's first call; it
+        # only feeds the telemetry headers, which a session client leaves out
+        self._platform = _platform()
 
     def platform_headers(self) -> dict[str, str]:
         """None: the ``X-Stainless-*`` telemetry headers are for OpenAI's API, not a session."""
@@ -166,7 +181,7 @@ class SessionClient(openai.AsyncOpenAI):
 class _Body(httpx.AsyncByteStream):
     """A response body read as it arrives (SSE streams)."""
 
-    def __init__(self, response: http.Response, request: Any) -> None:
+    def __init__(self, response: transport.Response, request: Any) -> None:
         self.response, self.request = response, request
 
     async def __aiter__(self) -> Any:
@@ -175,7 +190,7 @@ class _Body(httpx.AsyncByteStream):
                 yield chunk
         except TimeoutError as exc:
             raise httpx.ReadTimeout("timed out reading the response", request=self.request) from exc
-        except http.HttpError as exc:
+        except transport.HttpError as exc:
             raise httpx.ReadError(str(exc), request=self.request) from exc
 
     async def aclose(self) -> None:
@@ -183,12 +198,12 @@ class _Body(httpx.AsyncByteStream):
 
 
 class _LoopbackHttp(httpx.AsyncClient):
-    """An httpx client that sends straight over ``miles.agent.http`` connections (module
+    """An httpx client that sends straight over ``miles.agent.transport`` connections (module
     docstring)."""
 
     def __init__(self, timeout_s: float) -> None:
         super().__init__(timeout=timeout_s, follow_redirects=False)
-        self._pool = http.Connections()
+        self._pool = transport.Connections()
         self._urls: dict[str, Any] = {}
 
     def build_request(self, method: str, url: Any, *, content: Any = None, headers: Any = None, timeout: Any = None,
@@ -219,13 +234,16 @@ class _LoopbackHttp(httpx.AsyncClient):
         t = request.extensions.get("timeout") or {}
         head = b"".join([request.method.encode(), b" ", url.raw_path, b" HTTP/1.1\r\n",
                          *[b"%s: %s\r\n" % kv for kv in request.headers.raw], b"\r\n"])
-        body = await request.aread()
+        try:
+            body = request.content
+        except httpx.RequestNotRead:  # a streamed upload
+            body = await request.aread()
         try:
             resp = await self._pool.request(url.host, url.port or 80, head, body, stream=stream,
                                             connect_timeout=t.get("connect"), read_timeout=t.get("read"))
         except TimeoutError as exc:
             raise httpx.ReadTimeout("timed out waiting for the session server", request=request) from exc
-        except http.HttpError as exc:
+        except transport.HttpError as exc:
             raise httpx.ConnectError(str(exc), request=request) from exc
         ext = {"http_version": b"HTTP/1.1", "reason_phrase": resp.reason}
         if stream:
@@ -249,9 +267,8 @@ class ClientFactory:
         if self.http is None:
             self.http = _LoopbackHttp(timeout_s)
         # No retries: a refused request (4xx) is the agent's to see, and a 5xx ends the episode.
-        # Strict response validation: the session server's responses follow OpenAI's schema
-        # (the tests check it), and pydantic's validator builds the response objects in a
-        # twentieth of the time of the library's lenient field-by-field construction.
+        # strict response validation: the faster construction (module docstring); the
+        # session tests run every response kind through it
         return SessionClient(base_url=base_url, api_key="miles", max_retries=0, timeout=timeout_s,
                              http_client=self.http, _strict_response_validation=True)
 

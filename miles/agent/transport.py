@@ -1,7 +1,8 @@
 """A small HTTP/1.1 client for the session server on loopback: kept-alive connections, one
 request at a time on each.
 
-``miles.agent.client`` sends every episode's requests through it. An agent's turn is a
+``miles.agent.client`` sends every episode's requests through it (under httpx's request and
+response objects, which the ``openai`` client works with). An agent's turn is a
 round trip to this process's own aiohttp server, and a general client's per-request work
 (aiohttp's request and response objects, timers, cookie jar, tracing hooks) costs more CPU
 than the server's whole handler: the round trip here is one write of the request and a
@@ -174,7 +175,7 @@ class Connections:
     def release(self, conn: _Conn, *, keep: bool) -> None:
         """Back to the pool (``keep``: the response was read to its end and the server keeps
         the connection open) or closed."""
-        if keep and not conn.writer.is_closing():
+        if keep and not conn.writer.is_closing() and not conn.reader.at_eof():
             conn.reused = True
             self.idle.setdefault(conn.key, []).append(conn)
             return
