@@ -172,7 +172,7 @@ def machine() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="one round of fewer steps (smoke)")
-    ap.add_argument("--rounds", type=int, default=2, help="sync/async pairs, alternated")
+    ap.add_argument("--rounds", type=int, default=None, help="sync/async pairs, alternated (default 2; --quick: 1)")
     ap.add_argument("--steps", type=int, default=16, help="train steps per run")
     ap.add_argument("--batch", type=int, default=8, help="groups per train step")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
@@ -189,7 +189,9 @@ def main() -> None:
     ap.add_argument("--results", default=str(Path(__file__).parent / "log" / "agentic.md"))
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.steps = 1, 6
+        args.steps = 6
+    if args.rounds is None:  # --quick --rounds N keeps the N
+        args.rounds = 1 if args.quick else 2
     if args.overhead:
         report_overhead(asyncio.run(measure_overhead(args)), args)
         return
