@@ -199,8 +199,9 @@ def main() -> None:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    ray.init(include_dashboard=False, num_cpus=max(os.cpu_count() or 2, 2), _node_ip_address="127.0.0.1",
-             log_to_driver=False)
+    # address="local": a cluster of its own, not another job's that happens to run on the machine
+    ray.init(address="local", include_dashboard=False, num_cpus=max(os.cpu_count() or 2, 2),
+             _node_ip_address="127.0.0.1", log_to_driver=False)
     results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     try:
         with tempfile.TemporaryDirectory(prefix="miles-agentic-") as tmp:
