@@ -14,7 +14,9 @@ ends the sample FAILED with a counted reason (``agent/failed/<kind>``) and the w
 on: ``agent_error`` (the function raised), ``agent_timeout``, ``agent_invalid`` (it returned
 something else), ``agent_empty`` (no model call), ``agent_aborted`` (the worker aborted its
 work mid-call: an agent's state lives in its coroutine, so an episode cannot be parked and
-resumed like an ``Env`` one), ``engine_error``.
+resumed like an ``Env`` one), ``engine_error``. ``stats()`` also has the worker's occupancy,
+as the ``Env`` path reports it (``agent/busy_s``, ``agent/episode_s``, ``agent/window_s``;
+``miles.rollout.occupancy``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import math
 import numbers
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -30,57 +33,46 @@ from miles.agent.config import AgentConfig
 from miles.agent.server import AgentServer
 from miles.agent.session import Session
 from miles.rollout import GenerateContext
+from miles.rollout.occupancy import Occupancy
 from miles.types import Status, Trajectory
 from miles.utils.loading import load_function
 
 
 class ClientFactory:
-    """Builds each episode's ``openai.AsyncOpenAI``; the clients share one HTTP connection pool
-    (building an HTTP client loads the CA store, which costs more than a model call)."""
+    """Builds each episode's ``openai.AsyncOpenAI`` (``miles.agent.client``); imports openai
+    on first use, so a run without agents does not need it."""
 
     def __init__(self) -> None:
-        self.http: Any = None
+        self._factory: Any = None
 
     def __call__(self, base_url: str, timeout_s: float) -> Any:
-        try:
-            import openai
-        except ImportError as exc:
-            raise ImportError("--custom-agent-function-path needs the openai package: "
-                              "pip install 'miles[agent]'") from exc
-        if self.http is None:
-            self.http = _http_client(openai, timeout_s)
-        # No retries: a refused request (4xx) is the agent's to see, and a 5xx ends the episode.
-        return openai.AsyncOpenAI(base_url=base_url, api_key="miles", max_retries=0, timeout=timeout_s,
-                                  http_client=self.http)
+        if self._factory is None:
+            try:
+                from miles.agent.client import ClientFactory as _Factory
+            except ImportError as exc:
+                raise ImportError("--custom-agent-function-path needs the openai package: "
+                                  "pip install 'miles[agent]'") from exc
+            self._factory = _Factory()
+        return self._factory(base_url, timeout_s)
 
     async def close(self) -> None:
-        if self.http is not None:
-            await self.http.aclose()
-            self.http = None
-
-
-def _http_client(openai: Any, timeout_s: float) -> Any:
-    """The aiohttp transport where this ``openai`` has it (aiohttp is a miles dependency): a
-    loopback round trip through it costs a fraction of one through httpx, which matters when
-    every turn of an episode is a call."""
-    try:
-        return openai.DefaultAioHttpClient(timeout=timeout_s)
-    except (AttributeError, RuntimeError):  # an openai without the aiohttp transport
-        return openai.DefaultAsyncHttpxClient(timeout=timeout_s)
+        if self._factory is not None:
+            await self._factory.close()
 
 
 class AgentRollout:
     """``await rollout(sample, ctx)`` runs one agent episode; ``stats()`` for metrics."""
 
     def __init__(self, agent_fn: Callable[..., Any], config: AgentConfig | None = None, *,
-                 model_name: str = "miles", client_factory: Callable[[str, float], Any] | None = None) -> None:
+                 model_name: str = "miles", client_factory: Callable[[str, float], Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.agent_fn = agent_fn
         self.config = config or AgentConfig()
         self.server = AgentServer(model_name=model_name)
         self.client_factory = client_factory or ClientFactory()
         self.counters: Counter[str] = Counter()
         self._started: asyncio.Task[None] | None = None
-        self._active = 0
+        self.occupancy = Occupancy(clock)
 
     async def start(self) -> None:
         """Start the session server (once; the first episode does it)."""
@@ -91,7 +83,7 @@ class AgentRollout:
     async def __call__(self, sample: Trajectory, ctx: GenerateContext) -> Trajectory:
         await self.start()
         session = self.server.store.open(sample, ctx)
-        self._active += 1
+        self.occupancy.change(+1)
         self.counters["episodes"] += 1
         client = self.client_factory(self.server.base_url(session), self.config.agent_timeout_s)
         failure: tuple[str, str] | None = None
@@ -104,7 +96,7 @@ class AgentRollout:
         except Exception as exc:  # the agent's own bug, or an API error it did not handle
             failure = ("agent_error", f"{type(exc).__name__}: {exc}")
         finally:
-            self._active -= 1
+            self.occupancy.change(-1)
             await self._end(session, ctx)
         self._settle(session, sample, failure, reward)
         return sample
@@ -157,7 +149,8 @@ class AgentRollout:
     def stats(self) -> dict[str, float]:
         out = {f"agent/{k}": float(v) for k, v in self.counters.items()}
         out.update({f"agent/server_{k}": float(v) for k, v in self.server.counters.items()})
-        out["agent/inflight"] = float(self._active)
+        out["agent/inflight"] = float(self.occupancy.active)
+        out.update(self.occupancy.stats("agent"))
         return out
 
 

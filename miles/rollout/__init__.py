@@ -4,6 +4,7 @@
                      and ``call_generate``
 - ``single_turn.py`` the default: one model turn (``generate_single_turn``)
 - ``env.py``         ``EnvRollout``: multi-turn environment episodes (budgets, failures, parking)
+- ``occupancy.py``   ``Occupancy``: busy time and episodes in flight, integrated (env/ and agent/)
 
 ``load_generate_fn`` picks the run's function: the default, or ``--custom-generate-function-path``.
 """

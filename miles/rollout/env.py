@@ -44,6 +44,7 @@ from miles.envs.episode import EpisodeState, TurnRecord, json_safe
 from miles.envs.templates import TurnTemplate, fingerprint, stop_text
 from miles.envs.calls import load_env_factory
 from miles.rollout.context import GenerateContext, apply_output
+from miles.rollout.occupancy import Occupancy
 from miles.types import Status, Trajectory
 
 _NO_LIMIT = 1 << 60
@@ -80,10 +81,7 @@ class EnvRollout:
         self._parked: OrderedDict[str, _Parked] = OrderedDict()
         self._closing: set[asyncio.Task[Any]] = set()
         self.counters: Counter[str] = Counter()
-        # Occupancy: episodes in flight integrated over time, since the first episode.
-        self._active = 0
-        self._since: float | None = None
-        self._last = 0.0
+        self.occupancy = Occupancy(clock)
 
     def template(self, tokenizer: Any) -> TurnTemplate:
         key = id(tokenizer)
@@ -97,7 +95,7 @@ class EnvRollout:
         state = EpisodeState.of(sample)
         episode = _Episode(self, sample, ctx, state)  # raises only for an unusable template
         started = self.clock()
-        self._occupancy(+1)
+        self.occupancy.change(+1)
         limit = self.config.episode_timeout_s
         try:
             if limit is not None and state.elapsed_s >= limit:
@@ -114,18 +112,8 @@ class EnvRollout:
             state.elapsed_s += self.clock() - started
             state.save(sample)
             self._settle(episode)
-            self._occupancy(-1)
+            self.occupancy.change(-1)
         return sample
-
-    def _occupancy(self, delta: int) -> None:
-        now = self.clock()
-        if self._since is None:
-            self._since = now
-        dt = now - self._last if self._last else 0.0
-        self.counters["episode_s"] += self._active * dt  # ∫ episodes in flight dt
-        self.counters["busy_s"] += dt if self._active else 0.0  # time with any in flight
-        self._active += delta
-        self._last = now
 
     # ---- live environments -------------------------------------------------------------
     def _settle(self, episode: _Episode) -> None:
@@ -177,12 +165,8 @@ class EnvRollout:
         ended = sum(v for k, v in self.counters.items() if k.startswith("episodes_") and k != "episodes_partial")
         out["env/parked_envs"] = float(len(self._parked))
         out["env/thread_pools_replaced"] = float(self.caller.pools_replaced)
-        out["env/inflight"] = float(self._active)
-        if self._since is not None:
-            self._occupancy(0)  # bring the integrals up to now
-            out["env/episode_s"] = float(self.counters["episode_s"])
-            out["env/busy_s"] = float(self.counters["busy_s"])
-            out["env/window_s"] = self._last - self._since
+        out["env/inflight"] = float(self.occupancy.active)
+        out.update(self.occupancy.stats("env"))
         if ended:
             out["env/turns_per_episode"] = self.counters["turns_of_ended"] / ended
         return out

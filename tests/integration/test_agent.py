@@ -1,6 +1,7 @@
 """Agent runs end to end on the session's local Ray cluster (conftest.py), tiny model, CPU.
 
-- the example (examples/agent/) trains in its smoke mode;
+- the example (examples/agent/) trains in its smoke mode and reports the worker's busy time
+  and episodes in flight (the benchmark's busy / slot columns);
 - a run of agents that work and agents that go wrong: the bad ones are FAILED with their
   reason and counted, refused requests get 4xx, the run completes, the ledger sums; the
   trained trajectories hold exactly the ids the agents were sent, with model tokens
@@ -38,6 +39,13 @@ def test_example_smoke(ray_cluster, tmp_path) -> None:
     assert summary["workers"][0]["rollout/failed"] == 0
     rows = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     assert rows and all(r["loss_mask"][0] == 1 and r["segments"][0][2] == "model" for r in rows)
+    # the agent path records the occupancy integrals the benchmark's busy / slot columns read
+    from benchmarks.agentic import summarize
+
+    worker = summary["workers"][0]
+    assert 0 < worker["agent/busy_s"] <= worker["agent/window_s"] and worker["agent/episode_s"] >= worker["agent/busy_s"]
+    figures = summarize(out, inflight=1)
+    assert 0 < figures["busy"] <= 1 and figures["slots"] > 0
 
 
 def test_good_and_bad_agents(ray_cluster, tmp_path) -> None:

@@ -203,6 +203,33 @@ def test_agent_that_hangs_times_out() -> None:
     assert reason.startswith("agent_timeout") and ro.stats()["agent/failed/agent_timeout"] == 1.0
 
 
+def test_occupancy_integrates_episodes_in_flight() -> None:
+    """The agent path records the Env path's busy / slot integrals (benchmarks/agentic.py)."""
+    ticks = iter(range(10_000))
+    engine = ScriptedEngine([[5, EOS]] * 8, version=0)
+    ro = AgentRollout(_one_call, clock=lambda: float(next(ticks)))
+
+    async def go():
+        try:
+            assert "agent/busy_s" not in ro.stats()  # no episode yet: no window
+            await ro(make_traj("solo"), make_ctx(engine))
+            alone = ro.stats()
+            await asyncio.gather(*(ro(make_traj(f"t{i}"), make_ctx(engine)) for i in range(4)))
+            return alone, ro.stats()
+        finally:
+            await ro.stop()
+
+    alone, after = asyncio.run(go())
+    assert alone["agent/episode_s"] == alone["agent/busy_s"] > 0  # one episode: in flight = busy
+    assert after["agent/episode_s"] > after["agent/busy_s"] > alone["agent/busy_s"]  # overlapping ones count each
+    assert after["agent/window_s"] >= after["agent/busy_s"] and after["agent/inflight"] == 0.0
+
+
+async def _one_call(client, sample):
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    return 1.0
+
+
 def test_agent_without_calls_or_with_a_bad_return() -> None:
     async def silent(client, sample):
         return 1.0
