@@ -29,11 +29,15 @@ from miles.buffers.records import (
 )
 from miles.buffers.waiting import LeaseWaiters
 from miles.scheduler.staleness import is_doomed
-from miles.types import LossStats, Status, Trajectory
+from miles.types import LossStats, Status, Trajectory, VersionRuns
 
 STALE_POLICIES = ("drop", "recompute", "mask")
 # Plan actions for a returned trajectory (decided before anything changes).
 _FINISH, _PARTIAL, _RESET, _DOOM, _DROP = range(5)
+_PARTIAL_STATUS = Status.PARTIAL
+# A returned trajectory as ``put_many`` checked it: its record, the trajectory, its loss
+# tokens' stats and its version runs (``Trajectory.validate_runs``).
+PutItem = tuple[Record, Trajectory, LossStats, VersionRuns | None]
 
 
 class BufferFull(RuntimeError):
@@ -214,32 +218,40 @@ class BufferCore:
         return len(recs)
 
     # ---- returning trajectories: plan, then commit -------------------------------------
-    def _return_batch(self, batch: list[tuple[Record, Trajectory, LossStats]]) -> None:
+    def _return_batch(self, batch: list[PutItem]) -> None:
         """Plan every returned trajectory's fate (running user filters) before changing
         anything, then commit; so a filter that raises leaves the buffer unchanged. Each
-        item carries its loss-token stats (``Trajectory.validate`` returns them)."""
-        by_group: dict[str, list[tuple[Record, Trajectory, LossStats]]] = {}
+        item carries its loss-token stats and version runs (``Trajectory.validate_runs``
+        returns them)."""
+        if len(batch) == 1:  # most puts: one trajectory, one group
+            self._commit_group(batch, *self._plan_group(batch))
+            return
+        by_group: dict[str, list[PutItem]] = {}
         for item in batch:
             by_group.setdefault(item[0].group.group_id, []).append(item)
         plans = [(items, *self._plan_group(items)) for items in by_group.values()]
         for items, actions, verdict in plans:
             self._commit_group(items, actions, verdict)
 
-    def _plan_group(self, items: list) -> tuple[list[int], str | None]:
+    def _plan_group(self, items: list[PutItem]) -> tuple[list[int], str | None]:
         group: Group = items[0][0].group
         if group.dropped:
             return [_DROP] * len(items), group.dropped
-        policy, eta, version = self.config.stale_policy, self.config.max_staleness, self._version
-        doomed = [policy != "mask" and is_doomed(st[0], version, eta) for _, _, st in items]
-        if policy == "drop" and any(doomed):
-            return [_DOOM] * len(items), "stale"
-        actions = [
-            _RESET if d else (_PARTIAL if t.status is Status.PARTIAL else _FINISH)
-            for d, (_, t, _) in zip(doomed, items)
-        ]
+        policy = self.config.stale_policy
+        if policy == "mask":  # nothing is doomed: stale tokens are masked at get_batch
+            actions = [_PARTIAL if item[1].status is _PARTIAL_STATUS else _FINISH for item in items]
+        else:
+            eta, version = self.config.max_staleness, self._version
+            doomed = [is_doomed(item[2][0], version, eta) for item in items]
+            if policy == "drop" and any(doomed):
+                return [_DOOM] * len(items), "stale"
+            actions = [
+                _RESET if d else (_PARTIAL if item[1].status is _PARTIAL_STATUS else _FINISH)
+                for d, item in zip(doomed, items)
+            ]
         if group.n_finished + actions.count(_FINISH) < group.size:
             return actions, None
-        new = {id(rec): traj for rec, traj, _ in items}
+        new = {id(item[0]): item[1] for item in items}
         members = [new.get(id(r), r.traj) for r in group.members]
         return actions, self._verdict(members)
 
@@ -252,29 +264,33 @@ class BufferCore:
                 return name
         return None
 
-    def _commit_group(self, items: list, actions: list[int], verdict: str | None) -> None:
+    def _commit_group(self, items: list[PutItem], actions: list[int], verdict: str | None) -> None:
         group: Group = items[0][0].group
-        for (rec, traj, stats), action in zip(items, actions):
-            w = self._workers.get(rec.worker)  # type: ignore[arg-type]
+        workers, count = self._workers, self._count
+        for (rec, traj, stats, runs), action in zip(items, actions):
+            w = workers.get(rec.worker)  # type: ignore[arg-type]
             if w is not None:
                 del w.recs[traj.id]
                 if not w.recs:
-                    del self._workers[rec.worker]  # type: ignore[arg-type]
+                    del workers[rec.worker]  # type: ignore[arg-type]
             rec.worker = None
             rec.traj = traj
             rec.oldest, rec.n_loss, rec.vsum = stats
-            if action == _DROP:
-                self._drop_rec(rec, group.dropped)  # type: ignore[arg-type]
-            elif action == _FINISH or action == _DOOM:
-                self._move(rec, WAITING)
+            rec.runs = runs
+            if action == _FINISH or action == _DOOM:
+                count[rec.state] -= 1  # type: ignore[index]
+                count[WAITING] += 1
+                rec.state = WAITING
                 group.n_finished += action == _FINISH
+            elif action == _DROP:
+                self._drop_rec(rec, group.dropped)  # type: ignore[arg-type]
             elif action == _PARTIAL:
                 self._ev["recycled"] += 1
                 self._place_partial(rec)
             else:
                 self._move(rec, QUEUED)
                 self._recompute(rec)
-        if actions and actions[0] == _DOOM:
+        if actions[0] == _DOOM:
             self._drop_group(group, "stale")
         elif group.n_finished == group.size and not group.dropped:
             if verdict is None:
@@ -328,7 +344,7 @@ class BufferCore:
         self._pending[tid] = rec
         self._pending.move_to_end(tid, last=False)
         reset(rec.traj)
-        rec.oldest, rec.n_loss, rec.vsum = None, 0, 0
+        rec.oldest, rec.n_loss, rec.vsum, rec.runs = None, 0, 0, None
         self._ev["recomputed"] += 1
 
     def _sweep(self) -> None:
