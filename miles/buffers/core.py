@@ -34,7 +34,9 @@ from miles.types import LossStats, Status, Trajectory, VersionRuns
 STALE_POLICIES = ("drop", "recompute", "mask")
 # Plan actions for a returned trajectory (decided before anything changes).
 _FINISH, _PARTIAL, _RESET, _DOOM, _DROP = range(5)
-_PARTIAL_STATUS = Status.PARTIAL
+# Status members as module constants: an enum member looked up on its class costs about
+# ten times a global's lookup, and these are read per trajectory on the put and lease paths.
+_PARTIAL_STATUS, _RUNNING, _FAILED = Status.PARTIAL, Status.RUNNING, Status.FAILED
 # A returned trajectory as ``put_many`` checked it: its record, the trajectory, its loss
 # tokens' stats and its version runs (``Trajectory.validate_runs``).
 PutItem = tuple[Record, Trajectory, LossStats, VersionRuns | None]
@@ -192,7 +194,7 @@ class BufferCore:
         rec.worker = worker_id
         traj = rec.traj
         rec.snap = (len(traj.response_tokens), traj.num_segments)
-        traj.status = Status.RUNNING
+        traj.status = _RUNNING
         w.recs[traj.id] = rec
 
     def _return_leases(self, worker_id: str) -> int:
@@ -257,8 +259,9 @@ class BufferCore:
 
     def _verdict(self, members: list[Trajectory]) -> str | None:
         """Why a complete group is dropped, or None to make it ready."""
-        if any(t.status is Status.FAILED for t in members):
-            return "failed"
+        for t in members:
+            if t.status is _FAILED:
+                return "failed"
         for name, keep in self.group_filters:
             if not keep(members):
                 return name
@@ -300,7 +303,7 @@ class BufferCore:
                 self._drop_group(group, verdict)
                 if verdict == "failed":
                     self.failed_streak += 1
-                    failed = next(r.traj for r in group.members if r.traj.status is Status.FAILED)
+                    failed = next(r.traj for r in group.members if r.traj.status is _FAILED)
                     self.last_failure = failed.finish_reason or "FAILED (no reason given)"
 
     def _place_partial(self, rec: Record) -> None:
@@ -367,8 +370,11 @@ class BufferCore:
                 self._recompute(rec)
 
     def _make_ready(self, group: Group) -> None:
+        c = self._count
         for rec in group.members:
-            self._move(rec, READY)
+            c[rec.state] -= 1  # type: ignore[index]
+            rec.state = READY
+        c[READY] += len(group.members)
         self._seq += 1
         group.ready_seq = self._seq
         self._ready[group.group_id] = group
