@@ -188,22 +188,30 @@ class Trajectory(msgspec.Struct, kw_only=True):
         Returns the loss-carrying tokens' ``(oldest version, count, version sum)`` (oldest
         None if none; ``loss_version_stats``), from the same passes over the versions and
         the mask that the checks make when every token carries loss: the replay buffer keeps
-        them for every trajectory put, and used to make those passes a second time.
+        them for every trajectory put.
         """
+        return self.validate_runs(current_version=current_version)[0]
+
+    def validate_runs(self, *, current_version: int | None = None) -> tuple[LossStats, VersionRuns | None]:
+        """``validate``, and the versions as ascending runs (``version_runs``) when every
+        token carries loss and the checks' pass found them (else None): the replay buffer
+        keeps them, so that masking the stale prefix of a trajectory (``mask_stale``) needs
+        no second pass over its versions."""
         n = len(self.response_tokens)
-        for name in ("logprobs", "versions", "loss_mask"):
-            got = len(getattr(self, name))
-            if got != n:
-                raise TrajectoryError(name, f"has {got} entries for {n} response tokens")
+        if len(self.logprobs) != n or len(self.versions) != n or len(self.loss_mask) != n:
+            for name in ("logprobs", "versions", "loss_mask"):
+                got = len(getattr(self, name))
+                if got != n:
+                    raise TrajectoryError(name, f"has {got} entries for {n} response tokens")
         if self.routed_experts is not None and len(self.routed_experts) != n:
             raise TrajectoryError(
                 "routed_experts", f"has {len(self.routed_experts)} rows for {n} response tokens"
             )
         if self.index_in_group < 0:
             raise TrajectoryError("index_in_group", f"must be >= 0, got {self.index_in_group}")
-        lo, total, n_loss = 0, 0, 0
+        lo, total, n_loss, runs = 0, 0, 0, None
         if n:
-            lo, hi, total = version_stats(self.versions)
+            lo, hi, total, runs = _version_summary(self.versions)
             if lo < 0:
                 raise TrajectoryError("versions", f"negative policy version {lo}")
             if current_version is not None and hi > current_version:
@@ -223,8 +231,11 @@ class Trajectory(msgspec.Struct, kw_only=True):
             if pos != n:
                 raise TrajectoryError("segments", f"cover {pos} of {n} response tokens")
         if n_loss == n:  # every token carries loss (the common case): the checks' own stats
-            return (lo, n, total) if n else (None, 0, 0)
-        return loss_version_stats(self.versions, self.loss_mask)
+            return ((lo, n, total), runs) if n else ((None, 0, 0), None)
+        return loss_version_stats(self.versions, self.loss_mask), None
+
+
+VersionRuns = list[tuple[int, int]]  # [(version, end), ...]: see ``version_runs``
 
 
 def version_stats(versions: list[int]) -> tuple[int, int, int]:
@@ -239,15 +250,21 @@ def version_stats(versions: list[int]) -> tuple[int, int, int]:
     counts: ~10× faster than ``min``, ``max`` and ``sum`` for one version, ~4× for three.
     When the counts do not cover the list (a version outside the ends), it falls back
     to ``min``, ``max`` and ``sum``; the result is the same either way."""
+    return _version_summary(versions)[:3]  # type: ignore[return-value]
+
+
+def _version_summary(versions: list[int]) -> tuple[int, int, int, VersionRuns | None]:
+    """``version_stats`` and, from the same pass, ``version_runs`` where it found them (None
+    where the list is not such runs, or where it did not look: a list in descending order)."""
     a, b = versions[0], versions[-1]
-    if type(a) is int and type(b) is int and 0 < b - a < 8:
+    if type(a) is int and type(b) is int and 0 <= b - a < 8:
         runs = version_runs(versions)
         if runs is not None:
             total, start = 0, 0
             for v, end in runs:
                 total += v * (end - start)
                 start = end
-            return a, b, total
+            return a, b, total, runs
     lo, hi = (a, b) if a <= b else (b, a)
     if type(lo) is int and type(hi) is int and hi - lo < 8:
         n, total, covered = len(versions), 0, 0
@@ -256,8 +273,8 @@ def version_stats(versions: list[int]) -> tuple[int, int, int]:
             covered += c
             total += v * c
         if covered == n:
-            return lo, hi, total
-    return min(versions), max(versions), sum(versions)
+            return lo, hi, total, None
+    return min(versions), max(versions), sum(versions), None
 
 
 def version_runs(versions: list[int]) -> list[tuple[int, int]] | None:

@@ -59,8 +59,9 @@ def _train(buf: BufferCore, groups: list[Group], trainer_version: int) -> list[l
         for rec in group.members:
             traj = rec.traj
             if mask and not within_bound(rec.oldest, trainer_version, eta):
-                n, (rec.oldest, rec.n_loss, rec.vsum) = mask_stale(traj, trainer_version, eta,
-                                                                    (rec.oldest, rec.n_loss, rec.vsum))
+                n, (rec.oldest, rec.n_loss, rec.vsum) = mask_stale(
+                    traj, trainer_version, eta, (rec.oldest, rec.n_loss, rec.vsum), rec.runs)
+                rec.runs = None
                 masked += n
             if rec.n_loss:
                 n_tokens += rec.n_loss

@@ -29,11 +29,17 @@ from miles.buffers.records import (
 )
 from miles.buffers.waiting import LeaseWaiters
 from miles.scheduler.staleness import is_doomed
-from miles.types import LossStats, Status, Trajectory
+from miles.types import LossStats, Status, Trajectory, VersionRuns
 
 STALE_POLICIES = ("drop", "recompute", "mask")
 # Plan actions for a returned trajectory (decided before anything changes).
 _FINISH, _PARTIAL, _RESET, _DOOM, _DROP = range(5)
+# Status members as module constants: an enum member looked up on its class costs about
+# ten times a global's lookup, and these are read per trajectory on the put and lease paths.
+_PARTIAL_STATUS, _RUNNING, _FAILED = Status.PARTIAL, Status.RUNNING, Status.FAILED
+# A returned trajectory as ``put_many`` checked it: its record, the trajectory, its loss
+# tokens' stats and its version runs (``Trajectory.validate_runs``).
+PutItem = tuple[Record, Trajectory, LossStats, VersionRuns | None]
 
 
 class BufferFull(RuntimeError):
@@ -188,7 +194,7 @@ class BufferCore:
         rec.worker = worker_id
         traj = rec.traj
         rec.snap = (len(traj.response_tokens), traj.num_segments)
-        traj.status = Status.RUNNING
+        traj.status = _RUNNING
         w.recs[traj.id] = rec
 
     def _return_leases(self, worker_id: str) -> int:
@@ -214,67 +220,80 @@ class BufferCore:
         return len(recs)
 
     # ---- returning trajectories: plan, then commit -------------------------------------
-    def _return_batch(self, batch: list[tuple[Record, Trajectory, LossStats]]) -> None:
+    def _return_batch(self, batch: list[PutItem]) -> None:
         """Plan every returned trajectory's fate (running user filters) before changing
         anything, then commit; so a filter that raises leaves the buffer unchanged. Each
-        item carries its loss-token stats (``Trajectory.validate`` returns them)."""
-        by_group: dict[str, list[tuple[Record, Trajectory, LossStats]]] = {}
+        item carries its loss-token stats and version runs (``Trajectory.validate_runs``
+        returns them)."""
+        if len(batch) == 1:  # most puts: one trajectory, one group
+            self._commit_group(batch, *self._plan_group(batch))
+            return
+        by_group: dict[str, list[PutItem]] = {}
         for item in batch:
             by_group.setdefault(item[0].group.group_id, []).append(item)
         plans = [(items, *self._plan_group(items)) for items in by_group.values()]
         for items, actions, verdict in plans:
             self._commit_group(items, actions, verdict)
 
-    def _plan_group(self, items: list) -> tuple[list[int], str | None]:
+    def _plan_group(self, items: list[PutItem]) -> tuple[list[int], str | None]:
         group: Group = items[0][0].group
         if group.dropped:
             return [_DROP] * len(items), group.dropped
-        policy, eta, version = self.config.stale_policy, self.config.max_staleness, self._version
-        doomed = [policy != "mask" and is_doomed(st[0], version, eta) for _, _, st in items]
-        if policy == "drop" and any(doomed):
-            return [_DOOM] * len(items), "stale"
-        actions = [
-            _RESET if d else (_PARTIAL if t.status is Status.PARTIAL else _FINISH)
-            for d, (_, t, _) in zip(doomed, items)
-        ]
+        policy = self.config.stale_policy
+        if policy == "mask":  # nothing is doomed: stale tokens are masked at get_batch
+            actions = [_PARTIAL if item[1].status is _PARTIAL_STATUS else _FINISH for item in items]
+        else:
+            eta, version = self.config.max_staleness, self._version
+            doomed = [is_doomed(item[2][0], version, eta) for item in items]
+            if policy == "drop" and any(doomed):
+                return [_DOOM] * len(items), "stale"
+            actions = [
+                _RESET if d else (_PARTIAL if item[1].status is _PARTIAL_STATUS else _FINISH)
+                for d, item in zip(doomed, items)
+            ]
         if group.n_finished + actions.count(_FINISH) < group.size:
             return actions, None
-        new = {id(rec): traj for rec, traj, _ in items}
+        new = {id(item[0]): item[1] for item in items}
         members = [new.get(id(r), r.traj) for r in group.members]
         return actions, self._verdict(members)
 
     def _verdict(self, members: list[Trajectory]) -> str | None:
         """Why a complete group is dropped, or None to make it ready."""
-        if any(t.status is Status.FAILED for t in members):
-            return "failed"
+        for t in members:
+            if t.status is _FAILED:
+                return "failed"
         for name, keep in self.group_filters:
             if not keep(members):
                 return name
         return None
 
-    def _commit_group(self, items: list, actions: list[int], verdict: str | None) -> None:
+    def _commit_group(self, items: list[PutItem], actions: list[int], verdict: str | None) -> None:
         group: Group = items[0][0].group
-        for (rec, traj, stats), action in zip(items, actions):
-            w = self._workers.get(rec.worker)  # type: ignore[arg-type]
+        workers, count = self._workers, self._count
+        for (rec, traj, stats, runs), action in zip(items, actions):
+            w = workers.get(rec.worker)  # type: ignore[arg-type]
             if w is not None:
                 del w.recs[traj.id]
                 if not w.recs:
-                    del self._workers[rec.worker]  # type: ignore[arg-type]
+                    del workers[rec.worker]  # type: ignore[arg-type]
             rec.worker = None
             rec.traj = traj
             rec.oldest, rec.n_loss, rec.vsum = stats
-            if action == _DROP:
-                self._drop_rec(rec, group.dropped)  # type: ignore[arg-type]
-            elif action == _FINISH or action == _DOOM:
-                self._move(rec, WAITING)
+            rec.runs = runs
+            if action == _FINISH or action == _DOOM:
+                count[rec.state] -= 1  # type: ignore[index]
+                count[WAITING] += 1
+                rec.state = WAITING
                 group.n_finished += action == _FINISH
+            elif action == _DROP:
+                self._drop_rec(rec, group.dropped)  # type: ignore[arg-type]
             elif action == _PARTIAL:
                 self._ev["recycled"] += 1
                 self._place_partial(rec)
             else:
                 self._move(rec, QUEUED)
                 self._recompute(rec)
-        if actions and actions[0] == _DOOM:
+        if actions[0] == _DOOM:
             self._drop_group(group, "stale")
         elif group.n_finished == group.size and not group.dropped:
             if verdict is None:
@@ -284,7 +303,7 @@ class BufferCore:
                 self._drop_group(group, verdict)
                 if verdict == "failed":
                     self.failed_streak += 1
-                    failed = next(r.traj for r in group.members if r.traj.status is Status.FAILED)
+                    failed = next(r.traj for r in group.members if r.traj.status is _FAILED)
                     self.last_failure = failed.finish_reason or "FAILED (no reason given)"
 
     def _place_partial(self, rec: Record) -> None:
@@ -328,7 +347,7 @@ class BufferCore:
         self._pending[tid] = rec
         self._pending.move_to_end(tid, last=False)
         reset(rec.traj)
-        rec.oldest, rec.n_loss, rec.vsum = None, 0, 0
+        rec.oldest, rec.n_loss, rec.vsum, rec.runs = None, 0, 0, None
         self._ev["recomputed"] += 1
 
     def _sweep(self) -> None:
@@ -351,8 +370,11 @@ class BufferCore:
                 self._recompute(rec)
 
     def _make_ready(self, group: Group) -> None:
+        c = self._count
         for rec in group.members:
-            self._move(rec, READY)
+            c[rec.state] -= 1  # type: ignore[index]
+            rec.state = READY
+        c[READY] += len(group.members)
         self._seq += 1
         group.ready_seq = self._seq
         self._ready[group.group_id] = group

@@ -90,12 +90,14 @@ def drop_uniform_rewards(group: Sequence[Trajectory], reward_key: str | None = N
 
 def drop_aborted(group: Sequence[Trajectory]) -> bool:
     """Keep a group only if no member ended ABORTED (cut off without partial rollout)."""
-    return all(t.status is not Status.ABORTED for t in group)
+    aborted = Status.ABORTED  # once: a member looked up on an enum class is slow
+    return all(t.status is not aborted for t in group)
 
 
 def drop_truncated(group: Sequence[Trajectory]) -> bool:
     """Keep a group only if no member hit the length limit (TRUNCATED)."""
-    return all(t.status is not Status.TRUNCATED for t in group)
+    truncated = Status.TRUNCATED
+    return all(t.status is not truncated for t in group)
 
 
 def filter_name(fn: Callable[..., object]) -> str:

@@ -21,12 +21,14 @@ class Record:
     """A live trajectory plus what the buffer knows about it.
 
     ``oldest``/``n_loss``/``vsum`` summarise the loss-token versions (computed once per put);
-    ``key`` is its position in the partial heap (valid only while it equals the heap entry's
-    sequence number: entries are deleted lazily); ``snap`` is the response length and
-    segment count at lease time.
+    ``runs`` are the versions as ascending runs when every token carries loss (from the
+    same put's check, ``Trajectory.validate_runs``; None when not known), for the mask
+    policy; ``key`` is its position in the partial heap (valid only while it equals the
+    heap entry's sequence number: entries are deleted lazily); ``snap`` is the response
+    length and segment count at lease time.
     """
 
-    __slots__ = ("traj", "group", "state", "worker", "snap", "key", "oldest", "n_loss", "vsum")
+    __slots__ = ("traj", "group", "state", "worker", "snap", "key", "oldest", "n_loss", "vsum", "runs")
 
     def __init__(self, traj: Trajectory, group: Group, state: int) -> None:
         self.traj = traj
@@ -38,6 +40,7 @@ class Record:
         self.oldest: int | None = None
         self.n_loss = 0
         self.vsum = 0
+        self.runs: list[tuple[int, int]] | None = None
 
 
 class Group:

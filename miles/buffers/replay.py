@@ -49,10 +49,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from miles.buffers import batching, checkpoint
-from miles.buffers.core import STALE_POLICIES, BufferConfig, BufferCore, BufferFull, _Worker
+from miles.buffers.core import STALE_POLICIES, BufferConfig, BufferCore, BufferFull, PutItem, _Worker
 from miles.buffers.records import IN_FLIGHT, PARTIAL, QUEUED, STATE_NAMES, Group, Record
 from miles.scheduler.staleness import is_doomed
-from miles.types import LossStats, PromptSample, Status, Trajectory, TrajectoryError, loss_version_stats
+from miles.types import PromptSample, Status, Trajectory, TrajectoryError, loss_version_stats
 
 __all__ = ["STALE_POLICIES", "BufferConfig", "BufferFull", "ReplayBuffer"]
 
@@ -271,7 +271,8 @@ class ReplayBuffer(BufferCore):
         PARTIAL. All are validated first; on any error (naming the field) nothing changes.
         ``worker_id``, when given, must hold the lease; a lease that expired or was
         released is gone, and its late put is refused."""
-        batch = [self._check_put(t, worker_id) for t in trajs]
+        check = self._check_put
+        batch = [check(t, worker_id) for t in trajs]
         if len(batch) > 1 and len({t.id for t in trajs}) != len(batch):
             ids = [t.id for t in trajs]
             dup = next(i for i in ids if ids.count(i) > 1)
@@ -280,10 +281,11 @@ class ReplayBuffer(BufferCore):
             w = self._workers.get(worker_id)
             if w is not None:
                 w.deadline = self._clock() + self.config.lease_timeout_s
-        self._return_batch(batch)
+        if batch:
+            self._return_batch(batch)
         self._notify()
 
-    def _check_put(self, traj: Trajectory, worker_id: str | None) -> tuple[Record, Trajectory, LossStats]:
+    def _check_put(self, traj: Trajectory, worker_id: str | None) -> PutItem:
         rec = self._recs.get(traj.id)
         if rec is None:
             if traj.group_id not in self._groups:
@@ -299,7 +301,10 @@ class ReplayBuffer(BufferCore):
             raise TrajectoryError(
                 "id", f"trajectory {traj.id!r} is leased to {rec.worker!r}, not {worker_id!r}")
         old = rec.traj
-        if traj is not old:
+        if traj is not old and (
+            traj.group_id != old.group_id or traj.prompt_id != old.prompt_id
+            or traj.index_in_group != old.index_in_group
+        ):
             for name in ("group_id", "prompt_id", "index_in_group"):
                 if getattr(traj, name) != getattr(old, name):
                     raise TrajectoryError(
@@ -308,7 +313,7 @@ class ReplayBuffer(BufferCore):
         if traj.status not in _RETURNABLE:
             raise TrajectoryError(
                 "status", f"a returned trajectory must be PARTIAL or finished, got {traj.status}")
-        return rec, traj, traj.validate(current_version=self._version)
+        return (rec, traj, *traj.validate_runs(current_version=self._version))
 
     def release_worker(self, worker_id: str) -> int:
         """The worker is gone: its leased trajectories go back to the queues (PARTIAL if

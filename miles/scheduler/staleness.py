@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from miles.types import LossStats, loss_version_stats, version_runs
+from miles.types import LossStats, VersionRuns, loss_version_stats, version_runs
 
 if TYPE_CHECKING:  # the buffer imports this module; avoid the cycle at runtime
     from miles.buffers.ledger import Ledger
@@ -79,20 +79,26 @@ def mask_stale_tokens(traj: Trajectory, trainer_version: int, max_staleness: int
 
 
 def mask_stale(
-    traj: Trajectory, trainer_version: int, max_staleness: int, stats: LossStats
+    traj: Trajectory, trainer_version: int, max_staleness: int, stats: LossStats,
+    runs: VersionRuns | None = None,
 ) -> tuple[int, LossStats]:
     """``mask_stale_tokens``, and the loss tokens' stats after it (``loss_version_stats``),
-    given their stats before (``stats``).
+    given their stats before (``stats``) and, where known, the versions' runs (``runs``,
+    as ``Trajectory.validate_runs`` found them when the trajectory was put).
 
     When every token carries loss and the versions are ascending runs (``version_runs``,
     the case of a generation that spans weight updates), the stale tokens are a prefix
-    found by bisection and the new stats follow from the runs: no pass over the tokens
-    but the mask's own write. A pass that compares each token with a version it is not (a
-    sort, a count of 1s over a mask that holds 0s too) runs the slow compare path on every
-    token, and made the mask policy the buffer's largest cost at a thousand workers."""
+    and the new stats follow from the runs: no pass over the tokens but the mask's own
+    write. A pass that compares each token with a version it is not (a sort, a count of 1s
+    over a mask that holds 0s too) runs the slow compare path on every token, and made the
+    mask policy the buffer's largest cost at a thousand workers; finding the runs again
+    (a pass that copies every run) was most of what was left."""
     versions, mask = traj.versions, traj.loss_mask
     n = len(versions)
-    runs = version_runs(versions) if n and stats[1] == n else None
+    if not (n and stats[1] == n):
+        runs = None
+    elif runs is None or runs[-1][1] != n:  # unknown, or not this list's (it changed length)
+        runs = version_runs(versions)
     if runs is None:
         masked = mask_stale_tokens(traj, trainer_version, max_staleness)
         return masked, loss_version_stats(versions, mask)

@@ -61,6 +61,27 @@ def test_validate_returns_the_loss_token_stats(spans: list[tuple[int, str, int]]
     for version, kind, n in spans:
         t.append([1] * n, [0.0] * n, version, kind=kind)
     assert t.validate() == T.loss_version_stats(t.versions, t.loss_mask)
+    stats, runs = t.validate_runs()
+    assert stats == t.validate()
+    if runs is not None:  # found by the check's own pass: only where every token carries loss
+        assert all(t.loss_mask) and runs == T.version_runs(t.versions)
+
+
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=60), st.booleans(), st.booleans())
+def test_validate_runs_finds_the_runs_of_ascending_versions(versions: list[int], sort: bool, big: bool) -> None:
+    """Where every token carries loss, ``validate_runs`` hands back ``version_runs`` of the
+    versions whenever those are runs of fewer than 8 ascending versions (what the buffer
+    keeps for the mask policy), and None otherwise; the stats are ``validate``'s."""
+    if sort:
+        versions = sorted(versions)
+    if big:
+        versions = [int(str(v + 1000)) for v in versions]  # past the small-int cache
+    n = len(versions)
+    t = T.Trajectory(id="a", prompt_id="p", group_id="g", response_tokens=[1] * n, logprobs=[0.0] * n,
+                     versions=versions, loss_mask=[1] * n)
+    stats, runs = t.validate_runs()
+    assert stats == t.validate() == T.loss_version_stats(versions, [1] * n)
+    assert runs == T.version_runs(versions)
 
 
 @given(st.lists(st.tuples(st.integers(0, 400), st.integers(1, 40)), min_size=1, max_size=6), st.booleans())

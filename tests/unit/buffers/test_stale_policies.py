@@ -93,6 +93,7 @@ def test_mask_zeroes_only_stale_tokens() -> None:
     (t,) = buf.lease("w", 1)
     assert t.versions == [0, 0]
     buf.put(generate(t, 2, n_tokens=3), "w")
+    assert buf._recs[t.id].runs == [(0, 2), (1, 2), (2, 5)]  # kept from the put's check for the mask
     (group,) = buf.get_batch(1, 2)
     assert group[0].loss_mask == [0, 0, 1, 1, 1]
     assert _loss_staleness_ok([group], 2, 1)

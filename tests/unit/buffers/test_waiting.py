@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from miles.types import Status
 
 from tests.unit.buffers.helpers import FakeClock, generate, make_buffer, prompts
@@ -147,3 +151,62 @@ def test_concurrent_waiting_leases_lose_and_duplicate_nothing() -> None:
         assert ledger.ready == 165 and ledger.in_flight == 0 and not buf._lease_waiters
 
     asyncio.run(main())
+
+
+class _WalkingWaiters:
+    """The reference: the waiter list walked from its oldest entry on every wake."""
+
+    def __init__(self) -> None:
+        self.by_worker: dict[str, list] = {}  # worker -> [need, woken]
+
+    def add(self, wid: str, need: int) -> None:
+        self.by_worker.pop(wid, None)
+        self.by_worker[wid] = [need, False]
+
+    def remove(self, wid: str) -> None:
+        self.by_worker.pop(wid, None)
+
+    def wake(self, leasable: int, log: list[str]) -> None:
+        if leasable <= 0:
+            return
+        for wid, waiter in self.by_worker.items():
+            if leasable <= 0:
+                break
+            leasable -= waiter[0]
+            if not waiter[1]:
+                waiter[1] = True
+                log.append(wid)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["add", "remove", "wake"]), st.integers(0, 5),
+                          st.integers(-3, 40)), max_size=80))
+def test_waking_skips_the_woken_by_their_asks_as_a_walk_over_them_would(ops: list[tuple[str, int, int]]) -> None:
+    """The woken waiters are always the oldest ones, so skipping them by the sum of their asks
+    wakes exactly whom a walk over every waiter from the oldest wakes, in the same order."""
+    from miles.buffers.waiting import LeaseWaiters
+
+    fast, ref = LeaseWaiters(), _WalkingWaiters()
+    got: list[str] = []
+    want: list[str] = []
+    for op, worker, arg in ops:
+        wid = f"w{worker}"
+        if op == "add":
+            need = max(1, arg % 17)
+            fast.add(wid, need, lambda w=wid: got.append(w))
+            ref.add(wid, need)
+        elif op == "remove":
+            fast.remove(wid)
+            ref.remove(wid)
+        else:
+            fast.wake(arg)
+            ref.wake(arg, want)
+        assert got == want
+        assert list(fast._by_worker) == list(ref.by_worker)
+        assert [w.woken for w in fast._by_worker.values()] == [v[1] for v in ref.by_worker.values()]
+
+
+def test_a_waiting_lease_must_ask_for_something() -> None:
+    from miles.buffers.waiting import LeaseWaiters
+
+    with pytest.raises(ValueError, match="need"):
+        LeaseWaiters().add("w", 0, lambda: None)

@@ -101,7 +101,7 @@ def test_mask_stale_agrees_with_masking_then_counting() -> None:
     """The fast path (ascending runs, every token carrying loss) and the general one give
     what ``mask_stale_tokens`` then ``loss_version_stats`` give, on every shape."""
     from miles.scheduler.staleness import mask_stale
-    from miles.types import loss_version_stats
+    from miles.types import loss_version_stats, version_runs
 
     rng = random.Random(3)
     for _ in range(2000):
@@ -115,9 +115,10 @@ def test_mask_stale_agrees_with_masking_then_counting() -> None:
         trainer, eta = base + rng.randint(0, 12), rng.randint(0, 4)
         fast = Trajectory(id="t", prompt_id="p", group_id="g", versions=list(versions), loss_mask=list(mask))
         slow = Trajectory(id="t", prompt_id="p", group_id="g", versions=list(versions), loss_mask=list(mask))
-        got = mask_stale(fast, trainer, eta, loss_version_stats(versions, mask))
+        runs = rng.choice((None, version_runs(versions), [(0, n + 1)]))  # unknown, known, another list's
+        got = mask_stale(fast, trainer, eta, loss_version_stats(versions, mask), runs)
         want = mask_stale_tokens(slow, trainer, eta), loss_version_stats(slow.versions, slow.loss_mask)
-        assert got == want and fast.loss_mask == slow.loss_mask, (versions, mask, trainer, eta)
+        assert got == want and fast.loss_mask == slow.loss_mask, (versions, mask, trainer, eta, runs)
 
 
 def test_scheduler_events_and_state() -> None:
