@@ -27,6 +27,7 @@ ledger to summary.json.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from typing import Any
@@ -210,11 +211,14 @@ class Driver:
             await self.actors.buffer.expire_leases.remote()  # hung workers' work goes back
             await self._check_failures()
             try:
-                pong = await asyncio.wait_for(self.actors.trainer.ping.remote(), timeout * 6)
-                self.trainer_rss_mb = pong.get("mem/trainer_rss_mb", 0.0)
-                self.trainer_weights = {k: v for k, v in pong.items() if k.startswith("weights/")}
+                self._note_trainer(await asyncio.wait_for(self.actors.trainer.ping.remote(), timeout * 6))
             except Exception as exc:
                 self._fail(f"PolicyTrainer died or stopped answering ({type(exc).__name__}){self._checkpoint_note()}")
+
+    def _note_trainer(self, pong: dict[str, float]) -> None:
+        """Keep what a trainer ping reports for the step records: its RSS and weight-transport counters."""
+        self.trainer_rss_mb = pong.get("mem/trainer_rss_mb", 0.0)
+        self.trainer_weights = {k: v for k, v in pong.items() if k.startswith("weights/")}
 
     async def _check_failures(self) -> None:
         """Stop a run in which nothing can succeed: every group of the last
@@ -387,6 +391,12 @@ class Driver:
                 stats["draft/alive"] = 0.0
                 print(f"[miles] DraftTrainer not answering ({type(exc).__name__})", flush=True)
         stats["mem/worker_rss_mb"] = max((ws.get("mem/worker_rss_mb", 0.0) for ws in self.worker_stats.values()), default=0.0)
+        if not self.trainer_weights:
+            # a step before the health loop's first trainer ping (a short run on a fast machine):
+            # ask now, so every step's record has the counters; a trainer that does not answer
+            # is the health loop's to report
+            with contextlib.suppress(Exception):
+                self._note_trainer(await asyncio.wait_for(self.actors.trainer.ping.remote(), 30))
         stats["mem/trainer_rss_mb"] = self.trainer_rss_mb
         stats.update(self.trainer_weights)
         stats["mem/driver_rss_mb"] = rss_mb()
