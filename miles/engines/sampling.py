@@ -268,7 +268,7 @@ def sample(logits: Tensor, batch: SamplingBatch, generator: torch.Generator | No
 
 def _greedy(logits: Tensor) -> tuple[Tensor, Tensor]:
     tok = logits.argmax(dim=-1)
-    return tok, logits.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    return tok, _logprob(logits, tok)
 
 
 def _sampled(logits: Tensor, batch: SamplingBatch, rows: Any, generator: torch.Generator | None
@@ -284,8 +284,12 @@ def _sampled(logits: Tensor, batch: SamplingBatch, rows: Any, generator: torch.G
     # Gumbel-max: argmax(scaled + g) ~ softmax(scaled); -inf (truncated) never wins.
     u = uniforms([batch.keys[i] for i in rows], logits.shape[1], dev, generator)
     tok = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
-    logprob = scaled.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)
-    return tok, logprob
+    return tok, _logprob(scaled, tok)
+
+
+def _logprob(scaled: Tensor, tok: Tensor) -> Tensor:
+    """Each row's log-prob of its token under ``scaled`` (the tempered, maybe truncated logits)."""
+    return scaled.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)
 
 
 def recorded_logprobs(logits: Tensor, batch: SamplingBatch, tokens: Tensor) -> Tensor:
@@ -295,7 +299,7 @@ def recorded_logprobs(logits: Tensor, batch: SamplingBatch, tokens: Tensor) -> T
     logits = logits.float()
     temps = [1.0 if t <= GREEDY_EPS else t for t in batch.temperature]
     scaled = logits if all(t == 1.0 for t in temps) else logits / to_device(temps, torch.float32, logits.device)[:, None]
-    return scaled.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)
+    return _logprob(scaled, tokens)
 
 
 def uniforms(keys: list[int | None], V: int, dev: torch.device, gen: torch.Generator | None) -> Tensor:

@@ -90,7 +90,7 @@ def attention_input(h: Tensor, norm_w: Tensor, eps: float, qkv_w: Tensor, qkv_b:
     x = rms_norm(h, norm_w, eps)
     B, T = x.shape[0], x.shape[1]
     qkv = F.linear(x, qkv_w, qkv_b)
-    if invariant.on(qkv) and not torch.is_grad_enabled():  # --true-on-policy: the same bits in one launch
+    if _kernels_serve(qkv):  # --true-on-policy: the same bits in one launch
         from miles.kernels import invariant as kernels
 
         qk = kernels.qk_norm_rope(qkv, H, KV, q_norm_w, k_norm_w, eps, cos, sin).transpose(1, 2)
