@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.simulate import SimConfig, Simulation  # noqa: E402
+from benchmarks.simulate import SimConfig, Simulation, model  # noqa: E402
 from miles.types import Status, Trajectory  # noqa: E402
 
 TINY = dict(slots=4, n=2, groups_per_worker=2.0, len_unit=8, len_buckets=16, decode_base_s=0.01,
@@ -66,3 +66,19 @@ def test_starved_workers_wait_in_the_buffers_waiting_leases() -> None:
     assert sim.waits > 0
     waiting = {w.wid for w in sim.workers if w.waiting}
     assert set(sim.buf._lease_waiters._by_worker) == waiting
+
+
+def test_one_worker_staleness_follows_the_finite_batch_term() -> None:
+    """One worker, one group a batch (B = 1): every take follows the completion of the group it
+    takes, so the bump sees the tokens not yet in a complete group just after they fell by a
+    group's worth, not their time average. The model's finite-batch term accounts for it; the
+    many-worker limit alone overshoots by more than half that term."""
+    cfg = SimConfig(workers=1, eta=16, n=16, groups_per_worker=1.0)  # rollout-bound, bound never binds
+    r = Simulation(cfg).run()
+    m = r.model
+    assert m["regime"] == 1.0 and r.masked_frac == 0.0
+    assert m["finite"] > 0.1 * m["S"]  # a term the check can see
+    assert abs(r.staleness_mean - m["S"]) <= 0.10 * m["S"], (r.staleness_mean, m)
+    assert r.staleness_mean < m["S_inf"] - m["finite"] / 2, (r.staleness_mean, m)
+    wide = model(SimConfig(workers=10, eta=16, n=16, groups_per_worker=1.0))
+    assert abs(wide["finite"] * 10 - m["finite"]) < 1e-12  # it falls as 1/B
