@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -79,6 +80,7 @@ class BackgroundCompile:
             out = Path(f"{self.spec}.out")
             if out.exists():
                 self.warmup_s = float(json.loads(out.read_text()).get("warmup_s", 0.0))
+            shutil.rmtree(self.dir, ignore_errors=True)  # a failed child's log stays for its user
             return True
         tail = self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
         log.warning("background compile warm-up failed (rc %s); compiling in-process instead:\n%s",
