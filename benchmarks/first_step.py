@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-RUNS = {  # name → (--compile-warmup, cache directory, whether the run starts with it empty)
+RUNS = {  # name → (compile_warmup, cache directory, whether the run starts with it empty)
     "inline": ("inline", "inline", True),
     "background": ("background", "background", True),
     "warm": ("background", "background", False),
@@ -59,7 +59,7 @@ def run_once(args: argparse.Namespace, inputs: dict[str, str], name: str) -> dic
             if args.device == "cuda" else ["--custom-rm-path", "examples/countdown/reward.py:reward"])
     cmd = [sys.executable, "-m", "miles", "train", "--hf-checkpoint", inputs["ckpt"], "--prompt-data", inputs["data"],
            *task, "--device", args.device, "--num-rollout", str(args.steps), "--rollout-max-response-len", str(args.max_len),
-           "--output-dir", str(out), "--compile-warmup", mode, *args.extra]
+           "--output-dir", str(out), "--dev", f"compile_warmup={mode}", *args.extra]
     if args.device == "cuda":
         cmd += ["--colocate", "--actor-num-gpus-per-node", "1"]
     t0 = time.monotonic()

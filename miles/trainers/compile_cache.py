@@ -1,5 +1,5 @@
 """The compiled trainer's warm-up in a process of its own, so the first steps need not wait
-for it (``--compile-warmup background``, the default).
+for it (``compile_warmup="background"``, the CUDA default; ``--dev compile_warmup=...``).
 
 Why a process: the warm-up is compile work (dynamo tracing, AOTAutograd, inductor, Triton),
 about 30 s for a Qwen3-0.6B shape on an H200, and the trainer's first step waited for all of
@@ -15,7 +15,7 @@ weights (graphs do not depend on values), and runs the same warm-up ladder. The 
 steps eagerly meanwhile; at the start of the first step after the child exits it compiles
 its own layers and runs the warm-up again, which now hits the caches (seconds, not tens),
 so the switch happens between steps, never inside one. A child that fails leaves the
-trainer to compile in-process at that point, as ``--compile-warmup inline`` does at start.
+trainer to compile in-process at that point, as ``compile_warmup="inline"`` does at start.
 
 Run as ``python -m miles.trainers.compile_cache SPEC.json``: the spec holds the model,
 trainer and algorithm configs; the child writes ``{"warmup_s": ...}`` to ``SPEC.json.out``.
