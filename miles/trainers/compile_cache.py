@@ -17,7 +17,7 @@ its own layers and runs the warm-up again, which now hits the caches (seconds, n
 so the switch happens between steps, never inside one. A child that fails leaves the
 trainer to compile in-process at that point, as ``compile_warmup="inline"`` does at start.
 
-Run as ``python -m miles.trainers.compile_cache SPEC.json``: the spec holds the model,
+The child runs ``main([SPEC.json])``: the spec holds the model,
 trainer and algorithm configs; the child writes ``{"warmup_s": ...}`` to ``SPEC.json.out``.
 """
 
@@ -61,7 +61,8 @@ class BackgroundCompile:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         self.started = time.monotonic()
         with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "miles.trainers.compile_cache", str(self.spec)],
+            entry = "import sys; from miles.trainers.compile_cache import main; main(sys.argv[1:])"
+            self.proc = subprocess.Popen([sys.executable, "-c", entry, str(self.spec)],
                                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         self.seconds = 0.0  # the child's wall time, launch to exit
         self.warmup_s = 0.0  # its warm-up alone (without imports and CUDA start)
@@ -91,6 +92,7 @@ class BackgroundCompile:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _exit_with_parent() -> None:
@@ -133,6 +135,3 @@ def main(argv: list[str]) -> None:
     seconds = warm_in_child(json.loads(spec_path.read_text()))
     Path(f"{spec_path}.out").write_text(json.dumps({"warmup_s": seconds}))
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -80,6 +80,31 @@ def test_compile_warmup_auto_is_inline_on_the_cpu(monkeypatch) -> None:
     assert all(layer._compiled_call_impl is None for layer in tr.model.model.layers)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the child fails for want of CUDA")
+def test_a_failed_child_is_reported_with_its_log(caplog) -> None:
+    """The child process as the trainer starts it (its spec, its imports); one that fails (a
+    CUDA trainer on a machine without CUDA) is reported with the tail of its log, and the
+    trainer then compiles in-process."""
+    import time
+    from types import SimpleNamespace
+
+    from miles.trainers.compile_cache import BackgroundCompile
+
+    owner = SimpleNamespace(model=make_model(), config=TrainerConfig(device="cuda", compile=True),
+                            algo=AlgorithmConfig())
+    child = BackgroundCompile(owner)  # type: ignore[arg-type]
+    deadline = time.monotonic() + 120
+    while not child.done():
+        assert time.monotonic() < deadline, "the child did not exit"
+        time.sleep(0.2)
+    assert child.seconds > 0
+    with caplog.at_level("WARNING"):
+        assert not child.ok()
+    assert "compiling in-process instead" in caplog.text and "CUDA" in caplog.text
+    child.stop()
+    assert not child.dir.exists()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor on the CPU needs a C++ compiler")
