@@ -178,6 +178,8 @@ class Driver:
         if self.step == 1:
             self.startup.update({"first_batch_s": t0 + wait_s - self._born, "first_train_s": train_s,
                                  "first_step_s": time.monotonic() - self._born})
+            if "engine/graph_capture_s" in metrics:  # the engines' CUDA graph captures (and compiles within)
+                self.startup["first_graph_capture_s"] = metrics["engine/graph_capture_s"]
         for key in ("compile_warmup_s", "compile_background_s", "compile_child_warmup_s", "compiled_from_step"):
             if f"perf/{key}" in metrics:
                 self.startup[key] = metrics[f"perf/{key}"]
