@@ -21,6 +21,7 @@ without pickle.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -44,6 +45,8 @@ from miles.trainers.step import MicroLoss, RLStep
 from miles.types import Trajectory
 from miles.transports.weights import plan_buckets
 from miles.utils.device import to_device
+
+log = logging.getLogger(__name__)
 
 
 def _dtype(name: str, device: str) -> torch.dtype:
@@ -150,7 +153,13 @@ class EmbeddedTrainer(RLStep):
         start = time.monotonic()
         compilation.compile_layers(self.model)
         self.compiled = True
-        self._warm_compiled()
+        try:
+            self._warm_compiled()
+        except torch.OutOfMemoryError:  # an engine beside it holds more memory now than at start
+            self.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            log.warning("the compile warm-up ran out of memory at the switch; shapes it did not reach "
+                        "compile when a step first meets them")
         compilation.log_recompiles()
         self.compile_stats = {"perf/compile_warmup_s": time.monotonic() - start,
                               "perf/compile_background_s": bg.seconds, "perf/compile_child_warmup_s": bg.warmup_s,
