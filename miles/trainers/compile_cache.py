@@ -11,7 +11,9 @@ What carries over is torch's on-disk caches: inductor's FX graph cache, AOTAutog
 and Triton's kernel cache (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``; by default per
 user under /tmp and ~/.triton, so a second run finds them too). The child builds the same
 decoder layer shapes with one layer (the layers share their graphs: ``compilation``), random
-weights (graphs do not depend on values), and runs the same warm-up ladder. The trainer
+weights (graphs do not depend on values), a vocabulary of at most ``CHILD_VOCAB`` (so it fits
+in a few GB beside a colocated engine; the two LM-head kernels, compiled for the vocabulary,
+are then left to the switch), and runs the same warm-up ladder. The trainer
 steps eagerly meanwhile; at the start of the first step after the child exits it compiles
 its own layers and runs the warm-up again, which now hits the caches (seconds, not tens),
 so the switch happens between steps, never inside one. A child that fails leaves the
@@ -42,6 +44,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+CHILD_VOCAB = 8192  # the child's vocabulary at most (its LM-head kernels then compile at the switch)
+
 
 class BackgroundCompile:
     """The warm-up child of one trainer: started at construction, polled between steps."""
@@ -59,6 +63,7 @@ class BackgroundCompile:
         env = dict(os.environ)
         root = str(Path(miles.__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # little memory beside an engine
         self.started = time.monotonic()
         with open(self.log_path, "wb") as out:
             entry = "import sys; from miles.trainers.compile_cache import main; main(sys.argv[1:])"
@@ -118,7 +123,11 @@ def warm_in_child(spec: dict[str, Any]) -> float:
     from miles.trainers.config import TrainerConfig
     from miles.trainers.embedded import EmbeddedTrainer
 
-    model_cfg = msgspec.convert({**spec["model"], "num_hidden_layers": 1}, ModelConfig)
+    # One layer and a small vocabulary: the decoder layers' graphs see hidden states only.
+    # The full vocabulary's LM head ([tokens, 151,936] logits and their gradient, ~10 GB at
+    # the warm-up's largest micro-batch) did not fit beside a colocated engine on an H100.
+    vocab = min(spec["model"]["vocab_size"], CHILD_VOCAB)
+    model_cfg = msgspec.convert({**spec["model"], "num_hidden_layers": 1, "vocab_size": vocab}, ModelConfig)
     trainer_cfg = msgspec.convert({**spec["trainer"], "compile": True, "compile_warmup": "inline"}, TrainerConfig)
     # the warm-up reads the entropy mode only; no reference model is built for it
     algo = msgspec.convert({**spec["algo"], "kl_coef": 0.0, "reward_kl_coef": 0.0}, AlgorithmConfig)
