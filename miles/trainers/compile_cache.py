@@ -140,6 +140,7 @@ def warm_in_child(spec: dict[str, Any]) -> float:
 
 def main(argv: list[str]) -> None:
     _exit_with_parent()
+    os.nice(10)  # its compile workers inherit it: the engines' own first compiles and the eager steps come first
     spec_path = Path(argv[0])
     seconds = warm_in_child(json.loads(spec_path.read_text()))
     Path(f"{spec_path}.out").write_text(json.dumps({"warmup_s": seconds}))
