@@ -164,11 +164,25 @@ class Driver:
             "perf/admission_s": self.admit_s,
         })
         self.admit_s = 0.0
+        self._note_startup(metrics, t0, wait_s, train_s)
         self.out.log_step(self.step, metrics)
         if self.eval_data is not None and cfg.run.eval_interval and self.step % cfg.run.eval_interval == 0:
             self.eval_tasks.append(asyncio.create_task(self._evaluate(self.step)))
         if self.ckpt is not None and cfg.run.save_interval and self.step % cfg.run.save_interval == 0:
             await self._save()
+
+    def _note_startup(self, metrics: dict[str, float], t0: float, wait_s: float, train_s: float) -> None:
+        """summary.json's ``startup``, past the actors: the first step's parts (launch to its
+        batch, its train call, launch to its end), and the compiled trainer's warm-up (its
+        seconds in-process and in the background child, the step that first ran compiled)."""
+        if self.step == 1:
+            self.startup.update({"first_batch_s": t0 + wait_s - self._born, "first_train_s": train_s,
+                                 "first_step_s": time.monotonic() - self._born})
+            if "engine/graph_capture_s" in metrics:  # the engines' CUDA graph captures (and compiles within)
+                self.startup["first_graph_capture_s"] = metrics["engine/graph_capture_s"]
+        for key in ("compile_warmup_s", "compile_background_s", "compile_child_warmup_s", "compiled_from_step"):
+            if f"perf/{key}" in metrics:
+                self.startup[key] = metrics[f"perf/{key}"]
 
     async def _admit(self) -> None:
         """Keep the buffer supplied with prompts, within the staleness budget."""

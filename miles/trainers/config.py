@@ -62,6 +62,12 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     # compile time outweighs its small gain there), for MoE (data-dependent expert dispatch) and under FSDP2, which were
     # not measured compiled.
     compile: bool | None = None
+    # When the compiled layers' warm-up runs (trainers.compile_cache): "background" in a child
+    # process that fills torch's on-disk compile caches while the first steps run eagerly, the
+    # layers compiled between steps once it is done (from the caches: seconds); "inline" in
+    # the trainer's construction, before the first step. "auto": background on CUDA; inline
+    # on the CPU, where the child's compile would take the cores the eager steps need.
+    compile_warmup: Literal["auto", "background", "inline"] = "auto"
     gradient_checkpointing: bool = False  # recompute decoder layers in backward
     fsdp: bool | None = None  # None → FSDP2 when torch.distributed has > 1 rank
 

@@ -11,15 +11,19 @@ With ``lora_rank`` > 0 it trains LoRA adapters over frozen base weights (``lora`
 optimizer, the checkpoint state and every weight update hold the adapters only.
 
 Parameters and AdamW state are float32 (a LoRA run's frozen base: the compute dtype);
-``dtype="bfloat16"`` runs forward/backward under autocast. On CUDA the decoder layers run under torch.compile, warmed up at construction for
-every micro-batch shape class (``compilation``). ``state_dict`` returns CPU copies of every
+``dtype="bfloat16"`` runs forward/backward under autocast. On CUDA the decoder layers run under torch.compile, warmed up for
+every micro-batch shape class (``compilation``): by default in a child process while the first
+steps run eagerly, the layers switched to compiled between steps once it is done
+(``compile_cache``), or at construction (``compile_warmup="inline"``). ``state_dict`` returns CPU copies of every
 tensor plus plain Python values, so a checkpoint writer can store it with safetensors + JSON
 without pickle.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +33,7 @@ from miles.algorithms import AlgorithmConfig
 from miles.models import quant
 from miles.models.quant_io import wire_tensors
 from miles.trainers import compilation, lora
+from miles.trainers.compile_cache import BackgroundCompile
 from miles.trainers import state as ckpt
 from miles.trainers.batching import TokenBatch, build_batch
 from miles.trainers.config import TrainerConfig, lr_at
@@ -40,6 +45,8 @@ from miles.trainers.step import MicroLoss, RLStep
 from miles.types import Trajectory
 from miles.transports.weights import plan_buckets
 from miles.utils.device import to_device
+
+log = logging.getLogger(__name__)
 
 
 def _dtype(name: str, device: str) -> torch.dtype:
@@ -102,8 +109,13 @@ class EmbeddedTrainer(RLStep):
         compiled = config.compile
         if compiled is None:  # auto: see TrainerConfig.compile
             compiled = self.device.type == "cuda" and not self.is_moe and not self.sharded
-        self.compiled = bool(compiled)
-        if compiled:
+        # in the background: a child fills the compile caches; the layers run eager until then
+        background = bool(compiled) and self._warm_in_background()
+        self.compiled = bool(compiled) and not background  # the layers run compiled now
+        self.compile_stats: dict[str, float] = {}  # the warm-up's figures, reported once (perf/)
+        self._background: BackgroundCompile | None = None
+        self._train_calls = 0
+        if self.compiled:
             compilation.compile_layers(self.model)
         self.ref_model = ref_model
         if ref_model is not None:
@@ -111,9 +123,52 @@ class EmbeddedTrainer(RLStep):
         self.optimizer = self._build_optimizer()
         self.offloader = OptimizerOffloader(self.optimizer, self.device) if config.offload_train else None
         self.oom = OOMGuard(config)  # micro-batch limits, halved on an OOM (``oom``)
-        if compiled:
+        if self.compiled:
+            start = time.monotonic()
             self._warm_compiled()
             compilation.log_recompiles()
+            self.compile_stats = {"perf/compile_warmup_s": time.monotonic() - start, "perf/compiled_from_step": 1.0}
+        elif background:
+            self._background = BackgroundCompile(self)
+
+    def _warm_in_background(self) -> bool:
+        mode = self.config.compile_warmup
+        if mode == "auto":
+            mode = "background" if self.device.type == "cuda" else "inline"
+        # The child builds the plain model: a sharded or quantized one compiles other graphs.
+        return mode == "background" and not self.sharded and quant.spec_of(self.model) is None
+
+    def train_step(self, groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
+        self._train_calls += 1
+        if self._background is not None and self._background.done():
+            self._switch_to_compiled()  # between steps: never inside one
+        return super().train_step(groups)
+
+    def _switch_to_compiled(self) -> None:
+        """The layers compiled and warmed up in-process: from the child's caches when it
+        succeeded, from scratch (as the inline warm-up) when it failed."""
+        bg, self._background = self._background, None
+        assert bg is not None
+        bg.ok()
+        start = time.monotonic()
+        compilation.compile_layers(self.model)
+        self.compiled = True
+        try:
+            self._warm_compiled()
+        except torch.OutOfMemoryError:  # an engine beside it holds more memory now than at start
+            self.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            log.warning("the compile warm-up ran out of memory at the switch; shapes it did not reach "
+                        "compile when a step first meets them")
+        compilation.log_recompiles()
+        self.compile_stats = {"perf/compile_warmup_s": time.monotonic() - start,
+                              "perf/compile_background_s": bg.seconds, "perf/compile_child_warmup_s": bg.warmup_s,
+                              "perf/compiled_from_step": float(self._train_calls)}
+
+    def __del__(self) -> None:
+        bg = getattr(self, "_background", None)
+        if bg is not None:
+            bg.stop()
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         decay, no_decay = [], []
@@ -249,8 +304,11 @@ class EmbeddedTrainer(RLStep):
         metrics = {}
         if self.offloader is not None:
             metrics["mem/offload_train_s"] = self.offloader.seconds
-        if self.compiled:  # graphs dynamo built in this process: one more mid-run is a recompile
+        if self.compiled or self._background is not None:  # graphs dynamo built in this process: one more mid-run is a recompile
             from torch._dynamo.utils import counters
 
             metrics["perf/compiled_graphs"] = float(counters["stats"]["unique_graphs"])
+            metrics["perf/compiled"] = float(self.compiled)
+        metrics.update(self.compile_stats)  # once: the step that first ran compiled
+        self.compile_stats = {}
         return metrics

@@ -66,3 +66,33 @@ def test_compiled_layers_train() -> None:
     assert m["train/optimizer_steps"] == 1.0 and all(v == v for v in m.values())
 
 
+
+
+def test_background_warmup_switches_to_cached_compiled_layers(tmp_path, monkeypatch) -> None:
+    """--compile-warmup background on CUDA: the child process compiles the layers' graphs
+    into fresh caches while the trainer steps eagerly; once it is done the trainer's own
+    compile finds them there (no FX graph cache miss), and the compiled step trains as an
+    eager twin does."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    torch._dynamo.reset()
+    counters.clear()
+    tr = _trainer("float32", compile=True, compile_warmup="background", max_tokens_per_micro_batch=256)
+    twin = _trainer("float32", compile=False, max_tokens_per_micro_batch=256)
+    assert not tr.compiled and tr._background is not None
+    groups = random_groups()
+    set_behaviour(twin, groups)
+    assert tr.train_step(groups)["perf/compiled"] == 0.0  # the child is still importing torch
+    twin.train_step(groups)
+    tr._background.proc.wait(timeout=240)
+    assert tr._background.proc.returncode == 0, tr._background.log_path.read_text()[-2000:]
+    tr.model.load_state_dict(twin.model.state_dict())
+    groups = random_groups(seed=1)
+    set_behaviour(twin, groups)
+    a, b = twin.train_step(groups), tr.train_step(groups)
+    assert b["perf/compiled"] == 1.0 and b["perf/compiled_from_step"] == 2.0
+    for key in ("train/loss", "train/grad_norm"):
+        assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-4), key
+    assert counters["inductor"]["fxgraph_cache_hit"] > 0  # the child's graphs, read back

@@ -82,6 +82,9 @@ def test_modes_respect_bound_and_ledger(ray_cluster, tiny_ckpt, task, tmp_path, 
     # where the time before step 1 went: the actors' construction lies within the start-up
     up = saved["startup"]
     assert 0.0 < up["trainer_init_s"] < up["startup_s"] and 0.0 < up["worker_init_s_max"] < up["startup_s"]
+    # and the first step's parts: launch to its batch, its train call, launch to its end
+    assert up["startup_s"] < up["first_batch_s"] < up["first_step_s"]
+    assert 0.0 < up["first_train_s"] < up["first_step_s"] - up["first_batch_s"]
     assert (out / "config.yaml").is_file()
 
 
