@@ -186,3 +186,39 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         if m is not None:
             t = t + m.scaling * (m.lora_B.weight @ m.lora_A.weight)
         yield name, t.detach().contiguous()
+
+
+_FUSED_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+@torch.no_grad()
+def fuse_frozen_base(model: nn.Module) -> int:
+    """Lay each layer's frozen q/k/v (and dense gate/up) base weights out as one matrix, each
+    projection's ``weight`` a row block of it, as the engine's fused GEMMs read them: an engine
+    serving these tensors (``miles.engines.shared``) then fuses them as views instead of
+    concatenating copies. The forward is unchanged (each block is a contiguous matrix, still
+    frozen). Idempotent; returns the groups laid out anew."""
+    from miles.models.fused import adjacent_rows
+
+    done = 0
+    for layer in model.model.layers:
+        for parent_name, leaves in _FUSED_GROUPS:
+            parent = getattr(layer, parent_name, None)
+            mods = [getattr(parent, leaf, None) for leaf in leaves]
+            if any(m is None or not isinstance(getattr(m, "weight", None), Tensor) for m in mods):
+                continue  # MoE blocks: experts stay as they are
+            weights = [m.weight for m in mods]
+            if any(w.requires_grad for w in weights) or adjacent_rows([w.detach() for w in weights]) is not None:
+                continue
+            fused = torch.cat([w.detach() for w in weights])
+            for m, view in zip(mods, fused.split([w.shape[0] for w in weights])):
+                m.weight = nn.Parameter(view, requires_grad=False)
+            done += 1
+    return done
+
+
+def base_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """The frozen base, HF-named (every parameter but the adapters), as the live tensors: what
+    a colocated engine serves instead of a copy of its own."""
+    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
+            if ".lora_A." not in k and ".lora_B." not in k}
