@@ -237,6 +237,13 @@ def table(results: list[dict]) -> list[str]:
     for r in results:
         lines.append(f"{r['shape']}: {r['params'] / 1e9:.2f} B parameters ({r['full_update_bytes'] / GB:.1f} GB a copy in "
                      f"the engine dtype), {r['trainable'] / 1e6:.1f} M trainable; set-up {r['init_s']:.0f} s")
+    for r in lora:
+        if r.get("lora_path") == "shared":
+            lines.append(f"{r['shape']} lora: the engine serves {r['engine_shared_bytes'] / GiB:.1f} GiB of the trainer's "
+                         f"frozen base as is (one copy on the GPU), adapters unmerged")
+        elif r.get("lora_path"):
+            lines.append(f"{r['shape']} lora: the engine holds its own base copy, adapters merged "
+                         f"({r.get('why_not_shared')})")
     for r in full:
         lines.append(f"Full update measured ({r['shape']}): {r['steps'][-1]['update_bytes'] / 1e6:.1f} MB "
                      f"in {r['steps'][-1]['update_s']:.2f} s")
