@@ -144,3 +144,57 @@ def open_handles(shared: SharedBase, device: int) -> dict[str, Tensor]:
         out[s.name] = torch.empty(0, dtype=dtype, device=f"cuda:{device}").set_(
             storages[s.storage], s.offset, s.shape, s.stride)
     return out
+
+
+class BaseOffer(msgspec.Struct, frozen=True):
+    """A trainer's answer to an engine process that asks for its base (``offer``)."""
+
+    base: SharedBase | None
+    gpu: str = ""  # the trainer's GPU (UUID), where ``base`` is set
+    why_not: str = ""  # why there is no base to share, where it is not
+
+
+def offer(backend: object) -> BaseOffer:
+    """The trainer's side: IPC handles to its frozen base for one engine process, or why not."""
+    if not getattr(backend, "lora", False):
+        return BaseOffer(None, why_not="full-parameter training: the engine's weights change with every update")
+    try:
+        base = backend.shared_base()  # type: ignore[attr-defined]
+    except ValueError as exc:
+        return BaseOffer(None, why_not=str(exc))
+    t = next(iter(base.values()))
+    if not t.is_cuda:
+        return BaseOffer(None, why_not=f"the trainer's base is on {t.device}: an engine in another process cannot "
+                                       f"map it (CUDA IPC shares GPU memory only)")
+    from miles.transports.cuda_ipc import gpu_uuid
+
+    return BaseOffer(export_handles(base), gpu=gpu_uuid(t.device))
+
+
+def open_offer(got: BaseOffer, config: ModelConfig, device: str, dtype: torch.dtype) -> tuple[dict[str, Tensor] | None, str]:
+    """The engine process's side: the trainer's base as views on this process's copy of its GPU,
+    or (None, why not); an offer not taken gives its handles' counts back."""
+    why = got.why_not
+    if got.base is not None:
+        from miles.transports.base import TransportError
+        from miles.transports.cuda_ipc import local_index, release_handle
+
+        index = None
+        if torch.device(device).type != "cuda":
+            why = f"the engine runs on {device}"
+        else:
+            try:
+                index = local_index(got.gpu)
+                if _resolve(device).index != index:
+                    why, index = f"the engine runs on {device}, the trainer's base is on cuda:{index}", None
+            except TransportError as exc:
+                why = str(exc)
+        if index is not None:
+            base = open_handles(got.base, index)
+            why = sharing_problem(config, base, torch.device("cuda", index), dtype) or ""
+            if not why:
+                return base, ""
+        else:
+            for h in got.base.handles:
+                release_handle(h)
+    return None, why

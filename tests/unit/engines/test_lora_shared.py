@@ -148,3 +148,37 @@ def test_sharing_is_refused_where_it_cannot_work() -> None:
     # a private copy where the dtype differs: nothing of it is shared
     half, names = engine_model(model.config, base, "cpu", torch.bfloat16)
     assert not names and half.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_a_colocated_worker_asks_for_the_base_and_a_cpu_trainer_says_why_not(tmp_path, caplog) -> None:
+    """The run's wiring: colocated LoRA workers ask the trainer (``base_offer``); a CPU trainer
+    cannot share with another process, so the worker's engine loads its own copy, merges, and
+    says so in its log and in ``engine/lora_shared_base``."""
+    import msgspec
+
+    from miles.actors.factory import build_engine, wants_shared_base
+    from miles.config import parse_args
+    from miles.engines.shared import BaseOffer, offer, open_offer
+    from miles.models import build_tiny_tokenizer, save_pretrained
+
+    model = _model()
+    save_pretrained(model, tmp_path / "ckpt", tokenizer=build_tiny_tokenizer())
+    (tmp_path / "d.jsonl").write_text('{"input": "q", "label": "a"}\n')
+    (tmp_path / "rm.py").write_text("def reward(s):\n    return 1.0\n")
+    argv = ["--hf-checkpoint", str(tmp_path / "ckpt"), "--prompt-data", str(tmp_path / "d.jsonl"),
+            "--custom-rm-path", f"{tmp_path / 'rm.py'}:reward", "--lora-rank", "4", "--colocate"]
+    cfg = parse_args(argv)
+    assert wants_shared_base(cfg)
+    assert not wants_shared_base(parse_args(argv[:-1]))  # not colocated
+    assert not wants_shared_base(parse_args([a for a in argv if a not in ("--lora-rank", "4")]))
+    got = offer(_trainer(copy.deepcopy(model)))
+    assert got.base is None and "CUDA IPC shares GPU memory only" in got.why_not
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(got), type=BaseOffer) == got  # crosses Ray as data
+    assert open_offer(got, model.config, "cpu", torch.float32) == (None, got.why_not)
+    full = EmbeddedTrainer(copy.deepcopy(model), config=TrainerConfig(lr=0.1, compile=False), algo=AlgorithmConfig())
+    assert "full-parameter" in offer(full).why_not
+    with caplog.at_level("WARNING"):
+        engine = build_engine(cfg, base_offer=got)
+    assert engine.stats()["engine/lora_shared_base"] == 0.0 and not engine.shared
+    assert "merges the adapters" in caplog.text and "CUDA IPC shares GPU memory only" in caplog.text
+    asyncio.run(engine.close())
