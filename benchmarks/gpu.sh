@@ -73,9 +73,9 @@ for part in "$@"; do
                   python3 benchmarks/memory.py --summarize "$OUT/memory-8b.json" "$OUT/memory-32b.json"
                   [ $r8 = 0 ] && [ $r32 = 0 ] ;;
         memory-lora) # 32B LoRA colocated: the engine over the trainer's base (one copy), then the engine's own copy
-                  # (the older path) on the same card; table + raw section in $OUT/memory-lora.md
+                  # (the older path, LORA_BASELINE=0 skips it) on the same card; table + raw section in $OUT/memory-lora.md
                   timeout ${MEMORY_TIMEOUT:-200} python3 benchmarks/memory.py --shape 32b --mode lora --json "$OUT/memory-32b-shared.json" ${MEMORY_32B_ARGS:-}; rs=$?
-                  timeout ${MEMORY_TIMEOUT:-200} python3 benchmarks/memory.py --shape 32b --mode lora --engine-base own --json "$OUT/memory-32b-own.json" ${MEMORY_32B_ARGS:-}; ro=$?
+                  ro=0; [ "${LORA_BASELINE:-1}" = 1 ] && { timeout ${MEMORY_TIMEOUT:-200} python3 benchmarks/memory.py --shape 32b --mode lora --engine-base own --json "$OUT/memory-32b-own.json" ${MEMORY_32B_ARGS:-}; ro=$?; }
                   python3 benchmarks/memory.py --summarize "$OUT/memory-32b-shared.json" "$OUT/memory-32b-own.json" --log "$OUT/memory-lora.md"
                   [ $rs = 0 ] && [ $ro = 0 ] ;;
         weights)  timeout ${WEIGHTS_TIMEOUT:-300} python3 benchmarks/weight_sync.py --device cuda ${WEIGHTS_ARGS:-} ;;
