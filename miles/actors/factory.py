@@ -113,8 +113,13 @@ def buffer_args(cfg: MilesConfig) -> dict[str, Any]:
 def wants_shared_base(cfg: MilesConfig) -> bool:
     """Whether a rollout worker asks the trainer for its frozen base (``miles.engines.shared``):
     colocated LoRA with embedded engines and trainer, on the plain decode path (quantized,
-    speculative and true-on-policy engines keep their own copy and merge the adapters)."""
+    speculative and true-on-policy engines, and adapters on the LM head, keep their own copy
+    and merge the adapters: the unmerged path covers the decoder's seven projections)."""
+    from miles.trainers.lora import PROJECTIONS
+
+    targets = set(cfg.trainer.lora_target_modules)
     return (cfg.run.colocate and cfg.trainer.lora_rank > 0 and cfg.run.rollout_backend == "embedded"
+            and targets <= {*PROJECTIONS, "all-linear"}
             and cfg.run.train_backend == "embedded" and not cfg.speculative.enabled and not cfg.run.true_on_policy
             and cfg.quant.engine_spec() is None)
 

@@ -170,6 +170,7 @@ def test_a_colocated_worker_asks_for_the_base_and_a_cpu_trainer_says_why_not(tmp
     cfg = parse_args(argv)
     assert wants_shared_base(cfg)
     assert not wants_shared_base(parse_args(argv[:-1]))  # not colocated
+    assert not wants_shared_base(parse_args([*argv, "--lora-target-modules", "all-linear", "lm_head"]))
     assert not wants_shared_base(parse_args([a for a in argv if a not in ("--lora-rank", "4")]))
     got = offer(_trainer(copy.deepcopy(model)))
     assert got.base is None and "CUDA IPC shares GPU memory only" in got.why_not
