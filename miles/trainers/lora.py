@@ -11,7 +11,11 @@ loads onto the transformers model as is.
 Only the adapters train, so the optimizer holds AdamW state for them alone, the frozen base
 is kept in the training compute dtype (bf16 on a GPU: half a float32 copy; ``cast_for_training``),
 and a weight update ships only them (``adapter_update``): ``lora_A`` and ``lora_B`` pre-multiplied by
-α/r, so an engine needs no LoRA settings to merge them (``miles.engines.lora``).
+α/r, so an engine needs no LoRA settings to apply them (``miles.engines.lora``).
+
+On one rank the frozen q/k/v and gate/up are laid out as the engine's fused matrices
+(``fuse_frozen_base``), so a colocated engine serves this base as is instead of a copy of its
+own (``miles.engines.shared``; it then applies the shipped adapters unmerged).
 
 Target names are PEFT's: a module name's last part (``q_proj`` ... ``down_proj``), or
 ``all-linear`` — every linear layer of the decoder except the LM head and the MoE router.
