@@ -30,6 +30,13 @@ what the trainer keeps in float32 (embedding, norms: about 1.6 GB in bf16). ``--
 measures the older layout: the engine's own copy (131 GB of the H200's 150 GB for the two),
 adapters merged into it, ``--engine-weights host`` moving it to pinned host memory while the
 trainer runs and back before each commit (the refill).
+
+Trainer and engine run in this one process, so the shared engine uses the trainer's tensors
+directly. In a ``miles train --colocate --lora-rank`` run they are separate Ray actors and the
+worker's engine maps the same storages through CUDA IPC handles opened once at its start
+(``PolicyTrainer.base_offer``, ``miles.engines.shared.open_offer``): the same single copy, which
+this benchmark does not go through; ``tests/gpu/test_lora_shared_gpu.py`` (an engine process over
+IPC views) and ``tests/gpu/test_runs_gpu.py`` (a colocated LoRA run through the actors) check it.
 """
 
 from __future__ import annotations
