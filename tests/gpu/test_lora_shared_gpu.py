@@ -59,7 +59,7 @@ def _groups(outs: list, step: int) -> list[list[Trajectory]]:
 def test_shared_engine_matches_the_merged_engine_on_cuda(dtype: str, tol: float | None) -> None:
     model = _model()
     trainer = _trainer(copy.deepcopy(model), dtype)
-    cfg = EngineConfig(device="cuda", dtype=dtype, max_batch_size=16, max_seq_len=64)
+    cfg = EngineConfig(device="cuda", dtype=dtype, max_batch_size=16, max_seq_len=64, compile=False)
     shared = EmbeddedEngine.over_shared_base(model.config, trainer.shared_base(), config=cfg)
     merged = EmbeddedEngine(model, config=cfg)
     base = trainer.shared_base()
@@ -108,7 +108,7 @@ def _ipc_engine(inbox: Any, outbox: Any) -> None:
         config = tiny_config(initializer_range=0.1)
         model, names = engine_model(config, base, "cuda", torch.float32)
         allocated = torch.cuda.memory_allocated() - before  # mapped views are not allocations
-        engine = EmbeddedEngine(model, config=EngineConfig(device="cuda", dtype="float32", max_seq_len=64),
+        engine = EmbeddedEngine(model, config=EngineConfig(device="cuda", dtype="float32", max_seq_len=64, compile=False),
                                 shared=names)
         outbox.put((allocated, len(engine.shared)))
         while inbox.get() is not None:
@@ -127,7 +127,7 @@ def test_engine_in_another_process_serves_the_base_through_ipc_views() -> None:
     base = trainer.shared_base()
     base_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in base.values()}.values())
     local = EmbeddedEngine.over_shared_base(trainer.model.config, base,
-                                            config=EngineConfig(device="cuda", dtype="float32", max_seq_len=64))
+                                            config=EngineConfig(device="cuda", dtype="float32", max_seq_len=64, compile=False))
     try:
         inbox.put(export_handles(base))
         got = outbox.get(timeout=TIMEOUT)
