@@ -246,8 +246,8 @@ def table(results: list[dict]) -> list[str]:
                      f"the engine dtype), {r['trainable'] / 1e6:.1f} M trainable; set-up {r['init_s']:.0f} s")
     for r in lora:
         if r.get("lora_path") == "shared":
-            lines.append(f"{r['shape']} lora: the engine serves {r['engine_shared_bytes'] / GiB:.1f} GiB of the trainer's "
-                         f"frozen base as is (one copy on the GPU), adapters unmerged")
+            lines.append(f"{r['shape']} lora: the engine serves {r['engine_shared_bytes'] / GiB:.1f} GiB of the "
+                         f"trainer's frozen base as is (one copy on the GPU), adapters unmerged")
         elif r.get("lora_path"):
             lines.append(f"{r['shape']} lora: the engine holds its own base copy, adapters merged "
                          f"({r.get('why_not_shared')})")

@@ -171,7 +171,8 @@ def offer(backend: object) -> BaseOffer:
     return BaseOffer(export_handles(base), gpu=gpu_uuid(t.device))
 
 
-def open_offer(got: BaseOffer, config: ModelConfig, device: str, dtype: torch.dtype) -> tuple[dict[str, Tensor] | None, str]:
+def open_offer(got: BaseOffer, config: ModelConfig, device: str,
+               dtype: torch.dtype) -> tuple[dict[str, Tensor] | None, str]:
     """The engine process's side: the trainer's base as views on this process's copy of its GPU,
     or (None, why not); an offer not taken gives its handles' counts back."""
     why = got.why_not

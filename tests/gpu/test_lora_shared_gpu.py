@@ -108,8 +108,8 @@ def _ipc_engine(inbox: Any, outbox: Any) -> None:
         config = tiny_config(initializer_range=0.1)
         model, names = engine_model(config, base, "cuda", torch.float32)
         allocated = torch.cuda.memory_allocated() - before  # mapped views are not allocations
-        engine = EmbeddedEngine(model, config=EngineConfig(device="cuda", dtype="float32", max_seq_len=64, compile=False),
-                                shared=names)
+        ecfg = EngineConfig(device="cuda", dtype="float32", max_seq_len=64, compile=False)
+        engine = EmbeddedEngine(model, config=ecfg, shared=names)
         outbox.put((allocated, len(engine.shared)))
         while inbox.get() is not None:
             with torch.no_grad():
