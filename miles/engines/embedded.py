@@ -593,7 +593,7 @@ class EmbeddedEngine:
                 r.needs_prefill = True
         if getattr(self.stager.adapters, "layout_changed", False):  # new unmerged-adapter buffers
             self.stager.adapters.layout_changed = False
-            self.offloader._drop_graphs()  # re-captured with them when next needed
+            self.offloader.drop_graphs()  # re-captured with them when next needed
         if woke:  # generate again
             with self._cv:
                 self._pause_requested = self._paused = False
