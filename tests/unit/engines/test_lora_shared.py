@@ -183,3 +183,30 @@ def test_a_colocated_worker_asks_for_the_base_and_a_cpu_trainer_says_why_not(tmp
     assert engine.stats()["engine/lora_shared_base"] == 0.0 and not engine.shared
     assert "merges the adapters" in caplog.text and "CUDA IPC shares GPU memory only" in caplog.text
     asyncio.run(engine.close())
+
+
+def test_adjacent_rows_views_only_parts_that_follow_each_other() -> None:
+    from miles.models.fused import adjacent_rows
+
+    whole = torch.randn(10, 4)
+    q, k, v = whole[:6], whole[6:8], whole[8:]
+    fused = adjacent_rows([q, k, v])
+    assert fused is not None and fused.data_ptr() == whole.data_ptr() and torch.equal(fused, whole)
+    assert adjacent_rows([k, q, v]) is None  # out of order
+    assert adjacent_rows([q, v]) is None  # a gap
+    assert adjacent_rows([torch.randn(6, 4), torch.randn(2, 4)]) is None  # storages of their own
+
+
+def test_unmerged_adapters_refuse_other_modules_and_mixed_ranks() -> None:
+    model = _model()
+    trainer = _trainer(copy.deepcopy(model))
+    engine = EmbeddedEngine.over_shared_base(model.config, trainer.shared_base(),
+                                             config=EngineConfig(max_batch_size=2, max_seq_len=32))
+    h = model.config.hidden_size
+    with pytest.raises(WeightError, match="unmerged"):
+        engine.stage_weights([("lm_head.lora_A.weight", torch.zeros(4, h))])
+    q = "model.layers.0.self_attn.q_proj"
+    engine.stage_weights([(f"{q}.lora_A.weight", torch.zeros(4, h)), (f"{q}.lora_B.weight", torch.zeros(h, 2))])
+    with pytest.raises(WeightError, match="one rank"):
+        engine.stager.apply()
+    assert engine.stager.adapters.num_modules == 0 and not engine.stager.adapters.buffers  # refused before any change
