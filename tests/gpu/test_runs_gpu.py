@@ -34,7 +34,13 @@ def test_embedded_trainer_colocated_run(ray_gpus, tiny_ckpt, task, tmp_path: Pat
 def test_lora_colocated_run_serves_the_trainers_base(ray_gpus, tiny_ckpt, task, tmp_path: Path) -> None:
     """Colocated LoRA: the worker's engine maps the trainer's frozen base through CUDA IPC
     (one copy on the GPU) and applies the adapter updates unmerged."""
-    summary = _colocated_run(tiny_ckpt, task, tmp_path / "lora", lora_rank=4, lora_alpha=8.0)
+    out = tmp_path / "lora"
+    # eager and two steps: the wiring is the point here (a compiled run took over 150 s on an H100)
+    cfg = resolve(run_flags(tiny_ckpt, task, out, device="cuda", actor_num_gpus_per_node=1, colocate=True,
+                            mode="async", max_staleness=1, partial_rollout=True, num_rollout=2, compile=False,
+                            lora_rank=4, lora_alpha=8.0))
+    summary = asyncio.run(train(cfg))
+    check_gpu_run(out, summary, 2, "CUDA IPC")
     assert summary["workers"][0]["engine/lora_shared_base"] == 1.0
 
 
