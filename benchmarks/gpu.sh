@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/RESULTS.md's H200 rows (raw sections: benchmarks/log/), one part per argument:
 #   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command; parts:
-#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing ontrue engine-matmul engine-attn engine-rollout profile engine engine-ab mlp attention long-tail trainer trainer-long-tail spec spec-overhead first-step megatron weights memory async async-x2 bg-start bg-wait)
+#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing ontrue engine-matmul engine-attn engine-rollout profile engine engine-ab mlp attention long-tail trainer trainer-long-tail spec spec-overhead first-step megatron weights memory memory-lora async async-x2 bg-start bg-wait)
 # A run longer than one call: `BG_PARTS=async-x2 ... gpu.sh bg-start` in one call, then at once
 # `gpu.sh bg-wait [more parts]` in the next (the machine is given back ~30 s after a call).
 # On a machine without ray/msgspec/megatron-core, a .whl folder of their Python 3.12 wheels
@@ -72,6 +72,12 @@ for part in "$@"; do
                   timeout ${MEMORY_TIMEOUT:-240} python3 benchmarks/memory.py --shape 32b --mode lora --json "$OUT/memory-32b.json" ${MEMORY_32B_ARGS:-}; r32=$?
                   python3 benchmarks/memory.py --summarize "$OUT/memory-8b.json" "$OUT/memory-32b.json"
                   [ $r8 = 0 ] && [ $r32 = 0 ] ;;
+        memory-lora) # 32B LoRA colocated: the engine over the trainer's base (one copy), then the engine's own copy
+                  # (the older path, LORA_BASELINE=0 skips it) on the same card; table + raw section in $OUT/memory-lora.md
+                  timeout ${MEMORY_TIMEOUT:-200} python3 benchmarks/memory.py --shape 32b --mode lora --json "$OUT/memory-32b-shared.json" ${MEMORY_32B_ARGS:-}; rs=$?
+                  ro=0; [ "${LORA_BASELINE:-1}" = 1 ] && { timeout ${MEMORY_TIMEOUT:-200} python3 benchmarks/memory.py --shape 32b --mode lora --engine-base own --json "$OUT/memory-32b-own.json" ${MEMORY_32B_ARGS:-}; ro=$?; }
+                  python3 benchmarks/memory.py --summarize "$OUT/memory-32b-shared.json" "$OUT/memory-32b-own.json" --log "$OUT/memory-lora.md"
+                  [ $rs = 0 ] && [ $ro = 0 ] ;;
         weights)  timeout ${WEIGHTS_TIMEOUT:-300} python3 benchmarks/weight_sync.py --device cuda ${WEIGHTS_ARGS:-} ;;
         async)    timeout ${ASYNC_TIMEOUT:-540} python3 benchmarks/async_vs_sync.py --device cuda ${ASYNC_ARGS:-} ;;
         async-x2) timeout ${ASYNC_TIMEOUT:-540} python3 benchmarks/async_vs_sync.py --device cuda --disaggregated ${ASYNC_ARGS:-} ;;

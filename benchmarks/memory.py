@@ -24,10 +24,19 @@ the weights back), the commit pause the part a decoding engine would see.
     python benchmarks/memory.py --shape tiny --device cpu                        # the CPU check
 
 Arithmetic for the 32B LoRA run (bf16): 32.8 B parameters are 65.5 GB a copy. The trainer's
-frozen base (bf16, ``miles.trainers.lora.cast_for_training``) and the engine's own copy are
-131 GB of the H200's 150 GB (139 GiB) before the KV cache and activations; a float32 base
-(131 GB alone) could not fit beside the engine at all. ``--engine-weights host`` moves the
-engine's copy to pinned host memory while the trainer runs.
+frozen base (bf16, ``miles.trainers.lora.cast_for_training``) is the only copy on the GPU: the
+engine serves it as is (``EmbeddedEngine.over_shared_base``, adapters unmerged) and holds only
+what the trainer keeps in float32 (embedding, norms: about 1.6 GB in bf16). ``--engine-base own``
+measures the older layout: the engine's own copy (131 GB of the H200's 150 GB for the two),
+adapters merged into it, ``--engine-weights host`` moving it to pinned host memory while the
+trainer runs and back before each commit (the refill).
+
+Trainer and engine run in this one process, so the shared engine uses the trainer's tensors
+directly. In a ``miles train --colocate --lora-rank`` run they are separate Ray actors and the
+worker's engine maps the same storages through CUDA IPC handles opened once at its start
+(``PolicyTrainer.base_offer``, ``miles.engines.shared.open_offer``): the same single copy, which
+this benchmark does not go through; ``tests/gpu/test_lora_shared_gpu.py`` (an engine process over
+IPC views) and ``tests/gpu/test_runs_gpu.py`` (a colocated LoRA run through the actors) check it.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from miles.algorithms import AlgorithmConfig  # noqa: E402
 from miles.engines import EmbeddedEngine, EngineConfig  # noqa: E402
+from miles.engines.shared import shared_bytes, sharing_problem  # noqa: E402
 from miles.models import CausalLM, tiny_config  # noqa: E402
 from miles.trainers import EmbeddedTrainer, TrainerConfig  # noqa: E402
 from miles.types import GenerateRequest, SamplingParams, Trajectory  # noqa: E402
@@ -142,15 +152,25 @@ async def run(args: argparse.Namespace) -> dict:
                          micro_batch_size=args.micro_batch, offload_train=args.offload and not lora,
                          lora_rank=args.lora_rank if lora else 0, lora_alpha=2.0 * args.lora_rank)
     trainer = EmbeddedTrainer(model, config=tcfg, algo=AlgorithmConfig())
-    # The engine: its own copy in the engine dtype, equal to the trainer's base.
-    emodel = build_model(args.shape, device, dtype, seed=1)
-    with torch.no_grad():
-        src = dict(trainer.model.named_parameters())
-        for name, p in emodel.named_parameters():
-            p.copy_(src[name])
     ecfg = EngineConfig(device=device, max_batch_size=args.prompts * args.samples,
                         max_seq_len=32 + args.response_len + 8, compile=False, seed=0)
-    engine = EmbeddedEngine(emodel, config=ecfg)
+    # The engine: for LoRA, the trainer's frozen base served as is (one copy, adapters unmerged)
+    # unless --engine-base own or sharing cannot work; else its own copy, equal to the trainer's.
+    base_problem = "--engine-base own" if args.engine_base == "own" else "full-parameter training"
+    if lora and args.engine_base != "own":
+        base_problem = sharing_problem(cfg_shape, trainer.shared_base(), device, dtype)
+    if base_problem is None:
+        engine = EmbeddedEngine.over_shared_base(cfg_shape, trainer.shared_base(), config=ecfg)
+    else:
+        emodel = build_model(args.shape, device, dtype, seed=1)
+        with torch.no_grad():
+            src = dict(trainer.model.named_parameters())
+            for name, p in emodel.named_parameters():
+                p.copy_(src[name])
+        engine = EmbeddedEngine(emodel, config=ecfg)
+    lora_path = "shared" if engine.shared else "merged"
+    print(json.dumps({"lora_path": lora_path if lora else None, "why_not_shared": base_problem,
+                      "engine_shared_gib": shared_bytes(engine.model, engine.shared) / GiB}), flush=True)
     init_s = time.perf_counter() - t0
     num_params = sum(p.numel() for n, p in trainer.model.named_parameters() if ".lora_" not in n)
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
@@ -185,6 +205,9 @@ async def run(args: argparse.Namespace) -> dict:
     return {
         "shape": args.shape, "mode": args.mode, "device": device, "params": num_params, "trainable": trainable,
         "lora_rank": args.lora_rank if lora else 0, "engine_weights": weights_mode if args.offload else "resident",
+        "lora_path": lora_path if lora else "", "why_not_shared": base_problem,
+        "engine_shared_bytes": shared_bytes(engine.model, engine.shared),
+        "lora_shared_base": stats["engine/lora_shared_base"],
         "offload_train": tcfg.offload_train, "init_s": init_s, "full_update_bytes": full_update_bytes,
         "offload_rollout_s": stats["mem/offload_rollout_s"], "oom_recovered": stats["mem/engine_oom_recovered"],
         "steps": rows, "gpu_total_gib": torch.cuda.get_device_properties(0).total_memory / GiB if cuda else 0.0,
@@ -203,6 +226,8 @@ def table(results: list[dict]) -> list[str]:
         mean = lambda k: sum(s[k] for s in steps) / len(steps)  # noqa: E731
         upd = mean("update_bytes")
         mode = f"{r['mode']} r={r['lora_rank']}" if r["lora_rank"] else r["mode"]
+        if r.get("lora_path"):  # shared: the engine serves the trainer's base, adapters unmerged
+            mode += f" {r['lora_path']}"
         lines.append(
             f"| {r['shape']} | {mode} | {r['engine_weights']} "
             f"| {len(r['steps'])} | {peak} | {mean('step_s'):.2f} | {upd / 1e6:.1f} MB | {upd / r['full_update_bytes']:.2%} "
@@ -219,6 +244,13 @@ def table(results: list[dict]) -> list[str]:
     for r in results:
         lines.append(f"{r['shape']}: {r['params'] / 1e9:.2f} B parameters ({r['full_update_bytes'] / GB:.1f} GB a copy in "
                      f"the engine dtype), {r['trainable'] / 1e6:.1f} M trainable; set-up {r['init_s']:.0f} s")
+    for r in lora:
+        if r.get("lora_path") == "shared":
+            lines.append(f"{r['shape']} lora: the engine serves {r['engine_shared_bytes'] / GiB:.1f} GiB of the "
+                         f"trainer's frozen base as is (one copy on the GPU), adapters unmerged")
+        elif r.get("lora_path"):
+            lines.append(f"{r['shape']} lora: the engine holds its own base copy, adapters merged "
+                         f"({r.get('why_not_shared')})")
     for r in full:
         lines.append(f"Full update measured ({r['shape']}): {r['steps'][-1]['update_bytes'] / 1e6:.1f} MB "
                      f"in {r['steps'][-1]['update_s']:.2f} s")
@@ -256,6 +288,9 @@ def main() -> None:
     ap.add_argument("--no-offload", dest="offload", action="store_false",
                     help="keep the engine resident while training (and the AdamW moments on the GPU)")
     ap.add_argument("--engine-weights", choices=["auto", "discard", "host", "keep"], default="auto")
+    ap.add_argument("--engine-base", choices=["auto", "own"], default="auto",
+                    help="LoRA: auto serves the trainer's frozen base shared where it can (one copy, "
+                         "adapters unmerged); own gives the engine its own copy (adapters merged)")
     ap.add_argument("--json", default=None, help="write this shape's result here (for --summarize)")
     ap.add_argument("--summarize", nargs="+", default=None, help="result files: print the table, append the log")
     ap.add_argument("--log", default="benchmarks/log/memory.md", help="'' to print only")

@@ -384,9 +384,9 @@ class Driver:
         up = max((ws.get("rollout/uptime_s", 0.0) for ws in self.worker_stats.values()), default=0.0)
         if up:
             totals["rollout/tokens_per_s"] = totals.get("rollout/tokens", 0.0) / up
-        for key in ("engine/fused_draw_classes", "engine/cpu_decode_kernel"):
+        for key in ("engine/fused_draw_classes", "engine/cpu_decode_kernel", "engine/lora_shared_base"):
             vals = [ws[key] for ws in self.worker_stats.values() if key in ws]
-            if vals:  # the worker that runs least of its step fused (seeded draws; the CPU kernel)
+            if vals:  # the worker that runs least of its step fused (seeded draws; the CPU kernel; one base copy)
                 totals[key] = min(vals)
         limits = [ws["engine/batch_limit"] for ws in self.worker_stats.values() if "engine/batch_limit" in ws]
         if limits:  # the smallest admission cap an engine's OOMs left it with

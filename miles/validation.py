@@ -260,7 +260,7 @@ def _lora_problems(cfg: Any):
         yield (f"--lora-rank needs --train-backend embedded (the Megatron backend trains full parameters "
                f"only); drop --lora-rank or use --train-backend embedded")
     if run.rollout_backend != "embedded":
-        yield "--lora-rank needs --rollout-backend embedded (its engines merge the adapter updates)"
+        yield "--lora-rank needs --rollout-backend embedded (its engines apply the adapter updates)"
     if cfg.quant.quantization != "none" or cfg.quant.rollout_quantization != "none":
         yield "--lora-rank cannot be combined with --quantization/--rollout-quantization yet"
     if cfg.weights.weight_update_changed_only:

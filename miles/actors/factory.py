@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
 import random
 from typing import Any
@@ -25,6 +26,8 @@ from miles.rollout import GenerateContext, load_generate_fn
 from miles.types import SamplingParams
 from miles.utils import gcpolicy
 from miles.utils.loading import load_function
+
+log = logging.getLogger(__name__)
 
 
 def configure_process(cfg: MilesConfig, threads: int) -> None:
@@ -107,8 +110,24 @@ def buffer_args(cfg: MilesConfig) -> dict[str, Any]:
     return {"config": config, "group_filters": filters}
 
 
-def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0) -> Any:
-    """The rollout engine of worker ``index``: embedded torch, or an SGLang server."""
+def wants_shared_base(cfg: MilesConfig) -> bool:
+    """Whether a rollout worker asks the trainer for its frozen base (``miles.engines.shared``):
+    colocated LoRA with embedded engines and trainer, on the plain decode path (quantized,
+    speculative and true-on-policy engines, and adapters on the LM head, keep their own copy
+    and merge the adapters: the unmerged path covers the decoder's seven projections)."""
+    from miles.trainers.lora import PROJECTIONS
+
+    targets = set(cfg.trainer.lora_target_modules)
+    return (cfg.run.colocate and cfg.trainer.lora_rank > 0 and cfg.run.rollout_backend == "embedded"
+            and targets <= {*PROJECTIONS, "all-linear"}
+            and cfg.run.train_backend == "embedded" and not cfg.speculative.enabled and not cfg.run.true_on_policy
+            and cfg.quant.engine_spec() is None)
+
+
+def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0, base_offer: Any = None) -> Any:
+    """The rollout engine of worker ``index``: embedded torch, or an SGLang server.
+    ``base_offer``: a colocated LoRA trainer's ``base_offer()``; the engine serves that base
+    (one copy on the GPU, adapters unmerged) where it can, else loads its own and says why."""
     if cfg.run.rollout_backend == "sglang":
         from miles.engines.sglang import build_sglang_engine
 
@@ -124,6 +143,21 @@ def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0) -> A
         # the trainer's)
         engine_cfg = msgspec.structs.replace(engine_cfg, decode_attention="sdpa", cpu_decode_kernel=False,
                                              decode_residual_gemm=False, decode_fused_mlp=False, compile=False)
+    if base_offer is not None:
+        from miles.engines import shared
+        from miles.models import load_config
+
+        model_cfg = load_config(cfg.rollout.hf_checkpoint)
+        base, why = shared.open_offer(base_offer, model_cfg, engine_cfg.device, engine_cfg.torch_dtype())
+        if base is not None:
+            engine = EmbeddedEngine.over_shared_base(model_cfg, base, config=engine_cfg, tokenizer=tokenizer)
+            log.warning("LoRA: the engine serves the colocated trainer's frozen base (%.1f GiB, one copy on the "
+                        "GPU) and applies the adapters unmerged (engine/lora_shared_base = 1)",
+                        shared.shared_bytes(engine.model, engine.shared) / 2**30)
+            engine.start()
+            return engine
+        log.warning("LoRA: the engine loads its own copy of the base and merges the adapters "
+                    "(engine/lora_shared_base = 0): %s", why)
     model = load_pretrained(cfg.rollout.hf_checkpoint, device=engine_cfg.device)
     from miles.models.quant import apply_quantization
 
@@ -205,10 +239,11 @@ def records_routing(cfg: MilesConfig) -> bool:
     return load_config(cfg.rollout.hf_checkpoint).is_moe
 
 
-def build_rollout_worker(cfg: MilesConfig, worker_id: str, *, buffer: Any, rewards: list[Any]) -> dict[str, Any]:
+def build_rollout_worker(cfg: MilesConfig, worker_id: str, *, buffer: Any, rewards: list[Any],
+                         base_offer: Any = None) -> dict[str, Any]:
     """Keyword arguments for ``RolloutWorker`` (everything but the id)."""
     ordinal = int(worker_id.split("-")[0].removeprefix("worker") or 0)  # "worker3-1a2b3c" → 3
-    engine = build_engine(cfg, seed_offset=ordinal, index=ordinal)
+    engine = build_engine(cfg, seed_offset=ordinal, index=ordinal, base_offer=base_offer)
     tokenizer = getattr(engine, "tokenizer", None) or load_tokenizer(cfg)
     ctx = GenerateContext(
         engine=engine,

@@ -229,6 +229,13 @@ class PolicyTrainer:
     def state_dict(self) -> dict[str, Any]:
         return self.backend.state_dict()
 
+    def base_offer(self) -> Any:
+        """For a colocated engine process: IPC handles to a LoRA trainer's frozen base, or why
+        not (``miles.engines.shared.offer``); call once per engine process."""
+        from miles.engines.shared import offer
+
+        return offer(self.backend)
+
     def save_adapter(self, path: str, base_checkpoint: str | None = None) -> str | None:
         """A LoRA policy's adapters in PEFT's format at ``path``; None for full-parameter training."""
         if not getattr(self.backend, "lora", False):

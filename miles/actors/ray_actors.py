@@ -42,6 +42,7 @@ from miles.actors.factory import (
     build_rollout_worker,
     build_weight_sender,
     configure_process,
+    wants_shared_base,
 )
 from miles.actors.policy_trainer import PolicyTrainer
 from miles.actors.rollout_worker import RolloutWorker
@@ -157,12 +158,15 @@ for _name in ("renew", "ledger", "prompt_room", "failures", "cancel_wait"):
 
 class _RolloutWorkerActor(RolloutWorker):
     def __init__(self, worker_id: str, flat: dict[str, Any], threads: int, buffer: Any, rewards: list[Any],
-                 start_delay_s: float = 0.0) -> None:
+                 start_delay_s: float = 0.0, trainer: Any = None) -> None:
         start = time.monotonic()
         time.sleep(start_delay_s)  # TEST_START_DELAY_S: a slow start, in tests only
         cfg = resolve(flat)
         configure_process(cfg, threads)
-        super().__init__(worker_id, **build_rollout_worker(cfg, worker_id, buffer=buffer, rewards=rewards))
+        # colocated LoRA: the trainer's frozen base, as CUDA IPC handles (miles.engines.shared)
+        offer = ray.get(trainer.base_offer.remote()) if trainer is not None and wants_shared_base(cfg) else None
+        super().__init__(worker_id, **build_rollout_worker(cfg, worker_id, buffer=buffer, rewards=rewards,
+                                                           base_offer=offer))
         self.init_s = time.monotonic() - start  # engine build, weights load, graph capture
 
     def node_id(self) -> str:
@@ -407,7 +411,8 @@ def start_worker(cfg: MilesConfig, actors: Actors, name: str, *, join: bool = Tr
     handle = (
         ray.remote(_RolloutWorkerActor)
         .options(max_concurrency=1000, **options)
-        .remote(worker_id, cfg.to_flat(), actors.threads, actors.buffer, actors.rewards, TEST_START_DELAY_S)
+        .remote(worker_id, cfg.to_flat(), actors.threads, actors.buffer, actors.rewards, TEST_START_DELAY_S,
+                actors.trainer)
     )
     if join:
         actors.workers[worker_id] = handle

@@ -76,10 +76,14 @@ log = logging.getLogger(__name__)
 class EmbeddedEngine:
     def __init__(self, model: CausalLM, *, config: EngineConfig | None = None,
                  tokenizer: Any = None, version: int = 0, draft: Any = None,
-                 speculative: SpeculativeConfig | None = None, draft_version: int = 0) -> None:
+                 speculative: SpeculativeConfig | None = None, draft_version: int = 0,
+                 shared: frozenset[str] = frozenset()) -> None:
         """Takes ownership of ``model`` (and ``draft``): moves it to ``config.device`` /
-        dtype, freezes grads. Speculation needs both ``draft`` and an enabled ``speculative``."""
+        dtype, freezes grads. Speculation needs both ``draft`` and an enabled ``speculative``.
+        ``shared``: parameters that are a colocated trainer's frozen base (``over_shared_base``)."""
         self.config = config = config or EngineConfig()
+        if shared and (draft is not None or quant.spec_of(model) is not None or model.config.is_moe):
+            raise ValueError("an engine over a shared base runs dense, unquantized, non-speculative models only")
         config.validate(model.config.max_position_embeddings, model.config.head_dim)
         self.device, self.dtype = torch.device(config.device), config.torch_dtype()
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
@@ -99,8 +103,13 @@ class EmbeddedEngine:
             config = self.config = msgspec.structs.replace(config, max_batch_size=self.memory_plan.slots)
         self.runner = ModelRunner(self.model, config, headroom=MAX_STEPS + 2 if spec_on else 0)
         self.spec = self._build_spec(draft, speculative, draft_version) if spec_on else None
-        self.stager = WeightStager(self.model, self.device, self.dtype)
-        self.offloader = EngineOffloader(self.runner, self.stager.params)  # --offload-rollout (``offload``)
+        self.shared = shared
+        self.stager = WeightStager(self.model, self.device, self.dtype, shared=shared)
+        if shared:  # its decode kernel reads the weights alone: the adapters live beside them
+            self.runner.cpu_kernel = None
+        # --offload-rollout (``offload``): the trainer's shared tensors are never released
+        own = {n: t for n, t in self.stager.params.items() if n not in shared}
+        self.offloader = EngineOffloader(self.runner, own)
         self.wire = WireDecoder(self.dtype)  # quantized weight updates -> the parameters' dtype
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -141,6 +150,21 @@ class EmbeddedEngine:
             self.runner.verify_graphs = VerifyGraphs(self.runner, cfg.speculative_num_steps + 1)
             spec.round_graphs = RoundGraphs(spec, cfg.speculative_num_steps, all_k=cfg.speculative_adaptive)
         return spec
+
+    @classmethod
+    def over_shared_base(cls, model_config: Any, base: dict[str, torch.Tensor], *,
+                         config: EngineConfig | None = None, **kwargs: Any) -> EmbeddedEngine:
+        """An engine serving a colocated LoRA trainer's frozen base (``miles.engines.shared``):
+        no second copy of it; adapters applied unmerged. Raises where sharing cannot work
+        (``shared.sharing_problem``): the caller then builds an engine of its own."""
+        from miles.engines import shared as sharing
+
+        config = config or EngineConfig()
+        problem = sharing.sharing_problem(model_config, base, config.device, config.torch_dtype())
+        if problem:
+            raise ValueError(f"the engine cannot serve the trainer's base weights shared: {problem}")
+        model, names = sharing.engine_model(model_config, base, config.device, config.torch_dtype())
+        return cls(model, config=config, shared=names, **kwargs)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, config: EngineConfig | None = None,
@@ -368,6 +392,9 @@ class EmbeddedEngine:
             "engine/version": float(self.version),
             "engine/kv_cache_bytes": float(self.runner.cache.nbytes),
             "engine/kv_read_useful_frac": self.runner.kv_useful / self.runner.kv_read if self.runner.kv_read else 1.0,
+            # 1: the engine serves a colocated LoRA trainer's base (one copy) with adapters unmerged;
+            # 0: its own weights, adapters merged in (miles.engines.shared says when)
+            "engine/lora_shared_base": float(bool(self.shared)),
             "engine/graph_captures": float(GRAPH_CAPTURES["count"]),
             "engine/graph_capture_s": GRAPH_CAPTURES["seconds"],
             # shape classes of the seeded draw running as one fused kernel (CUDA: 4 of 4 expected)
@@ -564,6 +591,9 @@ class EmbeddedEngine:
         if not keep_kv_cache:
             for r in self.stepper.running:
                 r.needs_prefill = True
+        if getattr(self.stager.adapters, "layout_changed", False):  # new unmerged-adapter buffers
+            self.stager.adapters.layout_changed = False
+            self.offloader.drop_graphs()  # re-captured with them when next needed
         if woke:  # generate again
             with self._cv:
                 self._pause_requested = self._paused = False

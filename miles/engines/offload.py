@@ -69,7 +69,7 @@ class EngineOffloader:
         if self.released:
             return 0
         start = time.perf_counter()
-        self._drop_graphs()
+        self.drop_graphs()
         device = self.runner.device
         cuda = device.type == "cuda"
         if cuda:
@@ -128,7 +128,9 @@ class EngineOffloader:
         self.released = False
         self.seconds += time.perf_counter() - start
 
-    def _drop_graphs(self) -> None:
+    def drop_graphs(self) -> None:
+        """Forget the captured CUDA graphs (re-captured when next needed): after addresses or
+        the tensors a step reads change."""
         for graphs in (self.runner.graphs, self.runner.prefill_graphs):
             if graphs is not None:
                 graphs.graphs.clear()

@@ -37,26 +37,37 @@ class WeightError(ValueError):
 
 
 class WeightStager:
-    def __init__(self, model: nn.Module | Mapping[str, Tensor], device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module | Mapping[str, Tensor], device: torch.device, dtype: torch.dtype, *,
+                 shared: frozenset[str] = frozenset()) -> None:
+        """``shared``: parameters that are a colocated trainer's frozen base (``miles.engines.shared``):
+        never written; LoRA updates then stay unmerged (``lora.UnmergedAdapters``)."""
         params = model.state_dict(keep_vars=True) if isinstance(model, nn.Module) else model
         self.params: dict[str, Tensor] = dict(params)
         self.device, self.dtype = torch.device(device), dtype
         self.staged: dict[str, Tensor] = {}
         self.unchecked: set[str] = set()  # borrowed, so not yet checked for non-finite values
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.adapters = lora.AdapterMerger()  # LoRA updates: merged into the weights (miles.engines.lora)
+        self.shared = shared
+        # LoRA updates: merged into the weights, or kept apart over a shared base (miles.engines.lora)
+        self.adapters: lora.AdapterMerger | lora.UnmergedAdapters = (
+            lora.UnmergedAdapters(model, self.device, dtype) if shared else lora.AdapterMerger())
 
     def stage(self, named_tensors: Any, *, borrow: bool = False) -> int:
         items = [(name, t if isinstance(t, Tensor) else torch.as_tensor(t)) for name, t in named_tensors]
         for name, t in items:
             if lora.split(name) is not None:
                 problem = lora.check(name, tuple(t.shape), self.params)
+                if problem is None and isinstance(self.adapters, lora.UnmergedAdapters):
+                    problem = self.adapters.problem(name)
                 if problem:
                     raise WeightError(problem)
                 continue
             param = self.params.get(name)
             if param is None:
                 raise WeightError(f"weight update names {name!r}, which is not a parameter of this model")
+            if name in self.shared:
+                raise WeightError(f"weight update names {name!r}, which this engine serves from the colocated "
+                                  f"trainer's frozen base (shared, read-only): updates carry the adapters alone")
             if tuple(t.shape) != tuple(param.shape):
                 raise WeightError(f"weight update {name!r} has shape {tuple(t.shape)}, "
                                   f"the model's is {tuple(param.shape)}")
@@ -124,7 +135,10 @@ class WeightStager:
         adapters = {n: t for n, t in staged.items() if lora.split(n) is not None}
         if adapters:
             try:
-                self.adapters.merge(adapters, self.params)
+                if isinstance(self.adapters, lora.UnmergedAdapters):
+                    self.adapters.apply(adapters)
+                else:
+                    self.adapters.merge(adapters, self.params)
             except ValueError as exc:
                 raise WeightError(str(exc)) from None
             staged = {n: t for n, t in staged.items() if n not in adapters}

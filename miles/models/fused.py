@@ -35,6 +35,9 @@ from miles.models import invariant
 
 log = logging.getLogger(__name__)
 
+Adapter = tuple[Tensor, Tensor] | None  # an unmerged LoRA adapter: (A, B), α/r folded into B
+LayerAdapters = tuple[Adapter, Adapter, Adapter, Adapter] | None  # qkv, o, gate_up, down
+
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """transformers' RMSNorm numerics: float32 statistics, cast back, then scale, in x's
@@ -84,12 +87,22 @@ def rope_qk_tokens(q: Tensor, k: Tensor, cos: Tensor, signed_sin: Tensor) -> tup
     return q.contiguous(), k.contiguous()
 
 
+def plus_lora(y: Tensor, x: Tensor, ab: Adapter) -> Tensor:
+    """``y + B(A(x))`` for an unmerged adapter ``ab`` = (A [r', in], B [out, r']; α/r folded into
+    B), or ``y`` itself when there is none. A fused projection's adapter is A stacked over its
+    parts and B block-diagonal (``miles.engines.lora.UnmergedAdapters``), so the parts' deltas
+    come out of two GEMMs, laid out as the fused output is."""
+    if ab is None:
+        return y
+    return y + F.linear(F.linear(x, ab[0]), ab[1])
+
+
 def attention_input(h: Tensor, norm_w: Tensor, eps: float, qkv_w: Tensor, qkv_b: Tensor | None,
                     q_norm_w: Tensor | None, k_norm_w: Tensor | None, cos: Tensor, sin: Tensor,
-                    H: int, KV: int, D: int) -> tuple[Tensor, Tensor, Tensor]:
+                    H: int, KV: int, D: int, qkv_ab: Adapter = None) -> tuple[Tensor, Tensor, Tensor]:
     x = rms_norm(h, norm_w, eps)
     B, T = x.shape[0], x.shape[1]
-    qkv = F.linear(x, qkv_w, qkv_b)
+    qkv = plus_lora(F.linear(x, qkv_w, qkv_b), x, qkv_ab)
     if _kernels_serve(qkv):  # --true-on-policy: the same bits in one launch
         from miles.kernels import invariant as kernels
 
@@ -103,10 +116,12 @@ def attention_input(h: Tensor, norm_w: Tensor, eps: float, qkv_w: Tensor, qkv_b:
     return q, k, v.transpose(1, 2)
 
 
-def qkv_projection(h: Tensor, norm_w: Tensor, eps: float, qkv_w: Tensor, qkv_b: Tensor | None) -> Tensor:
+def qkv_projection(h: Tensor, norm_w: Tensor, eps: float, qkv_w: Tensor, qkv_b: Tensor | None,
+                   qkv_ab: Adapter = None) -> Tensor:
     """``attention_input`` up to the raw q/k/v projection, for an attention backend that applies
     the q/k-norms and RoPE itself (``attend_rope``)."""
-    return F.linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
+    x = rms_norm(h, norm_w, eps)
+    return plus_lora(F.linear(x, qkv_w, qkv_b), x, qkv_ab)
 
 
 def _kernels_serve(*ts: Tensor) -> bool:
@@ -134,15 +149,22 @@ def residual_linear(h: Tensor, x: Tensor, w: Tensor, b: Tensor | None = None) ->
     return h + F.linear(x, w, b)
 
 
-def attention_output(h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None) -> Tensor:
+def attention_output(h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None, o_ab: Adapter = None) -> Tensor:
     B, T = h.shape[0], h.shape[1]
-    return residual_linear(h, attn.transpose(1, 2).reshape(B, T, -1), o_w, o_b)
+    x = attn.transpose(1, 2).reshape(B, T, -1)
+    return plus_lora(residual_linear(h, x, o_w, o_b), x, o_ab)
 
 
 def attention_output_mlp(h: Tensor, attn: Tensor, o_w: Tensor, o_b: Tensor | None, norm_w: Tensor,
-                         eps: float, gate_up_w: Tensor, down_w: Tensor) -> Tensor:
-    h = attention_output(h, attn, o_w, o_b)
-    return residual_linear(h, silu_mul(F.linear(rms_norm(h, norm_w, eps), gate_up_w)), down_w)
+                         eps: float, gate_up_w: Tensor, down_w: Tensor, lora: LayerAdapters = None) -> Tensor:
+    if lora is None:
+        h = attention_output(h, attn, o_w, o_b)
+        return residual_linear(h, silu_mul(F.linear(rms_norm(h, norm_w, eps), gate_up_w)), down_w)
+    _, o_ab, gate_up_ab, down_ab = lora
+    h = attention_output(h, attn, o_w, o_b, o_ab)
+    x = rms_norm(h, norm_w, eps)
+    act = silu_mul(plus_lora(F.linear(x, gate_up_w), x, gate_up_ab))
+    return plus_lora(residual_linear(h, act, down_w), act, down_ab)
 
 
 class FastPath:
@@ -201,13 +223,36 @@ def compile_fast_path(role: str = "policy", **compile_kwargs: Any) -> FastPath:
     return _COMPILED[key]
 
 
+def adjacent_rows(parts: list[Tensor]) -> Tensor | None:
+    """The one matrix ``parts`` already are, as a view of their storage, when they lie one after
+    another in it (row-major, same dtype and width); else None. A LoRA trainer lays its frozen
+    q/k/v and gate/up out so (``miles.trainers.lora.fuse_frozen_base``), and an engine serving
+    those tensors (``miles.engines.shared``) then fuses them without a copy."""
+    first = parts[0]
+    cols, size = first.shape[-1], first.element_size()
+    offset = first.storage_offset()
+    for p in parts:
+        if (p.ndim != 2 or p.shape[1] != cols or p.dtype != first.dtype or not p.is_contiguous()
+                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or p.storage_offset() != offset):
+            return None
+        offset += p.numel()
+    if offset * size > first.untyped_storage().nbytes():
+        return None
+    rows = sum(p.shape[0] for p in parts)
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(
+        first.untyped_storage(), first.storage_offset(), (rows, cols), (cols, 1))
+
+
 def fuse_linears(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
     """Concatenate the weights (and biases) of ``linears`` into one tensor and make each
     module's parameters views of it, so in-place weight updates reach the fused copy and
     ``state_dict`` keeps the HF names. Inference only: gradients would not reach the views."""
     if any(p.requires_grad for lin in linears for p in lin.parameters()):
         raise RuntimeError("fusing projections is for inference: freeze the parameters first")
-    weight = torch.cat([lin.weight.detach() for lin in linears])
+    weight = adjacent_rows([lin.weight.detach() for lin in linears])
+    if weight is None:
+        weight = torch.cat([lin.weight.detach() for lin in linears])
     for lin, view in zip(linears, weight.split([lin.out_features for lin in linears])):
         lin.weight = nn.Parameter(view, requires_grad=False)
     bias = None
@@ -235,29 +280,32 @@ def fused_layer_forward(layer: Any, fast: FastPath, h: Tensor, cos: Tensor, sin:
                         backend: Any, routing: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """DecoderLayer.forward for a fused layer (same math as the module path)."""
     (first, sizes, o), second = layer.fast_args
+    lora: LayerAdapters = getattr(layer, "lora_args", None)  # unmerged adapters (miles.engines.lora)
+    qkv_ab = lora[0] if lora is not None else None
     attend_rope = getattr(backend, "attend_rope", None)
     if attend_rope is not None and h.shape[1] == 1:  # a decode step whose attention does q/k-norm + RoPE
         B, (H, KV, D) = h.shape[0], sizes
         norm_w, eps, qkv_w, qkv_b, q_norm, k_norm = first
-        qkv = fast.qkv_projection(h, norm_w, eps, qkv_w, qkv_b).view(B, H + 2 * KV, D)
+        qkv = fast.qkv_projection(h, norm_w, eps, qkv_w, qkv_b, qkv_ab).view(B, H + 2 * KV, D)
         q, k, v = qkv.split((H, KV, KV), dim=1)
         qk_eps = layer.self_attn.q_norm.eps if q_norm is not None else 0.0
         a = attend_rope(layer.self_attn.layer_idx, q, k, v, cos.reshape(B, D), sin.reshape(B, D), q_norm, k_norm,
                         qk_eps)
     else:
-        q, k, v = fast.attention_input(h, *first, cos, sin, *sizes)
+        q, k, v = fast.attention_input(h, *first, cos, sin, *sizes, qkv_ab)
         a = backend(layer.self_attn.layer_idx, q, k, v)
-    if second is None:  # MoE: experts stay eager
+    if second is None:  # MoE: experts stay eager (an engine with unmerged adapters is dense: lora is None)
         h = fast.attention_output(h, a, *o)
         y, idx = layer.mlp(layer.post_attention_layernorm(h), routing)
         return h + y, idx
     if getattr(backend, "residual_gemm", False) and second[1] is None:
-        return residual_gemm_mlp(fast, h, a, *second, fused_mlp=getattr(backend, "fused_mlp", False)), None
-    return fast.attention_output_mlp(h, a, *second), None
+        return residual_gemm_mlp(fast, h, a, *second, fused_mlp=getattr(backend, "fused_mlp", False), lora=lora), None
+    return fast.attention_output_mlp(h, a, *second, lora), None
 
 
 def residual_gemm_mlp(fast: FastPath, h: Tensor, attn: Tensor, o_w: Tensor, o_b: None, norm_w: Tensor,
-                      eps: float, gate_up_w: Tensor, down_w: Tensor, *, fused_mlp: bool = False) -> Tensor:
+                      eps: float, gate_up_w: Tensor, down_w: Tensor, *, fused_mlp: bool = False,
+                      lora: LayerAdapters = None) -> Tensor:
     """``attention_output_mlp`` with its two residual adds inside the o / down GEMMs:
     ``h.addmm_(x, wᵀ)`` is one cuBLAS call with beta = 1, where ``h + linear(x, w)`` is the
     GEMM and then an add kernel. Why: at decode sizes a kernel's cost is mostly fixed (launch,
@@ -271,16 +319,29 @@ def residual_gemm_mlp(fast: FastPath, h: Tensor, attn: Tensor, o_w: Tensor, o_b:
 
     ``fused_mlp``: the gate/up GEMM and SiLU·up in one Triton kernel (``miles.kernels.gate_up``,
     the backend's ``fused_mlp``, which the runner sets for steps of at least ``gate_up.MIN_ROWS``
-    rows), one launch a layer fewer."""
+    rows), one launch a layer fewer.
+
+    ``lora``: unmerged adapters; each adds its ``B(A(x))`` with one more GEMM (the o / down
+    deltas also into ``h`` in place), and gate/up with an adapter runs unfused (the kernel
+    has no place for the delta before SiLU·up)."""
     B = h.shape[0]
     h2 = h.view(B, -1)
-    h2.addmm_(attn.reshape(B, -1), o_w.t())
+    a2 = attn.reshape(B, -1)
+    h2.addmm_(a2, o_w.t())
+    o_ab, gate_up_ab, down_ab = (None, None, None) if lora is None else lora[1:]
+    if o_ab is not None:
+        h2.addmm_(F.linear(a2, o_ab[0]), o_ab[1].t())
     x = fast.rms_norm(h, norm_w, eps)
-    if fused_mlp:
+    if gate_up_ab is not None:
+        x2 = x.view(B, -1)
+        act = fast.silu_mul(plus_lora(F.linear(x2, gate_up_w), x2, gate_up_ab))
+    elif fused_mlp:
         from miles.kernels.gate_up import gate_up_silu
 
         act = gate_up_silu(x.view(B, -1), gate_up_w)
     else:
         act = fast.silu_mul(F.linear(x, gate_up_w)).view(B, -1)
     h2.addmm_(act, down_w.t())
+    if down_ab is not None:
+        h2.addmm_(F.linear(act, down_ab[0]), down_ab[1].t())
     return h

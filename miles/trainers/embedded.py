@@ -37,7 +37,7 @@ from miles.trainers.compile_cache import BackgroundCompile
 from miles.trainers import state as ckpt
 from miles.trainers.batching import TokenBatch, build_batch
 from miles.trainers.config import TrainerConfig, lr_at
-from miles.trainers.fsdp import maybe_fully_shard
+from miles.trainers.fsdp import distributed_world_size, maybe_fully_shard
 from miles.trainers.logprobs import full_routing, response_logprobs
 from miles.trainers.offload import OptimizerOffloader
 from miles.trainers.oom import OOMGuard
@@ -97,6 +97,10 @@ class EmbeddedTrainer(RLStep):
             lora.apply_lora(self.model, config.lora_rank, config.lora_alpha, config.lora_dropout,
                             config.lora_target_modules)
             lora.cast_for_training(self.model, self.compute_dtype)  # the frozen base in the compute dtype
+            if not (config.fsdp or (config.fsdp is None and distributed_world_size() > 1)):
+                # q/k/v and gate/up as the engine's fused GEMMs read them: a colocated engine can
+                # serve this base as is (``shared_base``)
+                lora.fuse_frozen_base(self.model)
         else:
             self.model = model.to(device=self.device, dtype=torch.float32)
         self.model.train()
@@ -196,6 +200,13 @@ class EmbeddedTrainer(RLStep):
         if spec is not None:  # unified low precision: quantized from the master weights, as the forward is
             named = wire_tensors(named, spec, dtype)
         yield from plan_buckets(named, bucket_bytes)
+
+    def shared_base(self) -> dict[str, Tensor]:
+        """The frozen base's live tensors, HF-named, for a colocated engine to serve instead of
+        a copy of its own (``miles.engines.shared``; LoRA trainers on one rank only)."""
+        if not self.lora or self.sharded:
+            raise ValueError("shared_base needs a LoRA trainer (--lora-rank > 0) on one rank")
+        return lora.base_tensors(self.model)
 
     def save_adapter(self, directory: str, base_model_path: str | None = None) -> str:
         """Write the adapters in PEFT's format (LoRA runs only)."""

@@ -11,7 +11,11 @@ loads onto the transformers model as is.
 Only the adapters train, so the optimizer holds AdamW state for them alone, the frozen base
 is kept in the training compute dtype (bf16 on a GPU: half a float32 copy; ``cast_for_training``),
 and a weight update ships only them (``adapter_update``): ``lora_A`` and ``lora_B`` pre-multiplied by
-α/r, so an engine needs no LoRA settings to merge them (``miles.engines.lora``).
+α/r, so an engine needs no LoRA settings to apply them (``miles.engines.lora``).
+
+On one rank the frozen q/k/v and gate/up are laid out as the engine's fused matrices
+(``fuse_frozen_base``), so a colocated engine serves this base as is instead of a copy of its
+own (``miles.engines.shared``; it then applies the shipped adapters unmerged).
 
 Target names are PEFT's: a module name's last part (``q_proj`` ... ``down_proj``), or
 ``all-linear`` — every linear layer of the decoder except the LM head and the MoE router.
@@ -186,3 +190,39 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         if m is not None:
             t = t + m.scaling * (m.lora_B.weight @ m.lora_A.weight)
         yield name, t.detach().contiguous()
+
+
+_FUSED_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+@torch.no_grad()
+def fuse_frozen_base(model: nn.Module) -> int:
+    """Lay each layer's frozen q/k/v (and dense gate/up) base weights out as one matrix, each
+    projection's ``weight`` a row block of it, as the engine's fused GEMMs read them: an engine
+    serving these tensors (``miles.engines.shared``) then fuses them as views instead of
+    concatenating copies. The forward is unchanged (each block is a contiguous matrix, still
+    frozen). Idempotent; returns the groups laid out anew."""
+    from miles.models.fused import adjacent_rows
+
+    done = 0
+    for layer in model.model.layers:
+        for parent_name, leaves in _FUSED_GROUPS:
+            parent = getattr(layer, parent_name, None)
+            mods = [getattr(parent, leaf, None) for leaf in leaves]
+            if any(m is None or not isinstance(getattr(m, "weight", None), Tensor) for m in mods):
+                continue  # MoE blocks: experts stay as they are
+            weights = [m.weight for m in mods]
+            if any(w.requires_grad for w in weights) or adjacent_rows([w.detach() for w in weights]) is not None:
+                continue
+            fused = torch.cat([w.detach() for w in weights])
+            for m, view in zip(mods, fused.split([w.shape[0] for w in weights])):
+                m.weight = nn.Parameter(view, requires_grad=False)
+            done += 1
+    return done
+
+
+def base_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """The frozen base, HF-named (every parameter but the adapters), as the live tensors: what
+    a colocated engine serves instead of a copy of its own."""
+    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()
+            if ".lora_A." not in k and ".lora_B." not in k}

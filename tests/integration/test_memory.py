@@ -63,6 +63,17 @@ def test_offload_rollout_releases_between_steps_and_trains_the_same(ray_cluster,
     assert _trained(tmp_path / "off") == _trained(clean)  # released, refilled, the same run
 
 
+def test_colocated_lora_run_on_the_cpu_keeps_the_merged_path_and_says_so(ray_cluster, tiny_ckpt, task,
+                                                                         tmp_path) -> None:
+    """The worker asks the trainer for its base (``base_offer``); a CPU trainer cannot share its
+    memory with another process, so the engine loads its own copy and merges the adapters."""
+    summary = asyncio.run(train(resolve(run_flags(tiny_ckpt, task, tmp_path / "lora", colocate=True,
+                                                  offload_rollout=True, lora_rank=4, **SYNC))))
+    assert summary["status"] == "completed" and summary["ledger_ok"]
+    worker = summary["workers"][0]
+    assert worker["engine/lora_shared_base"] == 0.0 and worker["engine/weight_updates"] >= 2
+
+
 @pytest.mark.parametrize("extra, match", [
     (dict(mode="async", offload_rollout=True), "--offload-rollout .* needs --colocate"),
     (dict(mode="sync", offload_rollout=True, colocate=True, rollout_backend="sglang"), "--rollout-backend embedded"),
