@@ -434,6 +434,8 @@ class EmbeddedEngine:
         # out. CUDA keeps no_grad: its graphs and compiled steps were verified under it.
         cpu = self.runner.device.type == "cpu"
         with torch.inference_mode() if cpu else torch.no_grad():
+            if self.config.use_compile():
+                self.runner.warm_compiled()
             if self.runner.graphs is not None and self.config.capture_graphs_at_start:
                 self.runner.graphs.capture_all()
             st = self.stats_
