@@ -219,6 +219,7 @@ def measure(rows: list[dict]) -> dict[str, float]:
         # torch.compile's compiles of new shape variants in the engines' steps (the phase
         # they held: a first-met prefill shape's compile read as prefill time before)
         "compile_share": _delta(first, last, "engine/compile_s") / span,
+        "warm_compile_s": last.get("engine/warm_compile_s", float("nan")),  # at start, before serving
         # the engines' mean prefill forward: fresh prompts are short, so its cost is per call
         "prefill_ms_per_forward": 1e3 * _delta_ratio(first, last, "engine/prefill_s", "engine/prefill_forwards"),
         # the engines' stepping threads over the span: the share spent with nothing to decode

@@ -84,6 +84,9 @@ class EngineStats:
         # running it). With overlap, a decode loop bound by its device waits here most of a
         # step; one that hardly waits is bound by its host work (``benchmarks/profile_decode.py``).
         self.device_wait_s = 0.0
+        # Seconds the stepping thread spent at start compiling every shape class of the
+        # compiled step functions (``ModelRunner.warm_compiled``), before serving.
+        self.warm_s = 0.0
 
     def seconds(self) -> dict[str, float]:
         """Cumulative idle and busy seconds of the stepping thread (0 before it starts)."""

@@ -94,11 +94,13 @@ def test_compiled_engine_warms_every_shape_class_before_serving(monkeypatch) -> 
 
     async def go():
         out = await engine.generate(GenerateRequest(rid="a", input_ids=prompts(1, seed=1)[0], sampling=sp))
+        stats = engine.stats()
         await engine.close()
-        return out
+        return out, stats
 
-    out = run(go)
+    out, stats = run(go)
     assert len(out.output_ids) == 2
+    assert stats["engine/warm_compile_s"] > 0
     warm = set(seen[:6])
     assert {("prefill", n, T) for n in (1, 2) for T in (1, 2)} <= warm
     assert {("decode", 1, 1), ("decode", 2, 1)} <= warm
