@@ -82,20 +82,30 @@ def length_reward(sample) -> float:
     return sum(t % 2 == 0 for t in tokens) / max(len(tokens), 1)
 
 
-def make_gpu_inputs(root: Path, max_len: int) -> dict[str, str]:
+def make_gpu_inputs(root: Path, max_len: int, tiny: bool = False) -> dict[str, str]:
+    """The random-weight checkpoint and the Zipf-length prompts. ``tiny``: the same workload
+    with a 2-layer, 64-wide model in float32 (``--workload zipf`` on the CPU), to reproduce
+    the GPU run's scheduling dynamics (admission, staleness, prefills) at a small scale."""
     import torch
 
     from miles.models import CausalLM, ModelConfig, build_tiny_tokenizer, save_pretrained
 
-    cfg = ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                      num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                      max_position_embeddings=max_len + 128, tie_word_embeddings=True,
-                      bos_token_id=2, eos_token_id=1, pad_token_id=0)
-    if not (root / "ckpt" / "config.json").exists():
+    if tiny:
+        cfg = ModelConfig(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          max_position_embeddings=max_len + 128, tie_word_embeddings=True,
+                          bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    else:
+        cfg = ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                          num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                          max_position_embeddings=max_len + 128, tie_word_embeddings=True,
+                          bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    ckpt = root / ("ckpt-tiny" if tiny else "ckpt")
+    if not (ckpt / "config.json").exists():
         torch.manual_seed(0)
-        model = CausalLM(cfg).to(torch.bfloat16)
+        model = CausalLM(cfg).to(torch.float32 if tiny else torch.bfloat16)
         model.reset_parameters()
-        save_pretrained(model, root / "ckpt", tokenizer=build_tiny_tokenizer())
+        save_pretrained(model, ckpt, tokenizer=build_tiny_tokenizer())
     data = root / f"data_{max_len}.jsonl"
     if not data.exists():  # written once, atomically: concurrent lanes read it
         rng = random.Random(0)
@@ -105,7 +115,7 @@ def make_gpu_inputs(root: Path, max_len: int) -> dict[str, str]:
                 length = min(max_len, int(16 * (1 + rng.paretovariate(1.2))))  # median ~30, tail to max_len
                 fh.write(json.dumps({"input": f"prompt {i}:", "label": "", "metadata": {"length": length}}) + "\n")
         os.replace(tmp, data)
-    return {"ckpt": str(root / "ckpt"), "data": str(data)}
+    return {"ckpt": str(ckpt), "data": str(data)}
 
 
 class GpuUtilization:
@@ -206,6 +216,12 @@ def measure(rows: list[dict]) -> dict[str, float]:
         "rollout_tokens_per_s": _delta(first, last, "rollout/tokens") / span,
         # CUDA graph captures the engines made over the span (each new batch × context shape)
         "capture_share": _delta(first, last, "engine/graph_capture_s") / span,
+        # torch.compile's compiles of new shape variants in the engines' steps (the phase
+        # they held: a first-met prefill shape's compile read as prefill time before)
+        "compile_share": _delta(first, last, "engine/compile_s") / span,
+        "warm_compile_s": last.get("engine/warm_compile_s", float("nan")),  # at start, before serving
+        # the engines' mean prefill forward: fresh prompts are short, so its cost is per call
+        "prefill_ms_per_forward": 1e3 * _delta_ratio(first, last, "engine/prefill_s", "engine/prefill_forwards"),
         # the engines' stepping threads over the span: the share spent with nothing to decode
         # (starved by the worker: leases, admission) and the mean rows a decode step carried
         "engine_idle": _delta_share(first, last, "engine/idle_s", "engine/busy_s"),
@@ -278,7 +294,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="tiny smoke version (CPU)")
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--max-len", type=int, default=2048, help="GPU: longest response")
+    parser.add_argument("--max-len", type=int, default=None,
+                        help="longest Zipf response (default 2048 on the GPU, 256 with --workload zipf on the CPU)")
+    parser.add_argument("--workload", choices=("auto", "zipf", "countdown"), default="auto",
+                        help="auto: the Zipf workload on CUDA, countdown on the CPU; zipf on the CPU runs the GPU "
+                             "workload scaled down (2-layer 64-wide random model, --groups groups a step)")
+    parser.add_argument("--groups", type=int, default=None,
+                        help="groups a step (B; default 32 on the GPU, 8 with --workload zipf on the CPU)")
     parser.add_argument("--disaggregated", action="store_true", help="GPU: trainer and engine on GPUs of their own")
     parser.add_argument("--seeds", type=int, default=1,
                         help="runs per config (seeds 1..N); the table gives the median and the spread")
@@ -303,21 +325,29 @@ def main() -> None:
     from miles.metrics import read_metrics
 
     gpu = args.device == "cuda"
+    zipf = gpu or args.workload == "zipf"
+    if gpu and args.workload == "countdown":
+        parser.error("--workload countdown runs on the CPU only")
+    args.max_len = args.max_len or (2048 if gpu else 256)
     work = ROOT / "runs" / "async_vs_sync"
     work.mkdir(parents=True, exist_ok=True)
-    if gpu:
-        inputs = make_gpu_inputs(work, args.max_len)
+    if zipf:
+        inputs = make_gpu_inputs(work, args.max_len, tiny=not gpu)
         steps = args.steps or 12
+        groups = args.groups or (32 if gpu else 8)
         base = dict(hf_checkpoint=inputs["ckpt"], prompt_data=inputs["data"], input_key="input",
                     custom_rm_path=f"{__file__}:length_reward",
                     custom_generate_function_path=f"{__file__}:fixed_length_generate",
-                    rollout_batch_size=32, n_samples_per_prompt=8, rollout_max_response_len=args.max_len,
-                    max_seq_len=args.max_len + 64, max_batch_size=256, device="cuda", lr=1e-6,
-                    actor_num_gpus_per_node=1, colocate=not args.disaggregated,
-                    rollout_num_gpus=1 if args.disaggregated else 0, max_tokens_per_micro_batch=32768,
-                    max_inflight_per_worker=256)
-        where = "trainer on GPU 0, engine on GPU 1" if args.disaggregated else "colocated on one GPU"
-        what = f"Qwen3-0.6B shape, random weights, bf16, {where}; Zipf lengths ≤ {args.max_len}"
+                    rollout_batch_size=groups, n_samples_per_prompt=8, rollout_max_response_len=args.max_len,
+                    max_seq_len=args.max_len + 64, max_batch_size=groups * 8, lr=1e-6,
+                    max_inflight_per_worker=groups * 8)
+        if gpu:
+            base.update(device="cuda", actor_num_gpus_per_node=1, colocate=not args.disaggregated,
+                        rollout_num_gpus=1 if args.disaggregated else 0, max_tokens_per_micro_batch=32768)
+            where = "trainer on GPU 0, engine on GPU 1" if args.disaggregated else "colocated on one GPU"
+            what = f"Qwen3-0.6B shape, random weights, bf16, {where}; Zipf lengths ≤ {args.max_len}"
+        else:
+            what = f"2-layer 64-wide random model, float32, CPU; Zipf lengths ≤ {args.max_len} (the GPU workload scaled down)"
     else:
         inputs = make_cpu_inputs(args.quick)
         steps = args.steps or (3 if args.quick else 24)
@@ -448,17 +478,18 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
     headline = headline_table(results)
     gpu_cols = sorted({k for r in results.values() for k in r if k.startswith("gpu")})
     lines = ["| config | trained samples/s | × sync | tokens/s | × sync | raw trained/s | stock drawn | final reward | "
-             "wait for data | buffer busy | buffer CPU | buffer calls/traj | admission | max staleness | rollout tok/s | graph capture | KV read useful | engine idle | engine prefill | rows/step | worker starved | loop lag |"
+             "wait for data | buffer busy | buffer CPU | buffer calls/traj | admission | max staleness | rollout tok/s | graph capture | engine compile | KV read useful | engine idle | engine prefill | prefill ms/fwd | rows/step | worker starved | loop lag |"
              + "".join(f" {c.removesuffix('_util').upper()} util |" for c in gpu_cols),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_cols)]
     for name, r in results.items():
         ratio = r["samples_per_s"] / sync["samples_per_s"] if sync else float("nan")
         tratio = r["tokens_per_s"] / sync["tokens_per_s"] if sync else float("nan")
         lines.append(f"| {name} | {r['samples_per_s']:.2f} | {ratio:.2f}× | {r['tokens_per_s']:.0f} | {tratio:.2f}× | "
                      f"{r['trained_samples_per_s']:.2f} | {100 * r['stock_drawn']:.0f}% | {r['reward']:.3f} | {100 * r['wait_share']:.0f}% | {100 * r['buffer_share']:.2f}% | "
-                     f"{100 * r.get('buffer_cpu_share', float('nan')):.2f}% | {r.get('buffer_calls_per_traj', float('nan')):.2f} | {100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} | {r['rollout_tokens_per_s'] or float('nan'):.0f} | {100 * r['capture_share']:.0f}% | {100 * r['kv_useful']:.0f}% | "
+                     f"{100 * r.get('buffer_cpu_share', float('nan')):.2f}% | {r.get('buffer_calls_per_traj', float('nan')):.2f} | {100 * r['admission_share']:.2f}% | {r['staleness_max']:.0f} | {r['rollout_tokens_per_s'] or float('nan'):.0f} | {100 * r['capture_share']:.0f}% | "
+                     f"{100 * r.get('compile_share', float('nan')):.0f}% | {100 * r['kv_useful']:.0f}% | "
                      f"{100 * r.get('engine_idle', float('nan')):.0f}% | {100 * r.get('engine_prefill', float('nan')):.0f}% | "
-                     f"{r.get('rows_per_step', float('nan')):.1f} | "
+                     f"{r.get('prefill_ms_per_forward', float('nan')):.1f} | {r.get('rows_per_step', float('nan')):.1f} | "
                      f"{100 * r.get('worker_starved', float('nan')):.0f}% | {1e3 * r.get('loop_lag', float('nan')):.1f} ms/s |"
                      + "".join(f" {r[c]:.0f}% |" if c in r else " – |" for c in gpu_cols))
     machine = (f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
@@ -502,7 +533,7 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
         "the KV cache positions decode steps read that a row attends to (a step reads every row up to the "
         "batch's longest context); 'engine idle' the share of the span the engines' stepping threads had "
         "nothing to decode (the worker left them unfed), 'engine prefill' the share of their busy time spent "
-        "prefilling (fresh prompts and the re-prefills of resumed partials), and 'rows/step' the mean rows a decode step carried "
+        "prefilling (fresh prompts and the re-prefills of resumed partials), 'prefill ms/fwd' the mean prefill forward's time, and 'rows/step' the mean rows a decode step carried "
         "(both from the workers' last reports); 'worker starved' the share of the span the workers had room for "
         "work and the buffer leased them none (summed over workers), 'loop lag' how late their event loops woke "
         "up, in ms per second. GPU util: nvidia-smi's "

@@ -382,6 +382,7 @@ class EmbeddedEngine:
             out.update({f"engine/{k}": v for k, v in st.seconds().items()})
             out.update({f"engine/{k}_s": v for k, v in st.phase_s.items()})
             out["engine/device_wait_s"] = st.device_wait_s
+            out["engine/warm_compile_s"] = st.warm_s
         occ = list(st.occupancy)
         out.update({
             "rollout/tokens_generated": float(st.counters["tokens_generated"]),
@@ -461,6 +462,10 @@ class EmbeddedEngine:
         # out. CUDA keeps no_grad: its graphs and compiled steps were verified under it.
         cpu = self.runner.device.type == "cpu"
         with torch.inference_mode() if cpu else torch.no_grad():
+            if self.config.use_compile():  # before thread_start: start-up, not busy time
+                start = time.perf_counter()
+                self.runner.warm_compiled()
+                self.stats_.warm_s = time.perf_counter() - start
             if self.runner.graphs is not None and self.config.capture_graphs_at_start:
                 self.runner.graphs.capture_all()
             st = self.stats_

@@ -178,6 +178,28 @@ class ModelRunner:
             )
         return StepOut(None if out.logits is None else out.logits[:, 0], out.hidden, out.routing)
 
+    def warm_compiled(self) -> None:
+        """Compile the layers' step functions for every shape class before serving.
+
+        The compiled functions are dynamic in batch and length, but dynamo specializes a size
+        of 1: a prefill of one prompt, or of one token, is a variant of its own, compiled the
+        first time it is met — in the middle of a run, with the stepping thread held (and the
+        GIL, so the worker's event loop lags) for the whole compile while every other row
+        waits. An asynchronous run at a tight staleness bound admits prompts a few at a time,
+        so it met the one-row prefill inside its measured steps. Run here, at start, once
+        per shape class: prefills of 1 and 2 rows of 1 and 2 tokens, and decode steps of 1
+        and 2 rows (slots 0 and 1 are scratch until the first request takes them). Failures
+        are left to the serving path, which reports them where they matter."""
+        rows = (1, 2) if self.config.max_batch_size >= 2 else (1,)
+        try:
+            for n in rows:
+                for T in (1, 2):
+                    self.prefill_eager(list(range(n)), [[0] * T] * n, logits=True)
+                positions = self._tensor([2] * n)
+                self.decode_eager(self._tensor([0] * n), positions, self.read_length(3))
+        except Exception:
+            log.warning("warming the compiled step functions failed; they compile when first met", exc_info=True)
+
     # ---- decode ------------------------------------------------------------------------
     def decode(self, tokens: Tensor | list[int], positions: list[int], *, native_logits: bool = False) -> StepOut:
         """One token per running request (host list, or device tensor from the previous
@@ -291,6 +313,19 @@ class ModelRunner:
 GRAPH_CAPTURES = {"count": 0, "seconds": 0.0}  # this process's captures (engine stats report them)
 
 
+def compile_seconds() -> float:
+    """Seconds this process has spent in ``torch.compile`` (dynamo and inductor: tracing a
+    new shape variant, generating and loading its kernels), cumulative; 0 when nothing
+    compiled. A step that meets a variant for the first time is held for the compile, in the
+    stepping thread and holding the GIL most of the time, so its seconds are no measure of
+    the step's phase: the stepper counts them apart (``engine/compile_s``)."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:  # a torch without dynamo's timers
+        return 0.0
+    return sum(compilation_time_metrics.get("_compile.compile_inner", ()))
+
+
 def capture_graph(step: Callable[[], None], pool: Any) -> Any:
     """A CUDA graph of ``step`` in the memory ``pool``, after two warm-up runs on a side
     stream (``step`` must be idempotent: it recomputes the same outputs). Captured with
@@ -298,12 +333,13 @@ def capture_graph(step: Callable[[], None], pool: Any) -> Any:
     Each (batch bucket, context bucket) shape is captured once, when first met: in a short
     run with changing batch sizes and long contexts the captures can take a sizable share of
     the time, which ``engine/graph_captures`` and ``engine/graph_capture_s`` show."""
-    start = time.perf_counter()
+    start, compiled = time.perf_counter(), compile_seconds()
     try:
         return _capture(step, pool)
     finally:
         GRAPH_CAPTURES["count"] += 1
-        GRAPH_CAPTURES["seconds"] += time.perf_counter() - start
+        # a compile in the warm-up runs is the compile's (``compile_seconds``), not the capture's
+        GRAPH_CAPTURES["seconds"] += time.perf_counter() - start - (compile_seconds() - compiled)
 
 
 def _capture(step: Callable[[], None], pool: Any) -> Any:

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from miles.engines.config import EngineConfig
 from miles.engines.requests import Request
-from miles.engines.runner import GRAPH_CAPTURES, ModelRunner, StepOut
+from miles.engines.runner import GRAPH_CAPTURES, ModelRunner, StepOut, compile_seconds
 from miles.engines.sampling import SamplingBatch, fused_sample, recorded_logprobs, sample
 from miles.models import invariant
 from miles.utils.cuts import cut_by_length
@@ -60,7 +60,7 @@ class EngineStats:
     def __init__(self) -> None:
         self.counters = dict.fromkeys(
             ("tokens_generated", "decode_steps", "decode_rows", "prefill_tokens", "prefill_tokens_fresh",
-             "prefill_tokens_resumed", "prefill_tokens_recompute", "weight_updates",
+             "prefill_tokens_resumed", "prefill_tokens_recompute", "prefill_forwards", "weight_updates",
              "requests_finished", "requests_aborted", "requests_failed", "spec_rounds",
              "draft_updates"), 0)
         self.occupancy: deque[float] = deque(maxlen=256)
@@ -73,16 +73,20 @@ class EngineStats:
         self.thread_start: float | None = None  # perf_counter when the stepping thread started
         self.idle_s = 0.0  # finished idle stretches
         self.idle_since: float | None = None  # the current idle stretch's start
-        # The busy time by phase (seconds, CUDA graph captures counted apart): where a slow
+        # The busy time by phase (seconds, CUDA graph captures and torch.compile's compiles of
+        # new shape variants counted apart): where a slow
         # run went. A speculative engine's wall time that its measured options do not
         # explain (an adaptive rule slower than plain while its plain steps and rounds measure
         # near plain) is in ``flush`` (draft backlog feeds, which
         # the rule's rates leave out), ``prefill`` or ``capture``.
-        self.phase_s = dict.fromkeys(("prefill", "plain", "round", "flush", "capture"), 0.0)
+        self.phase_s = dict.fromkeys(("prefill", "plain", "round", "flush", "capture", "compile"), 0.0)
         # Of the busy time, the seconds spent blocked on a step's results (the device still
         # running it). With overlap, a decode loop bound by its device waits here most of a
         # step; one that hardly waits is bound by its host work (``benchmarks/profile_decode.py``).
         self.device_wait_s = 0.0
+        # Seconds the stepping thread spent at start compiling every shape class of the
+        # compiled step functions (``ModelRunner.warm_compiled``), before serving.
+        self.warm_s = 0.0
 
     def seconds(self) -> dict[str, float]:
         """Cumulative idle and busy seconds of the stepping thread (0 before it starts)."""
@@ -118,6 +122,8 @@ class Stepper:
         self.running: list[Request] = []
         self.inflight: _InFlight | None = None
         self.prefill_tokens = config.max_prefill_tokens  # a prefill group's budget (lowered on an OOM)
+        # dynamo's compile timers, read where something may compile (two reads a step)
+        self._compile_seconds: Callable[[], float] = compile_seconds if config.use_compile() else float
         self.version = 0
 
     @property
@@ -134,7 +140,7 @@ class Stepper:
             self.running.append(r)
             rows.append(r)
         if rows:
-            start, captures = time.perf_counter(), GRAPH_CAPTURES["seconds"]
+            start, captures = time.perf_counter(), self._clocks()
             self._prefill(rows)
             self._account("prefill", start, captures)
 
@@ -198,6 +204,7 @@ class Stepper:
         response comes back as context), or a running row recomputing its cache after a
         weight update that did not keep it."""
         c = self.stats.counters
+        c["prefill_forwards"] += 1  # a prefill's cost is mostly per forward when its rows are short
         for r, seq in zip(rows, seqs):
             n = len(seq)
             c["prefill_tokens"] += n
@@ -217,12 +224,12 @@ class Stepper:
                 if k:
                     self._spec_round(k)
                     return
-                start, captures = time.perf_counter(), GRAPH_CAPTURES["seconds"]
+                start, captures = time.perf_counter(), self._clocks()
                 self.spec.drafter.flush(list(self.running))
                 if self.device.type == "cuda":  # the pipeline is drained: this waits for the feed alone
                     torch.cuda.synchronize(self.device)
                 self._account("flush", start, captures)
-        start, captures = time.perf_counter(), GRAPH_CAPTURES["seconds"]
+        start, captures = time.perf_counter(), self._clocks()
         prev = self.inflight  # stays in place if this launch raises (fail_all drains it)
         reqs = list(self.running)
         if prev is None:
@@ -250,25 +257,32 @@ class Stepper:
         if self.spec is not None:
             self.spec.controller.observe_plain(len(reqs), seconds, len(reqs))
 
-    @staticmethod
-    def _measured(start: float, captures: float) -> float:
-        """Seconds since ``start`` without the CUDA graph captures made meanwhile: a capture
-        is a one-time cost of a new shape, not the option's rate. Counted in, it made a
-        rarely used option (met at each new context bucket) look several times slower than
-        it is, and the adaptive rule never chose it again (GRAPH_CAPTURES is per process:
-        one engine per process, as a rollout worker runs it)."""
-        return time.perf_counter() - start - (GRAPH_CAPTURES["seconds"] - captures)
+    def _clocks(self) -> tuple[float, float]:
+        """This process's capture and compile seconds so far (what a phase leaves out)."""
+        return GRAPH_CAPTURES["seconds"], self._compile_seconds()
 
-    def _account(self, phase: str, start: float, captures: float) -> float:
+    def _measured(self, start: float, captures: tuple[float, float]) -> float:
+        """Seconds since ``start`` without the CUDA graph captures and the compiles made
+        meanwhile: a capture is a one-time cost of a new shape, not the option's rate. Counted
+        in, it made a rarely used option (met at each new context bucket) look several times
+        slower than it is, and the adaptive rule never chose it again (GRAPH_CAPTURES is per
+        process: one engine per process, as a rollout worker runs it). A compile of a new
+        shape variant likewise (``compile_seconds``): counted in, it read as prefill time."""
+        capture, compiled = self._clocks()
+        return time.perf_counter() - start - (capture - captures[0]) - (compiled - captures[1])
+
+    def _account(self, phase: str, start: float, captures: tuple[float, float]) -> float:
         """Add the seconds since ``start`` to ``phase`` (captures made meanwhile to
-        ``capture``); returns the phase's own seconds."""
+        ``capture``, compiles to ``compile``); returns the phase's own seconds."""
         seconds = self._measured(start, captures)
+        capture, compiled = self._clocks()
         self.stats.phase_s[phase] += seconds
-        self.stats.phase_s["capture"] += GRAPH_CAPTURES["seconds"] - captures
+        self.stats.phase_s["capture"] += capture - captures[0]
+        self.stats.phase_s["compile"] += compiled - captures[1]
         return seconds
 
     def _spec_round(self, k: int) -> None:
-        start, captures = time.perf_counter(), GRAPH_CAPTURES["seconds"]
+        start, captures = time.perf_counter(), self._clocks()
         reqs = list(self.running)
         res = self.spec.run(reqs, k, self.generator, probe=self.spec.controller.is_probe)
         eos, max_len, tok = self.eos_ids, self.config.max_seq_len, self.tokenizer
