@@ -22,9 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-FP8_PATH: dict[str, str] = {}  # per "NxK" seen: the _scaled_mm form used, or "dequantized"
+FP8_PATH: dict[str, str] = {}  # per "NxK/M" seen: the Triton GEMM, the _scaled_mm form used, or "dequantized"
+INT4_PATH: dict[str, str] = {}  # per "NxK/M" seen on CUDA: the decode kernel's launch or "tiled"
 FP8_ERRORS: dict[str, str] = {}  # why each _scaled_mm form was refused (the first probe's messages)
-INT4_CONFIG: dict[str, int] = {}  # overrides of the INT4 launch (BN, warps, stages, programs), for tuning
+INT4_CONFIG: dict[str, int] = {}  # overrides of the large-M INT4 launch (BN, warps, stages, programs), for tuning
+# Launches of the decode-sized kernels per (kind, N, K, M bucket): the defaults measured on the
+# H200 (benchmarks/log/low_precision.md), which ``benchmarks/low_precision.py --parts tune`` overrides.
+TUNED: dict[tuple[str, int, int, int], dict] = {}
+BUCKETS = (1, 16, 64, 256)  # a batch takes the launch of the first bucket at or above it
+SMALL_M = 16  # the W4A16 decode kernel's rows at most; more go to the tiled GEMM
 _FORM: list[str | None] = []  # the _scaled_mm form the first probe validated, or None
 
 
@@ -34,7 +40,10 @@ K_BLOCKS = 4  # cuBLAS takes block-wise scales over a multiple of 4 blocks of K;
 
 def _outer_major(t: Tensor) -> Tensor:
     """``t`` with strides (1, rows): the outer dimension fastest, as cuBLAS's block-wise scales
-    are laid out. Built explicitly: ``t.t().contiguous().t()`` keeps a one-row tensor's strides."""
+    are laid out (``t`` itself where it already is). Built explicitly: ``t.t().contiguous().t()``
+    keeps a one-row tensor's strides."""
+    if t.shape[0] > 1 and t.stride() == (1, t.shape[0]):
+        return t
     out = torch.empty_strided(t.shape, (1, t.shape[0]), dtype=t.dtype, device=t.device)
     return out.copy_(t)
 
@@ -108,20 +117,24 @@ def fp8_linear(x: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype) -> Ten
 
     N, K = wq.shape
     M = x.shape[0]
-    key = f"{N}x{K}"
+    key = f"{N}x{K}/{M}"
+    cfg = fp8_config(M, N, K) if x.is_cuda and _triton() is not None else None
+    if cfg is not None and cfg["path"] != "cublas":
+        FP8_PATH[key] = _label(cfg)
+        return _fp8_triton(x, wq, ws, out_dtype, cfg)
     if K % (K_BLOCKS * BLOCK) == 0 and N % BLOCK == 0:
-        pad = -M % ROWS
-        xq, xs = fp8_quantize_act(F.pad(x, (0, 0, 0, pad)) if pad else x)
         if not _FORM:  # probed once, outside any graph capture (the first call)
             _FORM.append(_probe(x.device, out_dtype))
         if _FORM[0] is not None:
+            pad = -M % ROWS
+            if cfg is not None:  # the activations quantized by one Triton kernel, scales laid out for cuBLAS
+                xq, xs = _fp8_quant_triton(x, M + pad, outer="a_outer" in _FORM[0])
+            else:
+                xq, xs = fp8_quantize_act(F.pad(x, (0, 0, 0, pad)) if pad else x)
             FP8_PATH[key] = _FORM[0]
             y = _mm_forms()[_FORM[0]](xq, xs, wq, ws, out_dtype)
             return y[:M] if pad else y
-        if pad:
-            xq, xs = xq[:M], xs[:M]
-    else:
-        xq, xs = fp8_quantize_act(x)
+    xq, xs = fp8_quantize_act(x)
     FP8_PATH[key] = "dequantized"
     xd = (xq.float() * xs.repeat_interleave(BLOCK, -1)[:, :K]).to(out_dtype)
     return F.linear(xd, fp8_dequantize_weight(wq, ws, out_dtype))
@@ -133,7 +146,15 @@ def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, group: int) -> Tensor:
         from miles.kernels.quantize import int4_dequantize, unpack_int4
 
         return F.linear(x, int4_dequantize(unpack_int4(packed), scale, x.dtype))
+    cfg = int4_config(x.shape[0], packed.shape[0], x.shape[1], group, x.dtype)
+    INT4_PATH[f"{packed.shape[0]}x{x.shape[1]}/{x.shape[0]}"] = "tiled" if cfg is None else _label(cfg)
+    if cfg is not None:
+        return _int4_small(x, packed, scale, group, cfg)
     return _int4_triton(x, packed, scale, group)
+
+
+def _label(cfg: dict) -> str:
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in cfg.items())
 
 
 def _int4_triton(x: Tensor, packed: Tensor, scale: Tensor, group: int) -> Tensor:
@@ -159,6 +180,113 @@ def _int4_triton(x: Tensor, packed: Tensor, scale: Tensor, group: int) -> Tensor
         BM=BM, BN=BN, BK=BK, num_warps=INT4_CONFIG.get("warps", 4), num_stages=INT4_CONFIG.get("stages", 3),
     )
     return part[0] if split == 1 else part.sum(0).to(x.dtype)
+
+
+def _triton():  # noqa: ANN202
+    from miles.kernels import lowp_triton
+
+    return lowp_triton.triton
+
+
+def _bucket(M: int) -> int | None:
+    return next((b for b in BUCKETS if M <= b), None)
+
+
+def int4_config(M: int, N: int, K: int, group: int, dtype: torch.dtype) -> dict | None:
+    """The decode kernel's launch for ``M`` rows (None: the tiled GEMM). Its tiles are one
+    quantization group wide, so the group must be a power of two from 32 (``tl.dot``'s K ≥ 16)."""
+    if M > SMALL_M or group < 32 or group & (group - 1) or K % group or _triton() is None:
+        return None
+    cfg = TUNED.get(("int4", N, K, _bucket(M)))
+    if cfg is None:
+        dot = M > 4 and dtype in (torch.bfloat16, torch.float16)
+        cfg = dict(DOT=dot, BN=32 if dot else 16, UNROLL=2, split=1, warps=4, stages=3)
+    if cfg["DOT"] and dtype not in (torch.bfloat16, torch.float16):  # a float32 tl.dot would round to tf32
+        cfg = {**cfg, "DOT": False, "BN": min(cfg["BN"], 16)}
+    return cfg
+
+
+def _int4_small(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict) -> Tensor:
+    from miles.kernels import lowp_triton as lt
+
+    M, K = x.shape
+    N = packed.shape[0]
+    x = x.contiguous()
+    BM = 16 if cfg["DOT"] else max(1, 1 << (M - 1).bit_length())
+    groups = K // group
+    unroll = cfg["UNROLL"]
+    while groups % unroll:
+        unroll //= 2
+    split = cfg["split"]
+    while (groups // unroll) % split:
+        split -= 1
+    grid = (triton_cdiv(N, cfg["BN"]), split, triton_cdiv(M, BM))
+    out = torch.empty((split, M, N) if split > 1 else (M, N), device=x.device,
+                      dtype=torch.float32 if split > 1 else x.dtype)
+    lt.w4a16[grid](x, packed, scale, out, M, N, K // split, x.stride(0), packed.stride(0), scale.stride(0), M * N, N,
+                   G=group, BM=BM, BN=cfg["BN"], UNROLL=unroll, DOT=cfg["DOT"],
+                   num_warps=cfg["warps"], num_stages=cfg["stages"])
+    if split == 1:
+        return out
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    lt.sum_splits[(triton_cdiv(M * N, 1024),)](out, y, M * N, SPLIT=split, BLOCK=1024)
+    return y
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fp8_config(M: int, N: int, K: int) -> dict:
+    """The FP8 GEMM for ``M`` rows: ``path`` cublas (the activations quantized by one Triton
+    kernel, then block-wise ``_scaled_mm``), triton (that kernel, then the Triton block-scaled
+    GEMM) or fused (the GEMM quantizing its activation tiles itself), with its tile launch."""
+    b = _bucket(M)
+    if b is None:
+        return dict(path="cublas")
+    cfg = TUNED.get(("fp8", N, K, b))
+    if cfg is None:
+        cfg = dict(path="fused", BM=16 if M <= 16 else 64 if M <= 64 else 128, BN=64 if M <= 64 else 128,
+                   warps=4 if M <= 64 else 8, stages=3)
+    return cfg
+
+
+def _fp8_quant_triton(x: Tensor, rows: int, outer: bool) -> tuple[Tensor, Tensor]:
+    """``quantize.fp8_quantize_act`` of ``x`` [M, K] in one kernel, into ``rows`` ≥ M rows (the
+    rows past M zero groups); scales outer-major (cuBLAS's block-wise layout) or row-major."""
+    from miles.kernels import lowp_triton as lt
+    from miles.kernels.quantize import BLOCK, FP8, FP8_MAX
+
+    M, K = x.shape
+    G = triton_cdiv(K, BLOCK)
+    xq = torch.empty((rows, K), device=x.device, dtype=FP8)
+    xs = (torch.empty_strided((rows, G), (1, rows), device=x.device, dtype=torch.float32) if outer
+          else torch.empty((rows, G), device=x.device, dtype=torch.float32))
+    BR = 16
+    lt.fp8_act_quant[(triton_cdiv(rows, BR), G)](x, xq, xs, M, rows, K, x.stride(0), xq.stride(0), xs.stride(0),
+                                                 xs.stride(1), BR=BR, GB=BLOCK, FP8_MAX=FP8_MAX, num_warps=4)
+    return xq, xs
+
+
+def _fp8_triton(x: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype, cfg: dict) -> Tensor:
+    from miles.kernels import lowp_triton as lt
+    from miles.kernels.quantize import BLOCK, FP8_MAX
+
+    M, K = x.shape
+    N = wq.shape[0]
+    x = x.contiguous()
+    fused = cfg["path"] == "fused"
+    if fused:
+        xq, xs = x, ws  # unused operands of the fused form
+    else:
+        xq, xs = _fp8_quant_triton(x, M, outer=False)
+    y = torch.empty((M, N), device=x.device, dtype=out_dtype)
+    grid = (triton_cdiv(M, cfg["BM"]), triton_cdiv(N, cfg["BN"]))
+    lt.fp8_gemm[grid](x, xq, xs, wq, ws, y, M, N, K, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1),
+                      wq.stride(0), ws.stride(0), ws.stride(1), y.stride(0),
+                      BM=cfg["BM"], BN=cfg["BN"], BK=BLOCK, FUSED=fused, FP8_MAX=FP8_MAX,
+                      num_warps=cfg["warps"], num_stages=cfg["stages"])
+    return y
 
 
 _KERNEL = None
