@@ -211,7 +211,8 @@ def _int4_small(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
 
     M, K = x.shape
     N = packed.shape[0]
-    x = x.contiguous()
+    if x.stride(1) != 1:
+        x = x.contiguous()
     BM = 16 if cfg["DOT"] else max(1, 1 << (M - 1).bit_length())
     groups = K // group
     unroll = cfg["UNROLL"]
@@ -258,6 +259,8 @@ def _fp8_quant_triton(x: Tensor, rows: int, outer: bool) -> tuple[Tensor, Tensor
     from miles.kernels.quantize import BLOCK, FP8, FP8_MAX
 
     M, K = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
     G = triton_cdiv(K, BLOCK)
     xq = torch.empty((rows, K), device=x.device, dtype=FP8)
     xs = (torch.empty_strided((rows, G), (1, rows), device=x.device, dtype=torch.float32) if outer
@@ -274,7 +277,8 @@ def _fp8_triton(x: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype, cfg: 
 
     M, K = x.shape
     N = wq.shape[0]
-    x = x.contiguous()
+    if x.stride(1) != 1:
+        x = x.contiguous()
     fused = cfg["path"] == "fused"
     if fused:
         xq, xs = x, ws  # unused operands of the fused form
