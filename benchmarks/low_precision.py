@@ -189,11 +189,12 @@ def _cpu_lin(x: torch.Tensor, stored: tuple, spec: QuantSpec) -> torch.Tensor:
     return F.linear(xin, dequantize_weight(stored[0], stored[1], spec, x.dtype))
 
 
-INT4_CANDIDATES = {  # (DOT, BN, UNROLL, split, warps): a few launches of the W4A16 decode kernel per batch
-    1: [(False, 16, 2, 1, 4), (False, 32, 2, 1, 4), (False, 16, 4, 1, 4), (False, 64, 1, 1, 4),
-        (False, 32, 2, 2, 4), (False, 8, 4, 1, 2), (True, 32, 2, 1, 4), (True, 64, 2, 1, 4)],
-    16: [(True, 16, 2, 1, 4), (True, 32, 2, 1, 4), (True, 64, 2, 1, 4), (True, 32, 4, 1, 4),
-         (True, 128, 1, 1, 8), (True, 32, 2, 2, 4), (True, 64, 1, 4, 4)],
+INT4_CANDIDATES = {  # (DOT, BN, UNROLL, split, warps, MAGIC): a few launches of the W4A16 decode kernel per batch
+    1: [(False, 16, 2, 1, 4, True), (False, 32, 2, 1, 4, True), (False, 16, 4, 1, 4, True), (False, 64, 1, 1, 4, True),
+        (False, 32, 2, 2, 4, True), (False, 8, 4, 1, 2, True), (False, 16, 2, 1, 4, False), (True, 32, 2, 1, 4, True),
+        (True, 64, 2, 1, 4, True)],
+    16: [(True, 16, 2, 1, 4, True), (True, 32, 2, 1, 4, True), (True, 64, 2, 1, 4, True), (True, 32, 4, 1, 4, True),
+         (True, 128, 1, 1, 8, True), (True, 32, 2, 2, 4, True), (True, 64, 1, 4, 4, True), (True, 32, 2, 1, 4, False)],
 }
 FP8_CANDIDATES = {  # (path, BM, BN, warps, stages); cublas: the Triton activation kernel + _scaled_mm
     1: [("cublas",), ("fused", 16, 32, 4, 4), ("fused", 16, 64, 4, 4), ("fused", 16, 128, 4, 3), ("triton", 16, 64, 4, 4)],
@@ -236,8 +237,8 @@ def part_tune(s: dict, batches: list[int], out: dict, iters: int) -> list[str]:
                 ref = F.linear(x.float(), ref4w)
                 trials.append(("int4", "tiled (before)", None, ref, lambda: [lowp._int4_triton(x, *c, 128) for c in c4],
                                lambda: lowp._int4_triton(x, *w4, 128)))
-                for dot, bn, un, split, warps in INT4_CANDIDATES[1 if B == 1 else 16]:
-                    cfg = dict(DOT=dot, BN=bn, UNROLL=un, split=split, warps=warps, stages=3)
+                for dot, bn, un, split, warps, magic in INT4_CANDIDATES[1 if B == 1 else 16]:
+                    cfg = dict(DOT=dot, BN=bn, UNROLL=un, split=split, warps=warps, stages=3, MAGIC=magic)
                     trials.append(("int4", cfg, cfg, ref, lambda cfg=cfg: [lowp._int4_small(x, *c, 128, cfg) for c in c4],
                                    lambda cfg=cfg: lowp._int4_small(x, *w4, 128, cfg)))
             xq, xs = fp8_quantize_act(x)

@@ -213,7 +213,8 @@ def _int4_small(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
     N = packed.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
-    BM = 16 if cfg["DOT"] else max(1, 1 << (M - 1).bit_length())
+    dot = cfg["DOT"] and x.dtype in (torch.bfloat16, torch.float16)  # a float32 tl.dot would round to tf32
+    BM = 16 if dot else max(1, 1 << (M - 1).bit_length())
     groups = K // group
     unroll = cfg["UNROLL"]
     while groups % unroll:
@@ -225,7 +226,8 @@ def _int4_small(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
     out = torch.empty((split, M, N) if split > 1 else (M, N), device=x.device,
                       dtype=torch.float32 if split > 1 else x.dtype)
     lt.w4a16[grid](x, packed, scale, out, M, N, K // split, x.stride(0), packed.stride(0), scale.stride(0), M * N, N,
-                   G=group, BM=BM, BN=cfg["BN"], UNROLL=unroll, DOT=cfg["DOT"],
+                   G=group, BM=BM, BN=cfg["BN"], UNROLL=unroll, DOT=dot, MAGIC=cfg.get("MAGIC", True),
+                   KIND=0 if not dot else 1 if x.dtype == torch.bfloat16 else 2,
                    num_warps=cfg["warps"], num_stages=cfg["stages"])
     if split == 1:
         return out

@@ -34,8 +34,31 @@ except ImportError:  # the CPU install has no triton
 if triton is not None:
 
     @triton.jit
+    def _nibble(n, MAGIC: tl.constexpr, KIND: tl.constexpr):
+        """A 4-bit field n (0..15, the stored q + 8) as q in the GEMM's dtype (KIND 0 float32,
+        1 bf16, 2 fp16). MAGIC: n ORed into the mantissa of 2^23 (float32), 128 (bf16) or 1024
+        (fp16), minus that plus 8: two integer ops and a subtraction, all exact, where an
+        int-to-float conversion runs at a quarter of the rate of the FMA that follows."""
+        if MAGIC:
+            if KIND == 0:
+                w = (n.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            elif KIND == 1:
+                w = (n.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0
+            else:
+                w = (n.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+        else:
+            w = n.to(tl.int32) - 8
+        if KIND == 0:
+            return w.to(tl.float32)
+        elif KIND == 1:
+            return w.to(tl.bfloat16)
+        else:
+            return w.to(tl.float16)
+
+    @triton.jit
     def w4a16(x_ptr, w_ptr, s_ptr, y_ptr, M, N, k_per, sxm, swn, ssn, sys_, sym,
-              G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, DOT: tl.constexpr):
+              G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, DOT: tl.constexpr,
+              MAGIC: tl.constexpr, KIND: tl.constexpr):
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
@@ -47,17 +70,17 @@ if triton is not None:
             for u in tl.static_range(UNROLL):
                 kg = k0 + u * G
                 p = tl.load(w_ptr + rn[:, None] * swn + (kg // 2 + rj)[None, :], mask=n_ok[:, None], other=0)
-                lo = (p & 0xF).to(tl.int32) - 8
-                hi = (p >> 4).to(tl.int32) - 8
+                lo = _nibble(p & 0xF, MAGIC, KIND)
+                hi = _nibble(p >> 4, MAGIC, KIND)
                 s = tl.load(s_ptr + rn * ssn + kg // G, mask=n_ok, other=0.0)
                 xrow = x_ptr + rm[:, None] * sxm + (kg + 2 * rj)[None, :]
                 xe = tl.load(xrow, mask=m_ok[:, None], other=0.0)
                 xo = tl.load(xrow + 1, mask=m_ok[:, None], other=0.0)
                 if DOT:
-                    part = tl.dot(xe, tl.trans(lo.to(xe.dtype))) + tl.dot(xo, tl.trans(hi.to(xo.dtype)))
+                    part = tl.dot(xe, tl.trans(lo)) + tl.dot(xo, tl.trans(hi))
                 else:
-                    prod = (xe.to(tl.float32)[:, None, :] * lo.to(tl.float32)[None, :, :]
-                            + xo.to(tl.float32)[:, None, :] * hi.to(tl.float32)[None, :, :])
+                    prod = (xe.to(tl.float32)[:, None, :] * lo[None, :, :]
+                            + xo.to(tl.float32)[:, None, :] * hi[None, :, :])
                     part = tl.sum(prod, axis=2)
                 acc += part * s[None, :]
         tl.store(y_ptr + pid_k * sys_ + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),

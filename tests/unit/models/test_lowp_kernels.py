@@ -32,10 +32,10 @@ def _int4(N: int, K: int, group: int, g: torch.Generator) -> tuple[torch.Tensor,
 
 @needs_triton
 @pytest.mark.parametrize("M", [1, 3, 16])
-@pytest.mark.parametrize("cfg", [dict(DOT=False, BN=16, UNROLL=2, split=1),
-                                 dict(DOT=False, BN=32, UNROLL=1, split=2),
-                                 dict(DOT=True, BN=16, UNROLL=2, split=1),
-                                 dict(DOT=True, BN=32, UNROLL=1, split=4)])
+@pytest.mark.parametrize("cfg", [dict(DOT=False, BN=16, UNROLL=2, split=1, MAGIC=True),
+                                 dict(DOT=False, BN=32, UNROLL=1, split=2, MAGIC=False),
+                                 dict(DOT=True, BN=16, UNROLL=2, split=1, MAGIC=True),
+                                 dict(DOT=True, BN=32, UNROLL=1, split=4, MAGIC=False)])
 def test_w4a16_decode_kernel_matches_the_dequantized_product(M: int, cfg: dict) -> None:
     g = torch.Generator().manual_seed(M)
     N, K, group = 40, 256, 32  # N not a multiple of the tile
