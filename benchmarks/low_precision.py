@@ -201,7 +201,8 @@ FP8_CANDIDATES = {  # (path, BM, BN, warps, stages); cublas: the Triton activati
     16: [("cublas",), ("fused", 16, 32, 4, 4), ("fused", 16, 64, 4, 4), ("fused", 16, 128, 4, 3), ("triton", 16, 64, 4, 4)],
     64: [("cublas",), ("fused", 64, 64, 4, 4), ("fused", 64, 128, 4, 3), ("fused", 64, 128, 8, 3), ("triton", 64, 128, 4, 3)],
     256: [("cublas",), ("fused", 128, 128, 8, 3), ("fused", 64, 128, 4, 4), ("fused", 128, 256, 8, 3),
-          ("fused", 64, 256, 8, 3), ("triton", 128, 128, 8, 3), ("triton", 128, 256, 8, 3)],
+          ("fused", 64, 256, 8, 3), ("fused", 64, 64, 4, 4), ("fused", 128, 64, 4, 4), ("triton", 128, 128, 8, 3),
+          ("triton", 64, 128, 4, 4)],
 }
 
 

@@ -1,17 +1,25 @@
 """Low-precision GEMMs on CUDA for ``miles.models.quant.QuantLinear``.
 
-- FP8 (W8A8): activations quantized per 1 × 128 group, then ``torch._scaled_mm`` with the
-  block-wise recipe (1 × 128 activation scales, 128 × 128 weight scales; cuBLAS on SM90).
-  The forms are probed once, on operands whose scales differ by orders of magnitude from one
-  group and block to the next, and the first that matches the dequantized product is kept; where none does, the same quantized operands are multiplied dequantized
-  (the quantizer's semantics, at well below bf16 speed). Where cuBLAS refuses every form
-  (``FP8_ERRORS`` records why; benchmarks/log/low_precision.md), FP8 runs dequantized.
-  ``FP8_PATH`` says which path ran per shape.
-- INT4 (W4A16): a Triton GEMM that reads the packed INT4 weight (two a byte), dequantizes a
-  tile with its group scales in registers and accumulates in float32; split-K over a few
-  programs when the output alone gives too few (decode). Deterministic: partial sums go to
-  a buffer summed in a fixed order. It matches the dequantized product to bf16 round-off;
-  benchmarks/low_precision.py compares its speed with bf16 cuBLAS.
+- FP8 (W8A8): activations quantized per 1 × 128 group, weights per 128 × 128 block. For up to
+  256 rows (decode) ``fp8_config`` picks per (shape, batch bucket) one of: the Triton
+  block-scaled GEMM quantizing its activation tiles itself (``fused``), the Triton activation
+  kernel then that GEMM (``triton``), or the Triton activation kernel then cuBLAS's block-wise
+  ``torch._scaled_mm`` (``cublas``, also every larger M: prefill, the trainer). The
+  ``_scaled_mm`` forms are probed once, on operands whose scales differ by orders of magnitude
+  from one group and block to the next, and the first that matches the dequantized product is
+  kept; where none does (``FP8_ERRORS`` records why; benchmarks/log/low_precision.md), the same
+  quantized operands are multiplied dequantized (the quantizer's semantics, slowly). Every path
+  quantizes the activations with the quantizer's arithmetic (bit-identical values), so the
+  paths differ only in float32 summation order. ``FP8_PATH`` says which ran per shape and M.
+- INT4 (W4A16): up to ``SMALL_M`` rows, the Triton decode kernel (``lowp_triton.w4a16``: the
+  packed weight streamed once, group scales applied after each group's float32 sum); above,
+  a tiled Triton GEMM that dequantizes a tile in registers and accumulates in float32, split-K
+  over a few programs when the output alone gives too few. Both deterministic (partial sums
+  added in a fixed order) and equal to the dequantized product to bf16 round-off.
+
+Launch parameters come from ``TUNED`` per (kind, N, K, batch bucket): defaults measured on the
+H200, overridden by ``benchmarks/low_precision.py --parts tune``, which times a few launches per
+shape and keeps the fastest that matches the dequantized product.
 """
 
 from __future__ import annotations
