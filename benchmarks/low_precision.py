@@ -189,12 +189,14 @@ def _cpu_lin(x: torch.Tensor, stored: tuple, spec: QuantSpec) -> torch.Tensor:
     return F.linear(xin, dequantize_weight(stored[0], stored[1], spec, x.dtype))
 
 
-INT4_CANDIDATES = {  # (DOT, BN, UNROLL, split, warps, MAGIC): a few launches of the W4A16 decode kernel per batch
-    1: [(False, 16, 2, 1, 4, True), (False, 32, 2, 1, 4, True), (False, 16, 4, 1, 4, True), (False, 64, 1, 1, 4, True),
-        (False, 32, 2, 2, 4, True), (False, 8, 4, 1, 2, True), (False, 16, 2, 1, 4, False), (True, 32, 2, 1, 4, True),
-        (True, 64, 2, 1, 4, True)],
-    16: [(True, 16, 2, 1, 4, True), (True, 32, 2, 1, 4, True), (True, 64, 2, 1, 4, True), (True, 32, 4, 1, 4, True),
-         (True, 128, 1, 1, 8, True), (True, 32, 2, 2, 4, True), (True, 64, 1, 4, 4, True), (True, 32, 2, 1, 4, False)],
+INT4_CANDIDATES = {  # (DOT, BN, UNROLL, split (0: auto), warps, MAGIC): launches of the W4A16 decode kernel per batch
+    1: [(False, 16, 2, 1, 4, True), (False, 32, 2, 1, 4, True), (False, 16, 2, 0, 4, True), (False, 16, 2, 4, 4, True),
+        (False, 16, 4, 4, 2, True), (False, 32, 2, 4, 4, True), (False, 16, 1, 8, 2, True), (False, 32, 4, 2, 4, True),
+        (False, 64, 1, 4, 4, True), (False, 8, 4, 4, 2, True), (False, 16, 2, 4, 4, False), (True, 32, 2, 4, 4, True),
+        (True, 64, 2, 2, 4, True)],
+    16: [(True, 16, 2, 1, 4, True), (True, 32, 2, 1, 4, True), (True, 64, 2, 1, 4, True), (True, 32, 2, 0, 4, True),
+         (True, 32, 2, 4, 4, True), (True, 64, 2, 4, 4, True), (True, 32, 1, 8, 4, True), (True, 16, 2, 4, 4, True),
+         (True, 128, 1, 2, 8, True), (True, 32, 2, 4, 4, False)],
 }
 FP8_CANDIDATES = {  # (path, BM, BN, warps, stages); cublas: the Triton activation kernel + _scaled_mm
     1: [("cublas",), ("fused", 16, 32, 4, 4), ("fused", 16, 64, 4, 4), ("fused", 16, 128, 4, 3), ("triton", 16, 64, 4, 4)],

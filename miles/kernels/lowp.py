@@ -208,7 +208,7 @@ def int4_config(M: int, N: int, K: int, group: int, dtype: torch.dtype) -> dict 
     cfg = TUNED.get(("int4", N, K, _bucket(M)))
     if cfg is None:
         dot = M > 4 and dtype in (torch.bfloat16, torch.float16)
-        cfg = dict(DOT=dot, BN=32 if dot else 16, UNROLL=2, split=1, warps=4, stages=3)
+        cfg = dict(DOT=dot, BN=32 if dot else 16, UNROLL=2, split=0, warps=4, stages=3)
     if cfg["DOT"] and dtype not in (torch.bfloat16, torch.float16):  # a float32 tl.dot would round to tf32
         cfg = {**cfg, "DOT": False, "BN": min(cfg["BN"], 16)}
     return cfg
@@ -227,7 +227,10 @@ def _int4_small(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
     unroll = cfg["UNROLL"]
     while groups % unroll:
         unroll //= 2
-    split = cfg["split"]
+    tiles = triton_cdiv(N, cfg["BN"]) * triton_cdiv(M, BM)
+    # split 0: enough K slices for ~2048 programs (16 resident on each of the H200's 132 SMs):
+    # a GEMV's speed is the bytes in flight, and one program's K loop is a chain of loads
+    split = cfg["split"] or max(1, min(8, 2048 // tiles))
     while (groups // unroll) % split:
         split -= 1
     grid = (triton_cdiv(N, cfg["BN"]), split, triton_cdiv(M, BM))
