@@ -222,7 +222,7 @@ def part_tune(s: dict, batches: list[int], out: dict, iters: int) -> list[str]:
     from miles.models.quant import dequantize_weight, fp8_quantize_act
 
     g = torch.Generator(device=DEVICE).manual_seed(0)
-    rows, chosen = [], {}
+    rows, chosen, printed = [], {}, 0
     for N, K in shapes_8b(s):
         w = torch.randn(N, K, device=DEVICE, dtype=DTYPE, generator=g) * 0.02
         w4, w8 = quantize_weight(w, INT4), quantize_weight(w, FP8)
@@ -274,6 +274,8 @@ def part_tune(s: dict, batches: list[int], out: dict, iters: int) -> list[str]:
                 chosen[f"{kind} {N}x{K} b{B}"] = dict(cfg=cfg, us=t * 1e6, bf16_us=t_bf * 1e6)
             if "fp8" not in best:
                 lowp.TUNED[("fp8", N, K, lowp._bucket(B))] = dict(path="cublas")
+        print("\n".join(rows[printed:]), flush=True)  # as it goes: a part cut off by its time limit keeps these
+        printed = len(rows)
         del bf, c4, c8
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
