@@ -189,22 +189,29 @@ def _cpu_lin(x: torch.Tensor, stored: tuple, spec: QuantSpec) -> torch.Tensor:
     return F.linear(xin, dequantize_weight(stored[0], stored[1], spec, x.dtype))
 
 
-INT4_CANDIDATES = {  # (DOT, BN, UNROLL, split (0: auto), warps, MAGIC): launches of the W4A16 decode kernel per batch
-    1: [(False, 16, 2, 1, 4, True), (False, 32, 2, 1, 4, True), (False, 16, 2, 0, 4, True), (False, 16, 2, 4, 4, True),
-        (False, 16, 4, 4, 2, True), (False, 32, 2, 4, 4, True), (False, 16, 1, 8, 2, True), (False, 32, 4, 2, 4, True),
-        (False, 64, 1, 4, 4, True), (False, 8, 4, 4, 2, True), (False, 16, 2, 4, 4, False), (True, 32, 2, 4, 4, True),
-        (True, 64, 2, 2, 4, True)],
-    16: [(True, 16, 2, 1, 4, True), (True, 32, 2, 1, 4, True), (True, 64, 2, 1, 4, True), (True, 32, 2, 0, 4, True),
-         (True, 32, 2, 4, 4, True), (True, 64, 2, 4, 4, True), (True, 32, 1, 8, 4, True), (True, 16, 2, 4, 4, True),
-         (True, 128, 1, 2, 8, True), (True, 32, 2, 4, 4, False)],
+def _d(DOT, BN, UNROLL, split, warps, ACC2D=False):  # noqa: ANN001, ANN202, N803
+    return dict(DOT=DOT, BN=BN, UNROLL=UNROLL, split=split, warps=warps, stages=3, MAGIC=True, ACC2D=ACC2D)
+
+
+def _tiled(BN, programs, warps=4):  # noqa: ANN001, ANN202, N803
+    return dict(path="tiled", BN=BN, programs=programs, warps=warps, stages=3)
+
+
+# launches tried per batch: the decode kernel (lowp_triton.w4a16: DOT, BN, UNROLL, split (0: auto), warps,
+# ACC2D) and the tiled GEMM (BN, programs, warps); the first H100 call's winners are among them
+_TILED = [_tiled(64, 264), _tiled(64, 1056), _tiled(128, 1056), _tiled(32, 1056), _tiled(64, 2112)]
+INT4_CANDIDATES = {
+    1: [_d(True, 32, 2, 4, 4), _d(True, 64, 2, 2, 4), _d(True, 64, 2, 4, 4), _d(True, 128, 1, 2, 8),
+        _d(True, 128, 2, 2, 8), _d(True, 64, 4, 2, 4), _d(False, 16, 2, 4, 4, True), _d(False, 32, 2, 4, 4, True),
+        _d(False, 16, 4, 4, 2, True), _d(False, 64, 1, 4, 4, True), _d(False, 32, 1, 8, 4, True), *_TILED],
+    16: [_d(True, 64, 2, 4, 4), _d(True, 128, 1, 2, 8), _d(True, 128, 2, 2, 8), _d(True, 128, 1, 4, 8),
+         _d(True, 64, 4, 2, 4), _d(True, 256, 1, 2, 8), *_TILED],
 }
 FP8_CANDIDATES = {  # (path, BM, BN, warps, stages); cublas: the Triton activation kernel + _scaled_mm
-    1: [("cublas",), ("fused", 16, 32, 4, 4), ("fused", 16, 64, 4, 4), ("fused", 16, 128, 4, 3), ("triton", 16, 64, 4, 4)],
-    16: [("cublas",), ("fused", 16, 32, 4, 4), ("fused", 16, 64, 4, 4), ("fused", 16, 128, 4, 3), ("triton", 16, 64, 4, 4)],
-    64: [("cublas",), ("fused", 64, 64, 4, 4), ("fused", 64, 128, 4, 3), ("fused", 64, 128, 8, 3), ("triton", 64, 128, 4, 3)],
-    256: [("cublas",), ("fused", 128, 128, 8, 3), ("fused", 64, 128, 4, 4), ("fused", 128, 256, 8, 3),
-          ("fused", 64, 256, 8, 3), ("fused", 64, 64, 4, 4), ("fused", 128, 64, 4, 4), ("triton", 128, 128, 8, 3),
-          ("triton", 64, 128, 4, 4)],
+    1: [("cublas",), ("triton", 16, 64, 4, 4), ("triton", 16, 128, 4, 3), ("triton", 16, 32, 4, 4)],
+    16: [("cublas",), ("triton", 16, 64, 4, 4), ("triton", 16, 128, 4, 3), ("triton", 16, 32, 4, 4)],
+    64: [("cublas",), ("triton", 64, 128, 4, 3), ("triton", 64, 64, 4, 4)],
+    256: [("cublas",), ("triton", 64, 128, 4, 4), ("triton", 128, 128, 8, 3), ("triton", 128, 256, 8, 3)],
 }
 
 
@@ -238,12 +245,10 @@ def part_tune(s: dict, batches: list[int], out: dict, iters: int) -> list[str]:
             trials = []
             if B <= 16:
                 ref = F.linear(x.float(), ref4w)
-                trials.append(("int4", "tiled (before)", None, ref, lambda: [lowp._int4_triton(x, *c, 128) for c in c4],
-                               lambda: lowp._int4_triton(x, *w4, 128)))
-                for dot, bn, un, split, warps, magic in INT4_CANDIDATES[1 if B == 1 else 16]:
-                    cfg = dict(DOT=dot, BN=bn, UNROLL=un, split=split, warps=warps, stages=3, MAGIC=magic)
-                    trials.append(("int4", cfg, cfg, ref, lambda cfg=cfg: [lowp._int4_small(x, *c, 128, cfg) for c in c4],
-                                   lambda cfg=cfg: lowp._int4_small(x, *w4, 128, cfg)))
+                for cfg in INT4_CANDIDATES[1 if B == 1 else 16]:
+                    fn = lowp._int4_triton if cfg.get("path") == "tiled" else lowp._int4_small
+                    trials.append(("int4", cfg, cfg, ref, lambda cfg=cfg, fn=fn: [fn(x, *c, 128, cfg) for c in c4],
+                                   lambda cfg=cfg, fn=fn: fn(x, *w4, 128, cfg)))
             xq, xs = fp8_quantize_act(x)
             ref = F.linear(xq.float() * xs.repeat_interleave(128, -1), ref8w)
             for cand in FP8_CANDIDATES.get(B, FP8_CANDIDATES[256]):

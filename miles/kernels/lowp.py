@@ -36,8 +36,20 @@ FP8_ERRORS: dict[str, str] = {}  # why each _scaled_mm form was refused (the fir
 INT4_CONFIG: dict[str, int] = {}  # overrides of the large-M INT4 launch (BN, warps, stages, programs), for tuning
 # Launches of the decode-sized kernels per (kind, N, K, M bucket): the defaults measured on the
 # H200 (benchmarks/log/low_precision.md), which ``benchmarks/low_precision.py --parts tune`` overrides.
-TUNED: dict[tuple[str, int, int, int], dict] = {}
 BUCKETS = (1, 16, 64, 256)  # a batch takes the launch of the first bucket at or above it
+_CUBLAS = dict(path="cublas")
+_TILED = dict(path="tiled", BN=64, programs=264, warps=4, stages=3)
+TUNED: dict[tuple[str, int, int, int], dict] = {
+    # Qwen3-8B's decode GEMMs (qkv, o, gate/up, down), the fastest checked launch of
+    # `low_precision.py --parts tune` (benchmarks/log/low_precision.md, 2026-12-06 03:28, H100)
+    **{("fp8", N, K, b): _CUBLAS for N, K in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
+       for b in BUCKETS},
+    ("fp8", 24576, 4096, 1): dict(path="triton", BM=16, BN=64, warps=4, stages=4),
+    ("fp8", 24576, 4096, 16): dict(path="triton", BM=16, BN=64, warps=4, stages=4),
+    **{("int4", N, K, b): _TILED for N, K in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
+       for b in (1, 16)},
+    ("int4", 6144, 4096, 1): dict(DOT=True, BN=32, UNROLL=2, split=4, warps=4, stages=3),
+}
 SMALL_M = 16  # the W4A16 decode kernel's rows at most; more go to the tiled GEMM
 _FORM: list[str | None] = []  # the _scaled_mm form the first probe validated, or None
 
@@ -133,6 +145,10 @@ def fp8_linear(x: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype) -> Ten
     if K % (K_BLOCKS * BLOCK) == 0 and N % BLOCK == 0:
         if not _FORM:  # probed once, outside any graph capture (the first call)
             _FORM.append(_probe(x.device, out_dtype))
+        if _FORM[0] is None and cfg is not None and M <= BUCKETS[-1]:  # no block-wise cuBLAS: the Triton GEMM
+            tri = dict(path="triton", BM=16 if M <= 16 else 64, BN=64 if M <= 16 else 128, warps=4, stages=3)
+            FP8_PATH[key] = _label(tri)
+            return _fp8_triton(x, wq, ws, out_dtype, tri)
         if _FORM[0] is not None:
             pad = -M % ROWS
             if cfg is not None:  # the activations quantized by one Triton kernel, scales laid out for cuBLAS
@@ -156,6 +172,8 @@ def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, group: int) -> Tensor:
         return F.linear(x, int4_dequantize(unpack_int4(packed), scale, x.dtype))
     cfg = int4_config(x.shape[0], packed.shape[0], x.shape[1], group, x.dtype)
     INT4_PATH[f"{packed.shape[0]}x{x.shape[1]}/{x.shape[0]}"] = "tiled" if cfg is None else _label(cfg)
+    if cfg is not None and cfg.get("path") == "tiled":
+        return _int4_triton(x, packed, scale, group, cfg)
     if cfg is not None:
         return _int4_small(x, packed, scale, group, cfg)
     return _int4_triton(x, packed, scale, group)
@@ -165,19 +183,20 @@ def _label(cfg: dict) -> str:
     return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in cfg.items())
 
 
-def _int4_triton(x: Tensor, packed: Tensor, scale: Tensor, group: int) -> Tensor:
+def _int4_triton(x: Tensor, packed: Tensor, scale: Tensor, group: int, launch: dict | None = None) -> Tensor:
     import triton
 
+    launch = INT4_CONFIG if launch is None else launch
     M, K = x.shape
     N = packed.shape[0]
     BK = 128 if group % 128 == 0 else 64 if group % 64 == 0 else 32
     if group % BK or K % BK:
         raise ValueError(f"the INT4 kernel needs the group size ({group}) and K ({K}) to be multiples of 32")
     BM = 16 if M <= 16 else 32 if M <= 32 else 64
-    BN = INT4_CONFIG.get("BN", 64 if M <= 64 else 128)
+    BN = launch.get("BN", 64 if M <= 64 else 128)
     grid_m, grid_n = triton.cdiv(M, BM), triton.cdiv(N, BN)
     tiles = K // BK
-    split = max(1, min(tiles, INT4_CONFIG.get("programs", 264) // (grid_m * grid_n)))
+    split = max(1, min(tiles, launch.get("programs", 264) // (grid_m * grid_n)))
     while tiles % split:
         split -= 1
     x = x.contiguous()
@@ -185,7 +204,7 @@ def _int4_triton(x: Tensor, packed: Tensor, scale: Tensor, group: int) -> Tensor
     _kernel()[(grid_m, grid_n, split)](
         x, packed, scale, part, M, N, K, group, tiles // split,
         x.stride(0), packed.stride(0), scale.stride(0), M * N, N,
-        BM=BM, BN=BN, BK=BK, num_warps=INT4_CONFIG.get("warps", 4), num_stages=INT4_CONFIG.get("stages", 3),
+        BM=BM, BN=BN, BK=BK, num_warps=launch.get("warps", 4), num_stages=launch.get("stages", 3),
     )
     return part[0] if split == 1 else part.sum(0).to(x.dtype)
 
@@ -205,10 +224,9 @@ def int4_config(M: int, N: int, K: int, group: int, dtype: torch.dtype) -> dict 
     quantization group wide, so the group must be a power of two from 32 (``tl.dot``'s K ≥ 16)."""
     if M > SMALL_M or group < 32 or group & (group - 1) or K % group or _triton() is None:
         return None
-    cfg = TUNED.get(("int4", N, K, _bucket(M)))
-    if cfg is None:
-        dot = M > 4 and dtype in (torch.bfloat16, torch.float16)
-        cfg = dict(DOT=dot, BN=32 if dot else 16, UNROLL=2, split=0, warps=4, stages=3)
+    cfg = TUNED.get(("int4", N, K, _bucket(M)), _TILED)  # untuned shapes: the tiled GEMM (the H100's best mostly)
+    if cfg.get("path") == "tiled":
+        return cfg
     if cfg["DOT"] and dtype not in (torch.bfloat16, torch.float16):  # a float32 tl.dot would round to tf32
         cfg = {**cfg, "DOT": False, "BN": min(cfg["BN"], 16)}
     return cfg
@@ -238,6 +256,7 @@ def _int4_small(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
                       dtype=torch.float32 if split > 1 else x.dtype)
     lt.w4a16[grid](x, packed, scale, out, M, N, K // split, x.stride(0), packed.stride(0), scale.stride(0), M * N, N,
                    G=group, BM=BM, BN=cfg["BN"], UNROLL=unroll, DOT=dot, MAGIC=cfg.get("MAGIC", True),
+                   ACC2D=cfg.get("ACC2D", False),
                    KIND=0 if not dot else 1 if x.dtype == torch.bfloat16 else 2,
                    num_warps=cfg["warps"], num_stages=cfg["stages"])
     if split == 1:
@@ -258,11 +277,7 @@ def fp8_config(M: int, N: int, K: int) -> dict:
     b = _bucket(M)
     if b is None:
         return dict(path="cublas")
-    cfg = TUNED.get(("fp8", N, K, b))
-    if cfg is None:
-        cfg = dict(path="fused", BM=16 if M <= 16 else 64 if M <= 64 else 128, BN=64 if M <= 64 else 128,
-                   warps=4 if M <= 64 else 8, stages=3)
-    return cfg
+    return TUNED.get(("fp8", N, K, b), _CUBLAS)
 
 
 def _fp8_quant_triton(x: Tensor, rows: int, outer: bool) -> tuple[Tensor, Tensor]:

@@ -10,10 +10,11 @@ where triton is not installed).
   Each group's partial sums are ``Σ x·q`` in float32 (exact products of integers with the
   activations), scaled once per group and row. ``DOT`` picks the tensor-core form (``tl.dot``,
   rows padded to 16) or the CUDA-core form (broadcast multiply and sum, for one to four rows).
-  ``split`` > 1 cuts K into that many slices written to a float32 buffer that ``sum_splits``
+  ``ACC2D`` (CUDA-core form) keeps per-lane float32 sums over all groups and reduces across
+  threads once at the end instead of once per group. ``split`` > 1 cuts K into that many slices written to a float32 buffer that ``sum_splits``
   adds in a fixed order: no atomics, so the result is deterministic.
 - ``fp8_act_quant``: the quantizer's 1 × 128 activation groups in one kernel (amax, scale =
-  max(amax / 448, 1e-12), round-to-nearest-even e4m3 of ``x / scale``, both divisions IEEE),
+  max(amax · fl32(1/448), 1e-12), round-to-nearest-even e4m3 of ``x / scale``, an IEEE division),
   bit-identical to ``quantize.fp8_quantize_act``; scales written with any strides (cuBLAS wants
   them outer-major), rows past M written as zero groups (cuBLAS's row padding).
 - ``fp8_gemm``: block-scaled FP8 GEMM, ``y = Σ_kblocks (a_q · b_qᵀ) · s_a · s_b`` with the
@@ -58,13 +59,14 @@ if triton is not None:
     @triton.jit
     def w4a16(x_ptr, w_ptr, s_ptr, y_ptr, M, N, k_per, sxm, swn, ssn, sys_, sym,
               G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, DOT: tl.constexpr,
-              MAGIC: tl.constexpr, KIND: tl.constexpr):
+              MAGIC: tl.constexpr, KIND: tl.constexpr, ACC2D: tl.constexpr):
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         rj = tl.arange(0, G // 2)
         m_ok, n_ok = rm < M, rn < N
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc3 = tl.zeros((BM, BN, G // 2), dtype=tl.float32)
         k_lo = pid_k * k_per
         for k0 in range(k_lo, k_lo + k_per, G * UNROLL):
             for u in tl.static_range(UNROLL):
@@ -78,11 +80,16 @@ if triton is not None:
                 xo = tl.load(xrow + 1, mask=m_ok[:, None], other=0.0)
                 if DOT:
                     part = tl.dot(xe, tl.trans(lo)) + tl.dot(xo, tl.trans(hi))
+                    acc += part * s[None, :]
                 else:
                     prod = (xe.to(tl.float32)[:, None, :] * lo[None, :, :]
                             + xo.to(tl.float32)[:, None, :] * hi[None, :, :])
-                    part = tl.sum(prod, axis=2)
-                acc += part * s[None, :]
+                    if ACC2D:  # each thread keeps its lanes' sums; one cross-thread reduction at the end
+                        acc3 += prod * s[None, :, None]
+                    else:
+                        acc += tl.sum(prod, axis=2) * s[None, :]
+        if ACC2D:
+            acc = tl.sum(acc3, axis=2)
         tl.store(y_ptr + pid_k * sys_ + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
@@ -99,7 +106,7 @@ if triton is not None:
     def _quant_tile(x, FP8_MAX: tl.constexpr):
         """x: float32 [R, 128] → (e4m3 values, float32 scale per row), the quantizer's arithmetic."""
         amax = tl.max(tl.abs(x), axis=1)
-        scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1e-12)
+        scale = tl.maximum(amax * (1.0 / FP8_MAX), 1e-12)
         q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
         q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
         return q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), scale

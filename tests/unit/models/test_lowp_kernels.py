@@ -35,7 +35,8 @@ def _int4(N: int, K: int, group: int, g: torch.Generator) -> tuple[torch.Tensor,
 @pytest.mark.parametrize("cfg", [dict(DOT=False, BN=16, UNROLL=2, split=0, MAGIC=True),
                                  dict(DOT=False, BN=32, UNROLL=1, split=2, MAGIC=False),
                                  dict(DOT=True, BN=16, UNROLL=2, split=1, MAGIC=True),
-                                 dict(DOT=True, BN=32, UNROLL=1, split=4, MAGIC=False)])
+                                 dict(DOT=True, BN=32, UNROLL=1, split=4, MAGIC=False),
+                                 dict(DOT=False, BN=16, UNROLL=2, split=2, ACC2D=True)])
 def test_w4a16_decode_kernel_matches_the_dequantized_product(M: int, cfg: dict) -> None:
     g = torch.Generator().manual_seed(M)
     N, K, group = 40, 256, 32  # N not a multiple of the tile
@@ -55,12 +56,14 @@ def test_w4a16_decode_kernel_matches_the_dequantized_product(M: int, cfg: dict) 
 
 
 @needs_triton
-def test_int4_dispatch_takes_the_decode_kernel_for_small_batches_only() -> None:
-    assert lowp.int4_config(1, 4096, 4096, 128, torch.bfloat16) is not None
-    assert lowp.int4_config(16, 4096, 4096, 128, torch.bfloat16)["DOT"]
-    assert lowp.int4_config(lowp.SMALL_M + 1, 4096, 4096, 128, torch.bfloat16) is None
-    assert lowp.int4_config(1, 4096, 4096 + 96, 96, torch.bfloat16) is None  # not a power-of-two group
-    assert not lowp.int4_config(16, 4096, 4096, 128, torch.float32)["DOT"]  # no tf32 dot
+def test_int4_dispatch_follows_the_tuned_table_for_small_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = dict(DOT=True, BN=64, UNROLL=2, split=4, warps=4, stages=3)
+    monkeypatch.setitem(lowp.TUNED, ("int4", 96, 512, 16), kernel)
+    assert lowp.int4_config(9, 96, 512, 128, torch.bfloat16) == kernel  # 9 rows take the 16-row bucket's launch
+    assert not lowp.int4_config(9, 96, 512, 128, torch.float32)["DOT"]  # no tf32 dot
+    assert lowp.int4_config(1, 96, 512, 128, torch.bfloat16)["path"] == "tiled"  # untuned: the tiled GEMM
+    assert lowp.int4_config(lowp.SMALL_M + 1, 96, 512, 128, torch.bfloat16) is None
+    assert lowp.int4_config(1, 96, 96 * 5, 96, torch.bfloat16) is None  # not a power-of-two group
 
 
 @needs_triton
