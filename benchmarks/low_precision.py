@@ -189,23 +189,32 @@ def _cpu_lin(x: torch.Tensor, stored: tuple, spec: QuantSpec) -> torch.Tensor:
     return F.linear(xin, dequantize_weight(stored[0], stored[1], spec, x.dtype))
 
 
-def _d(DOT, BN, UNROLL, split, warps, ACC2D=False):  # noqa: ANN001, ANN202, N803
-    return dict(DOT=DOT, BN=BN, UNROLL=UNROLL, split=split, warps=warps, stages=3, MAGIC=True, ACC2D=ACC2D)
+def _d(DOT, BN, UNROLL, split, warps, ACC2D=False, stages=3):  # noqa: ANN001, ANN202, N803
+    return dict(DOT=DOT, BN=BN, UNROLL=UNROLL, split=split, warps=warps, stages=stages, MAGIC=True, ACC2D=ACC2D)
 
 
-def _tiled(BN, programs, warps=4):  # noqa: ANN001, ANN202, N803
-    return dict(path="tiled", BN=BN, programs=programs, warps=warps, stages=3)
+def _tiled(BN, programs, warps=4, stages=3):  # noqa: ANN001, ANN202, N803
+    return dict(path="tiled", BN=BN, programs=programs, warps=warps, stages=stages)
 
 
 # launches tried per batch: the decode kernel (lowp_triton.w4a16: DOT, BN, UNROLL, split (0: auto), warps,
-# ACC2D) and the tiled GEMM (BN, programs, warps); the first H100 call's winners are among them
-_TILED = [_tiled(64, 264), _tiled(64, 1056), _tiled(128, 1056), _tiled(32, 1056), _tiled(64, 2112)]
+# ACC2D, stages) and the tiled GEMM (BN, programs, warps, stages). The first H100 call's times fit a
+# chain of dependent loads per program (its K steps × the memory latency) over too few resident
+# programs, so these span more K slices, fewer stages (less shared memory: more programs an SM) and warps.
+_TILED = [_tiled(64, 264), _tiled(64, 1056), _tiled(128, 1056), _tiled(32, 1056), _tiled(64, 2112), _tiled(32, 2112),
+          _tiled(64, 1056, stages=2), _tiled(128, 2112, warps=8)]
 INT4_CANDIDATES = {
     1: [_d(True, 32, 2, 4, 4), _d(True, 64, 2, 2, 4), _d(True, 64, 2, 4, 4), _d(True, 128, 1, 2, 8),
-        _d(True, 128, 2, 2, 8), _d(True, 64, 4, 2, 4), _d(False, 16, 2, 4, 4, True), _d(False, 32, 2, 4, 4, True),
-        _d(False, 16, 4, 4, 2, True), _d(False, 64, 1, 4, 4, True), _d(False, 32, 1, 8, 4, True), *_TILED],
+        _d(True, 128, 2, 2, 8), _d(True, 64, 4, 2, 4), _d(True, 32, 1, 8, 4, stages=2), _d(True, 64, 1, 8, 4, stages=2),
+        _d(True, 64, 2, 8, 4, stages=2), _d(True, 32, 2, 4, 2, stages=2), _d(True, 64, 2, 4, 4, stages=1),
+        _d(True, 32, 2, 8, 4, stages=1), _d(True, 16, 2, 8, 2, stages=2), _d(True, 64, 1, 16, 4, stages=2),
+        _d(False, 16, 2, 4, 4, True), _d(False, 32, 2, 4, 4, True), _d(False, 16, 4, 4, 2, True),
+        _d(False, 64, 1, 4, 4, True), _d(False, 32, 1, 8, 4, True), _d(False, 16, 1, 16, 2, True),
+        _d(False, 32, 2, 8, 4, True, stages=1), _d(False, 64, 2, 8, 8, True), *_TILED],
     16: [_d(True, 64, 2, 4, 4), _d(True, 128, 1, 2, 8), _d(True, 128, 2, 2, 8), _d(True, 128, 1, 4, 8),
-         _d(True, 64, 4, 2, 4), _d(True, 256, 1, 2, 8), *_TILED],
+         _d(True, 64, 4, 2, 4), _d(True, 256, 1, 2, 8), _d(True, 64, 1, 8, 4, stages=2), _d(True, 128, 1, 8, 8, stages=2),
+         _d(True, 64, 2, 8, 4, stages=2), _d(True, 128, 2, 4, 8, stages=2), _d(True, 32, 2, 8, 4, stages=2),
+         _d(True, 64, 2, 4, 4, stages=1), *_TILED],
 }
 FP8_CANDIDATES = {  # (path, BM, BN, warps, stages); cublas: the Triton activation kernel + _scaled_mm
     1: [("cublas",), ("triton", 16, 64, 4, 4), ("triton", 16, 128, 4, 3), ("triton", 16, 32, 4, 4)],
