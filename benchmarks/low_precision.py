@@ -239,7 +239,7 @@ def part_tune(s: dict, batches: list[int], out: dict, iters: int) -> list[str]:
 
     g = torch.Generator(device=DEVICE).manual_seed(0)
     rows, chosen, printed = [], {}, 0
-    for N, K in shapes_8b(s):
+    for N, K in sorted(shapes_8b(s), key=lambda nk: -nk[0] * nk[1]):  # the largest first: a cut-off part has those
         w = torch.randn(N, K, device=DEVICE, dtype=DTYPE, generator=g) * 0.02
         w4, w8 = quantize_weight(w, INT4), quantize_weight(w, FP8)
         bf = [w] + [w.clone() for _ in range(_copies(N * K * 2) - 1)]
