@@ -66,10 +66,10 @@ for part in "$@"; do
                   tail -15 "$OUT/ontrue-tests.txt"; (exit $rc) ;;
         lowp)     # #40's decode GEMMs: per-shape tuning of the INT4 decode kernel and the FP8 paths (each launch checked
                   # against torch's dequantized product), the 8B decode step with the winners, then the kernels' GPU tests
-                  # (caps for a 120 s slot: a tune part cut short keeps the launches it chose, lowp.TUNED's defaults the rest)
-                  timeout ${LOWP_TIMEOUT:-95} python3 benchmarks/low_precision.py --parts bytes tune decode kl \
-                      --part-timeout ${LOWP_PART_TIMEOUT:-55} --iters ${LOWP_ITERS:-20} --json "$OUT/low_precision.json" ${LOWP_ARGS:-}; rc=$?
-                  timeout ${LOWP_TESTS_TIMEOUT:-22} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/unit/models/test_lowp_kernels.py \
+                  # (caps for a 120 s slot with the .whl install and the log tar: a tune part cut short keeps the launches it chose, lowp.TUNED's defaults the rest)
+                  timeout ${LOWP_TIMEOUT:-85} python3 benchmarks/low_precision.py --parts bytes tune decode kl \
+                      --part-timeout ${LOWP_PART_TIMEOUT:-50} --iters ${LOWP_ITERS:-20} --json "$OUT/low_precision.json" ${LOWP_ARGS:-}; rc=$?
+                  timeout ${LOWP_TESTS_TIMEOUT:-20} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/unit/models/test_lowp_kernels.py \
                       tests/gpu/test_quant_gpu.py > "$OUT/lowp-tests.txt" 2>&1 || rc=1
                   tail -15 "$OUT/lowp-tests.txt"; (exit $rc) ;;
         spec-overhead) timeout 300 python3 benchmarks/spec_overhead.py --device cuda ;;
