@@ -2,7 +2,8 @@
 
 - FP8 (W8A8): activations quantized per 1 × 128 group, weights per 128 × 128 block. For up to
   256 rows (decode) ``fp8_config`` picks per (shape, batch bucket) one of: the Triton
-  block-scaled GEMM quantizing its activation tiles itself (``fused``), the Triton activation
+  block-scaled GEMM quantizing its activation tiles itself (``fused``; 3-10x slower than the
+  unfused forms in the first H100 call, so never the default), the Triton activation
   kernel then that GEMM (``triton``), or the Triton activation kernel then cuBLAS's block-wise
   ``torch._scaled_mm`` (``cublas``, also every larger M: prefill, the trainer). The
   ``_scaled_mm`` forms are probed once, on operands whose scales differ by orders of magnitude
