@@ -41,15 +41,32 @@ BUCKETS = (1, 16, 64, 256)  # a batch takes the launch of the first bucket at or
 _CUBLAS = dict(path="cublas")
 _TILED = dict(path="tiled", BN=64, programs=264, warps=4, stages=3)
 TUNED: dict[tuple[str, int, int, int], dict] = {
-    # Qwen3-8B's decode GEMMs (qkv, o, gate/up, down), the fastest checked launch of
-    # `low_precision.py --parts tune` (benchmarks/log/low_precision.md, 2026-12-06 03:28, H100)
-    **{("fp8", N, K, b): _CUBLAS for N, K in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
-       for b in BUCKETS},
-    ("fp8", 24576, 4096, 1): dict(path="triton", BM=16, BN=64, warps=4, stages=4),
-    ("fp8", 24576, 4096, 16): dict(path="triton", BM=16, BN=64, warps=4, stages=4),
-    **{("int4", N, K, b): _TILED for N, K in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
-       for b in (1, 16)},
-    ("int4", 6144, 4096, 1): dict(DOT=True, BN=32, UNROLL=2, split=4, warps=4, stages=3),
+    # Qwen3-8B's decode GEMMs (qkv, o, gate/up, down): the fastest checked launch of
+    # `low_precision.py --parts tune` (benchmarks/log/low_precision.md, 2026-12-06 04:01, H100 80GB)
+    ("int4", 24576, 4096, 1): {'path': 'tiled', 'BN': 64, 'programs': 264, 'warps': 4, 'stages': 3},
+    ("fp8", 24576, 4096, 1): {'path': 'triton', 'BM': 16, 'BN': 64, 'warps': 4, 'stages': 4},
+    ("int4", 24576, 4096, 16): {'path': 'tiled', 'BN': 64, 'programs': 264, 'warps': 4, 'stages': 3},
+    ("fp8", 24576, 4096, 16): {'path': 'triton', 'BM': 16, 'BN': 32, 'warps': 4, 'stages': 4},
+    ("fp8", 24576, 4096, 64): {'path': 'cublas'},
+    ("fp8", 24576, 4096, 256): {'path': 'cublas'},
+    ("int4", 4096, 12288, 1): {'DOT': True, 'BN': 64, 'UNROLL': 2, 'split': 8, 'warps': 4, 'stages': 2, 'MAGIC': True, 'ACC2D': False},
+    ("fp8", 4096, 12288, 1): {'path': 'cublas'},
+    ("int4", 4096, 12288, 16): {'path': 'tiled', 'BN': 64, 'programs': 1056, 'warps': 4, 'stages': 3},
+    ("fp8", 4096, 12288, 16): {'path': 'cublas'},
+    ("fp8", 4096, 12288, 64): {'path': 'cublas'},
+    ("fp8", 4096, 12288, 256): {'path': 'cublas'},
+    ("int4", 6144, 4096, 1): {'DOT': True, 'BN': 64, 'UNROLL': 1, 'split': 8, 'warps': 4, 'stages': 2, 'MAGIC': True, 'ACC2D': False},
+    ("fp8", 6144, 4096, 1): {'path': 'triton', 'BM': 16, 'BN': 32, 'warps': 4, 'stages': 4},
+    ("int4", 6144, 4096, 16): {'path': 'tiled', 'BN': 64, 'programs': 1056, 'warps': 4, 'stages': 3},
+    ("fp8", 6144, 4096, 16): {'path': 'cublas'},
+    ("fp8", 6144, 4096, 64): {'path': 'cublas'},
+    ("fp8", 6144, 4096, 256): {'path': 'cublas'},
+    ("int4", 4096, 4096, 1): {'DOT': True, 'BN': 64, 'UNROLL': 2, 'split': 8, 'warps': 4, 'stages': 2, 'MAGIC': True, 'ACC2D': False},
+    ("fp8", 4096, 4096, 1): {'path': 'triton', 'BM': 16, 'BN': 32, 'warps': 4, 'stages': 4},
+    ("int4", 4096, 4096, 16): {'path': 'tiled', 'BN': 64, 'programs': 264, 'warps': 4, 'stages': 3},
+    ("fp8", 4096, 4096, 16): {'path': 'triton', 'BM': 16, 'BN': 32, 'warps': 4, 'stages': 4},
+    ("fp8", 4096, 4096, 64): {'path': 'cublas'},
+    ("fp8", 4096, 4096, 256): {'path': 'cublas'},
 }
 SMALL_M = 16  # the W4A16 decode kernel's rows at most; more go to the tiled GEMM
 _FORM: list[str | None] = []  # the _scaled_mm form the first probe validated, or None
