@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/RESULTS.md's H200 rows (raw sections: benchmarks/log/), one part per argument:
 #   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command; parts:
-#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing ontrue engine-matmul engine-attn engine-rollout profile engine engine-ab mlp attention long-tail trainer trainer-long-tail spec spec-overhead first-step megatron weights memory memory-lora async async-x2 bg-start bg-wait)
+#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing ontrue engine-matmul engine-attn engine-rollout profile engine engine-ab mlp attention long-tail trainer trainer-long-tail spec spec-overhead lowp first-step megatron weights memory memory-lora async async-x2 bg-start bg-wait)
 # A run longer than one call: `BG_PARTS=async-x2 ... gpu.sh bg-start` in one call, then at once
 # `gpu.sh bg-wait [more parts]` in the next (the machine is given back ~30 s after a call).
 # On a machine without ray/msgspec/megatron-core, a .whl folder of their Python 3.12 wheels
@@ -64,6 +64,14 @@ for part in "$@"; do
                   timeout 60 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/gpu/test_true_on_policy_gpu.py \
                       > "$OUT/ontrue-tests.txt" 2>&1 || rc=1
                   tail -15 "$OUT/ontrue-tests.txt"; (exit $rc) ;;
+        lowp)     # #40's decode GEMMs: per-shape tuning of the INT4 decode kernel and the FP8 paths (each launch checked
+                  # against torch's dequantized product), the 8B decode step with the winners, then the kernels' GPU tests
+                  # (caps for a 120 s slot with the .whl install and the log tar: a tune part cut short keeps the launches it chose, lowp.TUNED's defaults the rest)
+                  timeout ${LOWP_TIMEOUT:-85} python3 benchmarks/low_precision.py --parts bytes tune decode kl \
+                      --part-timeout ${LOWP_PART_TIMEOUT:-50} --iters ${LOWP_ITERS:-20} --json "$OUT/low_precision.json" ${LOWP_ARGS:-}; rc=$?
+                  timeout ${LOWP_TESTS_TIMEOUT:-20} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/unit/models/test_lowp_kernels.py \
+                      tests/gpu/test_quant_gpu.py > "$OUT/lowp-tests.txt" 2>&1 || rc=1
+                  tail -15 "$OUT/lowp-tests.txt"; (exit $rc) ;;
         spec-overhead) timeout 300 python3 benchmarks/spec_overhead.py --device cuda ;;
         first-step) timeout 400 python3 benchmarks/first_step.py --device cuda ${FIRST_STEP_ARGS:-} ;;
         megatron) timeout 300 python3 benchmarks/megatron_trainer.py --device cuda ;;

@@ -151,7 +151,8 @@ def part_decode(s: dict, batches: list[int], out: dict, iters: int) -> list[str]
         tb, tf, ti = results["bf16"][B], results["fp8"][B], results["int4"][B]
         lines.append(f"| {B} | {B / tb:.0f} | {B / tf:.0f} | {tb / tf:.2f} | {B / ti:.0f} | {tb / ti:.2f} |")
         out[f"decode_{B}"] = {"bf16_s": tb, "fp8_s": tf, "int4_s": ti}
-    lines.append(f"FP8 GEMM path per shape: {json.dumps(lowp.FP8_PATH)}; INT4 launch: {lowp.INT4_CONFIG or 'default'}")
+    lines.append(f"FP8 GEMM path per shape and batch: {json.dumps(lowp.FP8_PATH)}; INT4 path per shape and batch: "
+                 f"{json.dumps(lowp.INT4_PATH)}")
     if lowp.FP8_ERRORS:
         lines.append(f"_scaled_mm forms refused: {json.dumps(lowp.FP8_ERRORS)}")
     lines.append(_check_gemms(s))
@@ -188,38 +189,114 @@ def _cpu_lin(x: torch.Tensor, stored: tuple, spec: QuantSpec) -> torch.Tensor:
     return F.linear(xin, dequantize_weight(stored[0], stored[1], spec, x.dtype))
 
 
-def part_tune(s: dict, out: dict, iters: int) -> list[str]:
-    """INT4 launches on the decode GEMMs at batch 1 and 16; the fastest becomes the default
-    for the parts after it (lowp.INT4_CONFIG)."""
+def _d(DOT, BN, UNROLL, split, warps, ACC2D=False, stages=3):  # noqa: ANN001, ANN202, N803
+    return dict(DOT=DOT, BN=BN, UNROLL=UNROLL, split=split, warps=warps, stages=stages, MAGIC=True, ACC2D=ACC2D)
+
+
+def _tiled(BN, programs, warps=4, stages=3):  # noqa: ANN001, ANN202, N803
+    return dict(path="tiled", BN=BN, programs=programs, warps=warps, stages=stages)
+
+
+# launches tried per batch: the decode kernel (lowp_triton.w4a16: DOT, BN, UNROLL, split (0: auto), warps,
+# ACC2D, stages) and the tiled GEMM (BN, programs, warps, stages). The first H100 call's times fit a
+# chain of dependent loads per program (its K steps × the memory latency) over too few resident
+# programs, so these span more K slices, fewer stages (less shared memory: more programs an SM) and warps.
+_TILED = [_tiled(64, 264), _tiled(64, 1056), _tiled(128, 1056), _tiled(32, 1056), _tiled(64, 2112), _tiled(32, 2112),
+          _tiled(64, 1056, stages=2), _tiled(128, 2112, warps=8)]
+INT4_CANDIDATES = {
+    1: [_d(True, 32, 2, 4, 4), _d(True, 64, 2, 2, 4), _d(True, 64, 2, 4, 4), _d(True, 128, 1, 2, 8),
+        _d(True, 128, 2, 2, 8), _d(True, 64, 4, 2, 4), _d(True, 32, 1, 8, 4, stages=2), _d(True, 64, 1, 8, 4, stages=2),
+        _d(True, 64, 2, 8, 4, stages=2), _d(True, 32, 2, 4, 2, stages=2), _d(True, 64, 2, 4, 4, stages=1),
+        _d(True, 32, 2, 8, 4, stages=1), _d(True, 16, 2, 8, 2, stages=2), _d(True, 64, 1, 16, 4, stages=2),
+        _d(False, 16, 2, 4, 4, True), _d(False, 32, 2, 4, 4, True), _d(False, 16, 4, 4, 2, True),
+        _d(False, 64, 1, 4, 4, True), _d(False, 32, 1, 8, 4, True), _d(False, 16, 1, 16, 2, True),
+        _d(False, 32, 2, 8, 4, True, stages=1), _d(False, 64, 2, 8, 8, True), _d(False, 32, 4, 4, 4, True),
+        _d(False, 64, 4, 2, 8, True), *_TILED],
+    16: [_d(True, 64, 2, 4, 4), _d(True, 128, 1, 2, 8), _d(True, 128, 2, 2, 8), _d(True, 128, 1, 4, 8),
+         _d(True, 64, 4, 2, 4), _d(True, 256, 1, 2, 8), _d(True, 64, 1, 8, 4, stages=2), _d(True, 128, 1, 8, 8, stages=2),
+         _d(True, 64, 2, 8, 4, stages=2), _d(True, 128, 2, 4, 8, stages=2), _d(True, 32, 2, 8, 4, stages=2),
+         _d(True, 64, 2, 4, 4, stages=1), *_TILED],
+}
+FP8_CANDIDATES = {  # (path, BM, BN, warps, stages); cublas: the Triton activation kernel + _scaled_mm
+    1: [("cublas",), ("triton", 16, 64, 4, 4), ("triton", 16, 128, 4, 3), ("triton", 16, 32, 4, 4)],
+    16: [("cublas",), ("triton", 16, 64, 4, 4), ("triton", 16, 128, 4, 3), ("triton", 16, 32, 4, 4)],
+    64: [("cublas",), ("triton", 64, 128, 4, 3), ("triton", 64, 64, 4, 4)],
+    256: [("cublas",), ("triton", 64, 128, 4, 4), ("triton", 128, 128, 8, 3), ("triton", 128, 256, 8, 3)],
+}
+
+
+def _copies(nbytes: int) -> int:
+    """Weight copies a timing rotates through: together past 200 MB, well over the H200's
+    L2 (50 MB), so every call streams its weight from HBM as decode does."""
+    return 1 if DEVICE == "cpu" else max(2, min(32, -(-200_000_000 // nbytes)))
+
+
+def part_tune(s: dict, batches: list[int], out: dict, iters: int) -> list[str]:
+    """Per GEMM of the 8B decode step and per batch: each candidate launch of the INT4 decode
+    kernel (batches ≤ 16) and of the FP8 paths, first checked against torch's float32 product of
+    the dequantized operands (relative error < 1e-2, else dropped), then timed as a CUDA graph
+    over copies of the weight; the fastest goes into ``lowp.TUNED`` for the parts after it."""
+    from miles.models.quant import dequantize_weight, fp8_quantize_act
+
     g = torch.Generator(device=DEVICE).manual_seed(0)
-    gemms = [quantize_weight(torch.randn(N, K, device=DEVICE, dtype=DTYPE, generator=g) * 0.02, INT4)
-             for N, K in shapes_8b(s)]
-    configs = [dict(BN=bn, programs=p, warps=w, stages=3) for bn in (32, 64, 128) for p in (264, 1056) for w in (4, 8)]
-    rows, best = [], {}
-    for B in (1, 16):
-        x = torch.randn(B, s["hidden"], device=DEVICE, dtype=DTYPE, generator=g)
-        xs = {K: torch.randn(B, K, device=DEVICE, dtype=DTYPE, generator=g) for _, K in shapes_8b(s)}
-        for cfg in configs:
-            lowp.INT4_CONFIG.clear()
-            lowp.INT4_CONFIG.update(cfg)
-            try:
-                t = _time(lambda: [lowp.int4_linear(xs[st[0].shape[1] * 2], *st, 128) for st in gemms], iters)
-            except Exception as exc:  # noqa: BLE001
-                rows.append(f"| {B} | {cfg} | failed: {type(exc).__name__} |")
-                continue
-            rows.append(f"| {B} | {cfg} | {t * 1e6:.1f} |")
-            if t < best.get(B, (1e9, None))[0]:
-                best[B] = (t, cfg)
-        del x
-    lowp.INT4_CONFIG.clear()
-    lowp.INT4_CONFIG.update(best[16][1] if 16 in best else {})
-    bf16 = [torch.randn(N, K, device=DEVICE, dtype=DTYPE, generator=g) for N, K in shapes_8b(s)]
-    ref = {B: _time(lambda B=B: [F.linear(torch.ones(B, w.shape[1], device=DEVICE, dtype=DTYPE), w) for w in bf16],
-                    iters) for B in (1, 16)}
-    out["int4_tune"] = {str(B): dict(s=best[B][0], cfg=best[B][1], bf16_s=ref[B]) for B in best}
-    return ["| batch | launch | one layer's 4 INT4 GEMMs µs |", "|---|---|---|", *rows,
-            f"bf16 F.linear, the same 4 GEMMs: batch 1 {ref[1] * 1e6:.1f} µs, batch 16 {ref[16] * 1e6:.1f} µs; "
-            f"chosen: {lowp.INT4_CONFIG}"]
+    rows, chosen, printed = [], {}, 0
+    for N, K in sorted(shapes_8b(s), key=lambda nk: -nk[0] * nk[1]):  # the largest first: a cut-off part has those
+        w = torch.randn(N, K, device=DEVICE, dtype=DTYPE, generator=g) * 0.02
+        w4, w8 = quantize_weight(w, INT4), quantize_weight(w, FP8)
+        bf = [w] + [w.clone() for _ in range(_copies(N * K * 2) - 1)]
+        c4 = [w4] + [tuple(t.clone() for t in w4) for _ in range(_copies(stored_bytes((N, K), INT4)) - 1)]
+        c8 = [w8] + [tuple(t.clone() for t in w8) for _ in range(_copies(stored_bytes((N, K), FP8)) - 1)]
+        ref4w = dequantize_weight(w4[0], w4[1], INT4, torch.float32)
+        ref8w = dequantize_weight(w8[0], w8[1], FP8, torch.float32)
+        for B in batches:
+            x = torch.randn(B, K, device=DEVICE, dtype=DTYPE, generator=g)
+            t_bf = _time(lambda: [F.linear(x, wi) for wi in bf], iters) / len(bf)
+            rows.append(f"| {N}x{K} | {B} | bf16 | F.linear | {t_bf * 1e6:.1f} | 1.00 | |")
+            trials = []
+            if B <= 16:
+                ref = F.linear(x.float(), ref4w)
+                for cfg in INT4_CANDIDATES[1 if B == 1 else 16]:
+                    fn = lowp._int4_triton if cfg.get("path") == "tiled" else lowp._int4_small
+                    trials.append(("int4", cfg, cfg, ref, lambda cfg=cfg, fn=fn: [fn(x, *c, 128, cfg) for c in c4],
+                                   lambda cfg=cfg, fn=fn: fn(x, *w4, 128, cfg)))
+            xq, xs = fp8_quantize_act(x)
+            ref = F.linear(xq.float() * xs.repeat_interleave(128, -1), ref8w)
+            for cand in FP8_CANDIDATES.get(B, FP8_CANDIDATES[256]):
+                cfg = dict(path="cublas") if cand[0] == "cublas" else dict(
+                    path=cand[0], BM=cand[1], BN=cand[2], warps=cand[3], stages=cand[4])
+
+                def run(cfg=cfg, c=w8):  # noqa: ANN001, ANN202
+                    lowp.TUNED[("fp8", N, K, lowp._bucket(B))] = cfg
+                    return lowp.fp8_linear(x, c[0], c[1], DTYPE)
+                trials.append(("fp8", cfg, cfg, ref, lambda run=run: [run(c=c) for c in c8], run))
+            best: dict[str, tuple[float, dict | None]] = {}
+            for kind, label, cfg, ref, timed, once in trials:
+                try:
+                    err = float((once().float() - ref).norm() / ref.norm())
+                    if not err < 1e-2:
+                        rows.append(f"| {N}x{K} | {B} | {kind} | {label} | wrong | | {err:.2e} |")
+                        continue
+                    t = _time(timed, iters) / (len(c4) if kind == "int4" else len(c8))
+                except Exception as exc:  # noqa: BLE001 - a launch that fails is reported and skipped
+                    rows.append(f"| {N}x{K} | {B} | {kind} | {label} | failed: {type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0][:80] if str(exc) else ''} | | |")
+                    continue
+                rows.append(f"| {N}x{K} | {B} | {kind} | {label} | {t * 1e6:.1f} | {t_bf / t:.2f} | {err:.1e} |")
+                if cfg is not None and t < best.get(kind, (1e9, None))[0]:
+                    best[kind] = (t, cfg)
+            for kind, (t, cfg) in best.items():
+                lowp.TUNED[(kind, N, K, lowp._bucket(B))] = cfg
+                chosen[f"{kind} {N}x{K} b{B}"] = dict(cfg=cfg, us=t * 1e6, bf16_us=t_bf * 1e6)
+            if "fp8" not in best:
+                lowp.TUNED[("fp8", N, K, lowp._bucket(B))] = dict(path="cublas")
+        print("\n".join(rows[printed:]), flush=True)  # as it goes: a part cut off by its time limit keeps these
+        printed = len(rows)
+        del bf, c4, c8
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    out["tuned"] = chosen
+    return ["| GEMM (N x K) | batch | kind | launch | µs per GEMM | × bf16 | rel. err |", "|---|---|---|---|---|---|---|",
+            *rows, "", "Chosen (lowp.TUNED): " + json.dumps({k: v["cfg"] for k, v in chosen.items()})]
 
 
 def part_kl(tiny: bool, out: dict) -> list[str]:
@@ -355,7 +432,7 @@ def main() -> None:
             elif part == "decode":
                 got = part_decode(s8, args.batches, out, args.iters)
             elif part == "tune":
-                got = part_tune(s8, out, args.iters)
+                got = part_tune(s8, args.batches, out, args.iters)
             elif part == "kl":
                 got = part_kl(args.tiny, out)
             else:

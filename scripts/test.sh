@@ -22,5 +22,6 @@ if [ "${MILES_KERNEL_TESTS:-0}" = 1 ]; then
         'triton interpreter unusable (triton missing or numpy >= 2.4)'"
     .venv/bin/python -m pytest -q "$@" \
         tests/unit/engines/test_triton_decode.py tests/unit/engines/test_fused_sampling.py \
-        tests/unit/engines/test_gate_up.py tests/benchmarks/test_kernel_registers.py tests/unit/models/test_invariant_kernels.py
+        tests/unit/engines/test_gate_up.py tests/benchmarks/test_kernel_registers.py tests/unit/models/test_invariant_kernels.py \
+        tests/unit/models/test_lowp_kernels.py
 fi

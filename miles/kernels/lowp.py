@@ -1,17 +1,26 @@
 """Low-precision GEMMs on CUDA for ``miles.models.quant.QuantLinear``.
 
-- FP8 (W8A8): activations quantized per 1 × 128 group, then ``torch._scaled_mm`` with the
-  block-wise recipe (1 × 128 activation scales, 128 × 128 weight scales; cuBLAS on SM90).
-  The forms are probed once, on operands whose scales differ by orders of magnitude from one
-  group and block to the next, and the first that matches the dequantized product is kept; where none does, the same quantized operands are multiplied dequantized
-  (the quantizer's semantics, at well below bf16 speed). Where cuBLAS refuses every form
-  (``FP8_ERRORS`` records why; benchmarks/log/low_precision.md), FP8 runs dequantized.
-  ``FP8_PATH`` says which path ran per shape.
-- INT4 (W4A16): a Triton GEMM that reads the packed INT4 weight (two a byte), dequantizes a
-  tile with its group scales in registers and accumulates in float32; split-K over a few
-  programs when the output alone gives too few (decode). Deterministic: partial sums go to
-  a buffer summed in a fixed order. It matches the dequantized product to bf16 round-off;
-  benchmarks/low_precision.py compares its speed with bf16 cuBLAS.
+- FP8 (W8A8): activations quantized per 1 × 128 group, weights per 128 × 128 block. For up to
+  256 rows (decode) ``fp8_config`` picks per (shape, batch bucket) one of: the Triton
+  block-scaled GEMM quantizing its activation tiles itself (``fused``; 3-10x slower than the
+  unfused forms in the first H100 call, so never the default), the Triton activation
+  kernel then that GEMM (``triton``), or the Triton activation kernel then cuBLAS's block-wise
+  ``torch._scaled_mm`` (``cublas``, also every larger M: prefill, the trainer). The
+  ``_scaled_mm`` forms are probed once, on operands whose scales differ by orders of magnitude
+  from one group and block to the next, and the first that matches the dequantized product is
+  kept; where none does (``FP8_ERRORS`` records why; benchmarks/log/low_precision.md), the same
+  quantized operands are multiplied dequantized (the quantizer's semantics, slowly). Every path
+  quantizes the activations with the quantizer's arithmetic (bit-identical values), so the
+  paths differ only in float32 summation order. ``FP8_PATH`` says which ran per shape and M.
+- INT4 (W4A16): up to ``SMALL_M`` rows, the Triton decode kernel (``lowp_triton.w4a16``: the
+  packed weight streamed once, group scales applied after each group's float32 sum); above,
+  a tiled Triton GEMM that dequantizes a tile in registers and accumulates in float32, split-K
+  over a few programs when the output alone gives too few. Both deterministic (partial sums
+  added in a fixed order) and equal to the dequantized product to bf16 round-off.
+
+Launch parameters come from ``TUNED`` per (kind, N, K, batch bucket): defaults measured on the
+H200, overridden by ``benchmarks/low_precision.py --parts tune``, which times a few launches per
+shape and keeps the fastest that matches the dequantized product.
 """
 
 from __future__ import annotations
@@ -22,9 +31,44 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-FP8_PATH: dict[str, str] = {}  # per "NxK" seen: the _scaled_mm form used, or "dequantized"
+FP8_PATH: dict[str, str] = {}  # per "NxK/M" seen: the Triton GEMM, the _scaled_mm form used, or "dequantized"
+INT4_PATH: dict[str, str] = {}  # per "NxK/M" seen on CUDA: the decode kernel's launch or "tiled"
 FP8_ERRORS: dict[str, str] = {}  # why each _scaled_mm form was refused (the first probe's messages)
-INT4_CONFIG: dict[str, int] = {}  # overrides of the INT4 launch (BN, warps, stages, programs), for tuning
+INT4_CONFIG: dict[str, int] = {}  # overrides of the large-M INT4 launch (BN, warps, stages, programs), for tuning
+# Launches of the decode-sized kernels per (kind, N, K, M bucket): the defaults measured on the
+# H200 (benchmarks/log/low_precision.md), which ``benchmarks/low_precision.py --parts tune`` overrides.
+BUCKETS = (1, 16, 64, 256)  # a batch takes the launch of the first bucket at or above it
+_CUBLAS = dict(path="cublas")
+_TILED = dict(path="tiled", BN=64, programs=264, warps=4, stages=3)
+TUNED: dict[tuple[str, int, int, int], dict] = {
+    # Qwen3-8B's decode GEMMs (qkv, o, gate/up, down): the fastest checked launch of
+    # `low_precision.py --parts tune` (benchmarks/log/low_precision.md, 2026-12-06 04:01, H100 80GB)
+    ("int4", 24576, 4096, 1): {'path': 'tiled', 'BN': 64, 'programs': 264, 'warps': 4, 'stages': 3},
+    ("fp8", 24576, 4096, 1): {'path': 'triton', 'BM': 16, 'BN': 64, 'warps': 4, 'stages': 4},
+    ("int4", 24576, 4096, 16): {'path': 'tiled', 'BN': 64, 'programs': 264, 'warps': 4, 'stages': 3},
+    ("fp8", 24576, 4096, 16): {'path': 'triton', 'BM': 16, 'BN': 32, 'warps': 4, 'stages': 4},
+    ("fp8", 24576, 4096, 64): {'path': 'cublas'},
+    ("fp8", 24576, 4096, 256): {'path': 'cublas'},
+    ("int4", 4096, 12288, 1): {'DOT': True, 'BN': 64, 'UNROLL': 2, 'split': 8, 'warps': 4, 'stages': 2, 'MAGIC': True, 'ACC2D': False},
+    ("fp8", 4096, 12288, 1): {'path': 'cublas'},
+    ("int4", 4096, 12288, 16): {'path': 'tiled', 'BN': 64, 'programs': 1056, 'warps': 4, 'stages': 3},
+    ("fp8", 4096, 12288, 16): {'path': 'cublas'},
+    ("fp8", 4096, 12288, 64): {'path': 'cublas'},
+    ("fp8", 4096, 12288, 256): {'path': 'cublas'},
+    ("int4", 6144, 4096, 1): {'DOT': True, 'BN': 64, 'UNROLL': 1, 'split': 8, 'warps': 4, 'stages': 2, 'MAGIC': True, 'ACC2D': False},
+    ("fp8", 6144, 4096, 1): {'path': 'triton', 'BM': 16, 'BN': 32, 'warps': 4, 'stages': 4},
+    ("int4", 6144, 4096, 16): {'path': 'tiled', 'BN': 64, 'programs': 1056, 'warps': 4, 'stages': 3},
+    ("fp8", 6144, 4096, 16): {'path': 'cublas'},
+    ("fp8", 6144, 4096, 64): {'path': 'cublas'},
+    ("fp8", 6144, 4096, 256): {'path': 'cublas'},
+    ("int4", 4096, 4096, 1): {'DOT': True, 'BN': 64, 'UNROLL': 2, 'split': 8, 'warps': 4, 'stages': 2, 'MAGIC': True, 'ACC2D': False},
+    ("fp8", 4096, 4096, 1): {'path': 'triton', 'BM': 16, 'BN': 32, 'warps': 4, 'stages': 4},
+    ("int4", 4096, 4096, 16): {'path': 'tiled', 'BN': 64, 'programs': 264, 'warps': 4, 'stages': 3},
+    ("fp8", 4096, 4096, 16): {'path': 'triton', 'BM': 16, 'BN': 32, 'warps': 4, 'stages': 4},
+    ("fp8", 4096, 4096, 64): {'path': 'cublas'},
+    ("fp8", 4096, 4096, 256): {'path': 'cublas'},
+}
+SMALL_M = 16  # the W4A16 decode kernel's rows at most; more go to the tiled GEMM
 _FORM: list[str | None] = []  # the _scaled_mm form the first probe validated, or None
 
 
@@ -34,7 +78,10 @@ K_BLOCKS = 4  # cuBLAS takes block-wise scales over a multiple of 4 blocks of K;
 
 def _outer_major(t: Tensor) -> Tensor:
     """``t`` with strides (1, rows): the outer dimension fastest, as cuBLAS's block-wise scales
-    are laid out. Built explicitly: ``t.t().contiguous().t()`` keeps a one-row tensor's strides."""
+    are laid out (``t`` itself where it already is). Built explicitly: ``t.t().contiguous().t()``
+    keeps a one-row tensor's strides."""
+    if t.shape[0] > 1 and t.stride() == (1, t.shape[0]):
+        return t
     out = torch.empty_strided(t.shape, (1, t.shape[0]), dtype=t.dtype, device=t.device)
     return out.copy_(t)
 
@@ -108,20 +155,28 @@ def fp8_linear(x: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype) -> Ten
 
     N, K = wq.shape
     M = x.shape[0]
-    key = f"{N}x{K}"
+    key = f"{N}x{K}/{M}"
+    cfg = fp8_config(M, N, K) if x.is_cuda and _triton() is not None else None
+    if cfg is not None and cfg["path"] != "cublas":
+        FP8_PATH[key] = _label(cfg)
+        return _fp8_triton(x, wq, ws, out_dtype, cfg)
     if K % (K_BLOCKS * BLOCK) == 0 and N % BLOCK == 0:
-        pad = -M % ROWS
-        xq, xs = fp8_quantize_act(F.pad(x, (0, 0, 0, pad)) if pad else x)
         if not _FORM:  # probed once, outside any graph capture (the first call)
             _FORM.append(_probe(x.device, out_dtype))
+        if _FORM[0] is None and cfg is not None and M <= BUCKETS[-1]:  # no block-wise cuBLAS: the Triton GEMM
+            tri = dict(path="triton", BM=16 if M <= 16 else 64, BN=64 if M <= 16 else 128, warps=4, stages=3)
+            FP8_PATH[key] = _label(tri)
+            return _fp8_triton(x, wq, ws, out_dtype, tri)
         if _FORM[0] is not None:
+            pad = -M % ROWS
+            if cfg is not None:  # the activations quantized by one Triton kernel, scales laid out for cuBLAS
+                xq, xs = _fp8_quant_triton(x, M + pad, outer="a_outer" in _FORM[0])
+            else:
+                xq, xs = fp8_quantize_act(F.pad(x, (0, 0, 0, pad)) if pad else x)
             FP8_PATH[key] = _FORM[0]
             y = _mm_forms()[_FORM[0]](xq, xs, wq, ws, out_dtype)
             return y[:M] if pad else y
-        if pad:
-            xq, xs = xq[:M], xs[:M]
-    else:
-        xq, xs = fp8_quantize_act(x)
+    xq, xs = fp8_quantize_act(x)
     FP8_PATH[key] = "dequantized"
     xd = (xq.float() * xs.repeat_interleave(BLOCK, -1)[:, :K]).to(out_dtype)
     return F.linear(xd, fp8_dequantize_weight(wq, ws, out_dtype))
@@ -133,22 +188,33 @@ def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, group: int) -> Tensor:
         from miles.kernels.quantize import int4_dequantize, unpack_int4
 
         return F.linear(x, int4_dequantize(unpack_int4(packed), scale, x.dtype))
+    cfg = int4_config(x.shape[0], packed.shape[0], x.shape[1], group, x.dtype)
+    INT4_PATH[f"{packed.shape[0]}x{x.shape[1]}/{x.shape[0]}"] = "tiled" if cfg is None else _label(cfg)
+    if cfg is not None and cfg.get("path") == "tiled":
+        return _int4_triton(x, packed, scale, group, cfg)
+    if cfg is not None:
+        return _int4_small(x, packed, scale, group, cfg)
     return _int4_triton(x, packed, scale, group)
 
 
-def _int4_triton(x: Tensor, packed: Tensor, scale: Tensor, group: int) -> Tensor:
+def _label(cfg: dict) -> str:
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in cfg.items())
+
+
+def _int4_triton(x: Tensor, packed: Tensor, scale: Tensor, group: int, launch: dict | None = None) -> Tensor:
     import triton
 
+    launch = INT4_CONFIG if launch is None else launch
     M, K = x.shape
     N = packed.shape[0]
     BK = 128 if group % 128 == 0 else 64 if group % 64 == 0 else 32
     if group % BK or K % BK:
         raise ValueError(f"the INT4 kernel needs the group size ({group}) and K ({K}) to be multiples of 32")
     BM = 16 if M <= 16 else 32 if M <= 32 else 64
-    BN = INT4_CONFIG.get("BN", 64 if M <= 64 else 128)
+    BN = launch.get("BN", 64 if M <= 64 else 128)
     grid_m, grid_n = triton.cdiv(M, BM), triton.cdiv(N, BN)
     tiles = K // BK
-    split = max(1, min(tiles, INT4_CONFIG.get("programs", 264) // (grid_m * grid_n)))
+    split = max(1, min(tiles, launch.get("programs", 264) // (grid_m * grid_n)))
     while tiles % split:
         split -= 1
     x = x.contiguous()
@@ -156,9 +222,121 @@ def _int4_triton(x: Tensor, packed: Tensor, scale: Tensor, group: int) -> Tensor
     _kernel()[(grid_m, grid_n, split)](
         x, packed, scale, part, M, N, K, group, tiles // split,
         x.stride(0), packed.stride(0), scale.stride(0), M * N, N,
-        BM=BM, BN=BN, BK=BK, num_warps=INT4_CONFIG.get("warps", 4), num_stages=INT4_CONFIG.get("stages", 3),
+        BM=BM, BN=BN, BK=BK, num_warps=launch.get("warps", 4), num_stages=launch.get("stages", 3),
     )
     return part[0] if split == 1 else part.sum(0).to(x.dtype)
+
+
+def _triton():  # noqa: ANN202
+    from miles.kernels import lowp_triton
+
+    return lowp_triton.triton
+
+
+def _bucket(M: int) -> int | None:
+    return next((b for b in BUCKETS if M <= b), None)
+
+
+def int4_config(M: int, N: int, K: int, group: int, dtype: torch.dtype) -> dict | None:
+    """The decode kernel's launch for ``M`` rows (None: the tiled GEMM). Its tiles are one
+    quantization group wide, so the group must be a power of two from 32 (``tl.dot``'s K ≥ 16)."""
+    if M > SMALL_M or group < 32 or group & (group - 1) or K % group or _triton() is None:
+        return None
+    cfg = TUNED.get(("int4", N, K, _bucket(M)), _TILED)  # untuned shapes: the tiled GEMM (the H100's best mostly)
+    if cfg.get("path") == "tiled":
+        return cfg
+    if cfg["DOT"] and dtype not in (torch.bfloat16, torch.float16):  # a float32 tl.dot would round to tf32
+        cfg = {**cfg, "DOT": False, "BN": min(cfg["BN"], 16)}
+    return cfg
+
+
+def _int4_small(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict) -> Tensor:
+    from miles.kernels import lowp_triton as lt
+
+    M, K = x.shape
+    N = packed.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    dot = cfg["DOT"] and x.dtype in (torch.bfloat16, torch.float16)  # a float32 tl.dot would round to tf32
+    BM = 16 if dot else max(1, 1 << (M - 1).bit_length())
+    groups = K // group
+    unroll = cfg["UNROLL"]
+    while groups % unroll:
+        unroll //= 2
+    tiles = triton_cdiv(N, cfg["BN"]) * triton_cdiv(M, BM)
+    # split 0: enough K slices for ~2048 programs (16 resident on each of the H200's 132 SMs):
+    # a GEMV's speed is the bytes in flight, and one program's K loop is a chain of loads
+    split = cfg["split"] or max(1, min(8, 2048 // tiles))
+    while (groups // unroll) % split:
+        split -= 1
+    grid = (triton_cdiv(N, cfg["BN"]), split, triton_cdiv(M, BM))
+    out = torch.empty((split, M, N) if split > 1 else (M, N), device=x.device,
+                      dtype=torch.float32 if split > 1 else x.dtype)
+    lt.w4a16[grid](x, packed, scale, out, M, N, K // split, x.stride(0), packed.stride(0), scale.stride(0), M * N, N,
+                   G=group, BM=BM, BN=cfg["BN"], UNROLL=unroll, DOT=dot, MAGIC=cfg.get("MAGIC", True),
+                   ACC2D=cfg.get("ACC2D", False),
+                   KIND=0 if not dot else 1 if x.dtype == torch.bfloat16 else 2,
+                   num_warps=cfg["warps"], num_stages=cfg["stages"])
+    if split == 1:
+        return out
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    lt.sum_splits[(triton_cdiv(M * N, 1024),)](out, y, M * N, SPLIT=split, BLOCK=1024)
+    return y
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fp8_config(M: int, N: int, K: int) -> dict:
+    """The FP8 GEMM for ``M`` rows: ``path`` cublas (the activations quantized by one Triton
+    kernel, then block-wise ``_scaled_mm``), triton (that kernel, then the Triton block-scaled
+    GEMM) or fused (the GEMM quantizing its activation tiles itself), with its tile launch."""
+    b = _bucket(M)
+    if b is None:
+        return dict(path="cublas")
+    return TUNED.get(("fp8", N, K, b), _CUBLAS)
+
+
+def _fp8_quant_triton(x: Tensor, rows: int, outer: bool) -> tuple[Tensor, Tensor]:
+    """``quantize.fp8_quantize_act`` of ``x`` [M, K] in one kernel, into ``rows`` ≥ M rows (the
+    rows past M zero groups); scales outer-major (cuBLAS's block-wise layout) or row-major."""
+    from miles.kernels import lowp_triton as lt
+    from miles.kernels.quantize import BLOCK, FP8, FP8_MAX
+
+    M, K = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    G = triton_cdiv(K, BLOCK)
+    xq = torch.empty((rows, K), device=x.device, dtype=FP8)
+    xs = (torch.empty_strided((rows, G), (1, rows), device=x.device, dtype=torch.float32) if outer
+          else torch.empty((rows, G), device=x.device, dtype=torch.float32))
+    BR = 16
+    lt.fp8_act_quant[(triton_cdiv(rows, BR), G)](x, xq, xs, M, rows, K, x.stride(0), xq.stride(0), xs.stride(0),
+                                                 xs.stride(1), BR=BR, GB=BLOCK, FP8_MAX=FP8_MAX, num_warps=4)
+    return xq, xs
+
+
+def _fp8_triton(x: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype, cfg: dict) -> Tensor:
+    from miles.kernels import lowp_triton as lt
+    from miles.kernels.quantize import BLOCK, FP8_MAX
+
+    M, K = x.shape
+    N = wq.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    fused = cfg["path"] == "fused"
+    if fused:
+        xq, xs = x, ws  # unused operands of the fused form
+    else:
+        xq, xs = _fp8_quant_triton(x, M, outer=False)
+    y = torch.empty((M, N), device=x.device, dtype=out_dtype)
+    grid = (triton_cdiv(M, cfg["BM"]), triton_cdiv(N, cfg["BN"]))
+    lt.fp8_gemm[grid](x, xq, xs, wq, ws, y, M, N, K, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1),
+                      wq.stride(0), ws.stride(0), ws.stride(1), y.stride(0),
+                      BM=cfg["BM"], BN=cfg["BN"], BK=BLOCK, FUSED=fused, FP8_MAX=FP8_MAX,
+                      num_warps=cfg["warps"], num_stages=cfg["stages"])
+    return y
 
 
 _KERNEL = None

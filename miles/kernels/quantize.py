@@ -12,6 +12,7 @@ from torch import Tensor
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+FP8_RECIP = 1.0 / FP8_MAX  # rounded to float32 where it multiplies a float32 tensor
 INT4_MAX = 7
 BLOCK = 128
 
@@ -48,7 +49,10 @@ def fp8_quantize_act(x: Tensor) -> tuple[Tensor, Tensor]:
     K = x.shape[-1]
     flat = x.detach().float().reshape(-1, K)
     g = _blocks(flat, 1, BLOCK)  # [M, 1, G, 128]
-    scale = (g.abs().amax(dim=3) / FP8_MAX).clamp_min(1e-12)  # [M, 1, G]
+    # times the float32 reciprocal, not / 448: torch's CUDA division by a scalar is that
+    # product and its CPU division is exact, so this one form is the same bits on both, and
+    # lowp_triton.fp8_act_quant computes it too
+    scale = (g.abs().amax(dim=3) * FP8_RECIP).clamp_min(1e-12)  # [M, 1, G]
     q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(flat.shape[0], -1)[:, :K]
     return q.reshape(x.shape), scale.view(*x.shape[:-1], -1)
 

@@ -1,0 +1,152 @@
+"""Triton kernels behind ``lowp``'s decode-sized GEMMs (module-level, as ``gate_up``: absent
+where triton is not installed).
+
+- ``w4a16``: INT4 W4A16 for small M (decode, M ≤ 16). Decode is bound by weight bytes, so the
+  kernel streams the packed weight once at the width the GPU reads best: each program owns
+  ``BN`` output rows and walks K one quantization group at a time (``UNROLL`` groups per loop
+  step, so several loads are in flight), each row's packed bytes contiguous. The packed layout
+  stays the quantizer's (low nibble the even column), so the even and odd columns are two
+  half-tiles multiplied by the even and odd activations: nothing is interleaved in registers.
+  Each group's partial sums are ``Σ x·q`` in float32 (exact products of integers with the
+  activations), scaled once per group and row. ``DOT`` picks the tensor-core form (``tl.dot``,
+  rows padded to 16) or the CUDA-core form (broadcast multiply and sum, for one to four rows).
+  ``ACC2D`` (CUDA-core form) keeps per-lane float32 sums over all groups and reduces across
+  threads once at the end instead of once per group. ``split`` > 1 cuts K into that many slices written to a float32 buffer that ``sum_splits``
+  adds in a fixed order: no atomics, so the result is deterministic.
+- ``fp8_act_quant``: the quantizer's 1 × 128 activation groups in one kernel (amax, scale =
+  max(amax · fl32(1/448), 1e-12), round-to-nearest-even e4m3 of ``x / scale``, an IEEE division),
+  bit-identical to ``quantize.fp8_quantize_act``; scales written with any strides (cuBLAS wants
+  them outer-major), rows past M written as zero groups (cuBLAS's row padding).
+- ``fp8_gemm``: block-scaled FP8 GEMM, ``y = Σ_kblocks (a_q · b_qᵀ) · s_a · s_b`` with the
+  scales applied per 128-K block in the float32 accumulation (DeepSeek-V3's recipe). With
+  ``FUSED`` the activation tile is quantized in the prologue from the bf16 input with the same
+  arithmetic as ``fp8_act_quant`` (so the same values as the unfused path), and no quantized
+  copy of the activations is written.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU install has no triton
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _nibble(n, MAGIC: tl.constexpr, KIND: tl.constexpr):
+        """A 4-bit field n (0..15, the stored q + 8) as q in the GEMM's dtype (KIND 0 float32,
+        1 bf16, 2 fp16). MAGIC: n ORed into the mantissa of 2^23 (float32), 128 (bf16) or 1024
+        (fp16), minus that plus 8: two integer ops and a subtraction, all exact, where an
+        int-to-float conversion runs at a quarter of the rate of the FMA that follows."""
+        if MAGIC:
+            if KIND == 0:
+                w = (n.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            elif KIND == 1:
+                w = (n.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0
+            else:
+                w = (n.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+        else:
+            w = n.to(tl.int32) - 8
+        if KIND == 0:
+            return w.to(tl.float32)
+        elif KIND == 1:
+            return w.to(tl.bfloat16)
+        else:
+            return w.to(tl.float16)
+
+    @triton.jit
+    def w4a16(x_ptr, w_ptr, s_ptr, y_ptr, M, N, k_per, sxm, swn, ssn, sys_, sym,
+              G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, DOT: tl.constexpr,
+              MAGIC: tl.constexpr, KIND: tl.constexpr, ACC2D: tl.constexpr):
+        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rj = tl.arange(0, G // 2)
+        m_ok, n_ok = rm < M, rn < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc3 = tl.zeros((BM, BN, G // 2), dtype=tl.float32)
+        k_lo = pid_k * k_per
+        for k0 in range(k_lo, k_lo + k_per, G * UNROLL):
+            for u in tl.static_range(UNROLL):
+                kg = k0 + u * G
+                p = tl.load(w_ptr + rn[:, None] * swn + (kg // 2 + rj)[None, :], mask=n_ok[:, None], other=0)
+                lo = _nibble(p & 0xF, MAGIC, KIND)
+                hi = _nibble(p >> 4, MAGIC, KIND)
+                s = tl.load(s_ptr + rn * ssn + kg // G, mask=n_ok, other=0.0)
+                xrow = x_ptr + rm[:, None] * sxm + (kg + 2 * rj)[None, :]
+                xe = tl.load(xrow, mask=m_ok[:, None], other=0.0)
+                xo = tl.load(xrow + 1, mask=m_ok[:, None], other=0.0)
+                if DOT:
+                    part = tl.dot(xe, tl.trans(lo)) + tl.dot(xo, tl.trans(hi))
+                    acc += part * s[None, :]
+                else:
+                    prod = (xe.to(tl.float32)[:, None, :] * lo[None, :, :]
+                            + xo.to(tl.float32)[:, None, :] * hi[None, :, :])
+                    if ACC2D:  # each thread keeps its lanes' sums; one cross-thread reduction at the end
+                        acc3 += prod * s[None, :, None]
+                    else:
+                        acc += tl.sum(prod, axis=2) * s[None, :]
+        if ACC2D:
+            acc = tl.sum(acc3, axis=2)
+        tl.store(y_ptr + pid_k * sys_ + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def sum_splits(p_ptr, y_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < total
+        acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
+        for i in tl.static_range(1, SPLIT):
+            acc += tl.load(p_ptr + i * total + offs, mask=ok, other=0.0)
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _quant_tile(x, FP8_MAX: tl.constexpr):
+        """x: float32 [R, 128] → (e4m3 values, float32 scale per row), the quantizer's arithmetic."""
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.maximum(amax * (1.0 / FP8_MAX), 1e-12)
+        q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+        q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+        return q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), scale
+
+    @triton.jit
+    def fp8_act_quant(x_ptr, q_ptr, s_ptr, M, R, K, sxm, sqm, ssm, ssg,
+                      BR: tl.constexpr, GB: tl.constexpr, FP8_MAX: tl.constexpr):
+        """Rows [pid_r·BR, +BR) × group pid_g of x [M, K] into R ≥ M rows: rows ≥ M (padding)
+        quantize zeros."""
+        pid_r, pid_g = tl.program_id(0), tl.program_id(1)
+        rr = pid_r * BR + tl.arange(0, BR)
+        rk = pid_g * GB + tl.arange(0, GB)
+        k_ok = rk < K
+        x = tl.load(x_ptr + rr[:, None] * sxm + rk[None, :], mask=(rr[:, None] < M) & k_ok[None, :], other=0.0)
+        q, scale = _quant_tile(x.to(tl.float32), FP8_MAX)
+        tl.store(q_ptr + rr[:, None] * sqm + rk[None, :], q, mask=(rr[:, None] < R) & k_ok[None, :])
+        tl.store(s_ptr + rr * ssm + pid_g * ssg, scale, mask=rr < R)
+
+    @triton.jit
+    def fp8_gemm(x_ptr, a_ptr, as_ptr, b_ptr, bs_ptr, y_ptr, M, N, K, sxm, sam, sasm, sasg, sbn, sbsn, sbsk, sym,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr,
+                 FP8_MAX: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        m_ok, n_ok = rm < M, rn < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k_ok = (k0 + rk) < K
+            if FUSED:
+                x = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                a, sa = _quant_tile(x.to(tl.float32), FP8_MAX)
+            else:
+                a = tl.load(a_ptr + rm[:, None] * sam + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                sa = tl.load(as_ptr + rm * sasm + (k0 // BK) * sasg, mask=m_ok, other=0.0)
+            b = tl.load(b_ptr + rn[:, None] * sbn + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            sb = tl.load(bs_ptr + (rn // BK) * sbsn + (k0 // BK) * sbsk, mask=n_ok, other=0.0)
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
