@@ -42,6 +42,13 @@ from miles.transports.weights import plan_buckets
 from miles.utils.device import to_device
 
 
+def _increment_version(params: list[Tensor]) -> None:
+    from torch.autograd.graph import increment_version
+
+    with torch.no_grad():
+        increment_version(params)
+
+
 def _dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
@@ -123,10 +130,8 @@ class EmbeddedTrainer(RLStep):
         groups = [{"params": decay, "weight_decay": self.config.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         c = self.config
-        # The fused step on both devices: on the CPU, torch's default is the per-parameter
-        # loop, a dozen small ops per tensor.
         return torch.optim.AdamW(groups, lr=lr_at(0, c), betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps,
-                                 fused=self.device.type in ("cuda", "cpu"))
+                                 fused=self.device.type == "cuda")
 
     # ---- TrainerBackend (train_step, compute_logprobs and version: RLStep) -------------
     def export_weights(self, bucket_bytes: int, *, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
@@ -236,6 +241,10 @@ class EmbeddedTrainer(RLStep):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        # The fused step writes the parameters without moving their version counters, which
+        # caches of derived weights key on (``quant.QuantLinear``'s quantized copy): without
+        # this, the next forward would run the weights before the step.
+        _increment_version([p for g in self.optimizer.param_groups for p in g["params"]])
         self._zero_grad()
         return True, grad_norm
 
