@@ -39,6 +39,34 @@ Adapter = tuple[Tensor, Tensor] | None  # an unmerged LoRA adapter: (A, B), α/r
 LayerAdapters = tuple[Adapter, Adapter, Adapter, Adapter] | None  # qkv, o, gate_up, down
 
 
+class _RMSNorm32(torch.autograd.Function):
+    """float32 RMSNorm whose backward reuses the forward's 1/rms. The forward is the fused
+    op ``F.rms_norm`` runs (the same bits); autograd's own backward of it recomputes the
+    statistics from x with pow/mean/rsqrt passes, each a full pass over [tokens, dim]: on the
+    CPU that backward cost ~8× its forward for a small model's train step."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x * rstd
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            gw = g * weight
+            dx = (gw - xhat * (gw * xhat).mean(-1, keepdim=True)) * rstd
+        if ctx.needs_input_grad[1]:
+            dw = (g * xhat).reshape(-1, x.shape[-1]).sum(0)
+        return dx, dw, None
+
+
+_FUSED_RMS = hasattr(torch.ops.aten, "_fused_rms_norm")
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """transformers' RMSNorm numerics: float32 statistics, cast back, then scale, in x's
     dtype. A float32 weight (the trainer's, under autocast) is cast to x's dtype first, so
@@ -46,10 +74,15 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     floats: the product is the engine's, bit for bit. transformers would promote it to
     float32, and the trainer's q/k then ran RoPE in float32 and were cast back for
     attention, both ways: a few percent of a train step. In ``--true-on-policy`` on CUDA it is
-    the per-row kernel (``miles.models.invariant.rms_norm``) with the same arithmetic."""
+    the per-row kernel (``miles.models.invariant.rms_norm``) with the same arithmetic.
+    A float32 forward that autograd records (the eager trainer's) runs ``_RMSNorm32``:
+    the same output, a cheaper backward."""
     if invariant.on(x):
         return invariant.rms_norm(x, weight, eps)
     if x.dtype == torch.float32:
+        if (_FUSED_RMS and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+                and weight.dtype == torch.float32 and not torch.compiler.is_compiling()):
+            return _RMSNorm32.apply(x, weight, eps)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # bitwise equal in float32
     x32 = x.float()
     return weight.to(x.dtype) * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -78,13 +111,13 @@ def rope_qk_tokens(q: Tensor, k: Tensor, cos: Tensor, signed_sin: Tensor) -> tup
     static head count or head size. Attention gets the transposed views (``_attend``),
     so their gradients come back token-major and contiguous, as the compiled backward
     expects them: split views (as ``rope_qk`` returns) were copied to contiguous there,
-    three copies a layer."""
-    H, KV = q.shape[2], k.shape[2]
-    qk = torch.cat((q, k), dim=2)
-    cos, signed_sin = cos.to(qk.dtype), signed_sin.to(qk.dtype)  # the engine's tables are in its dtype too
-    qk = qk * cos + torch.roll(qk, qk.shape[-1] // 2, dims=-1) * signed_sin
-    q, k = qk.split((H, KV), dim=2)
-    return q.contiguous(), k.contiguous()
+    three copies a layer. q and k are rotated apart, with the same products as ``rope_qk``
+    (bitwise equal): joined by a cat, split and copied back to contiguous, they cost three
+    more passes forward and two more backward, which eager autograd runs one by one."""
+    cos, signed_sin = cos.to(q.dtype), signed_sin.to(q.dtype)  # the engine's tables are in its dtype too
+    half = q.shape[-1] // 2
+    return (q * cos + torch.roll(q, half, dims=-1) * signed_sin,
+            k * cos + torch.roll(k, half, dims=-1) * signed_sin)
 
 
 def plus_lora(y: Tensor, x: Tensor, ab: Adapter) -> Tensor:

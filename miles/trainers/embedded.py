@@ -49,6 +49,13 @@ from miles.utils.device import to_device
 log = logging.getLogger(__name__)
 
 
+def _increment_version(params: list[Tensor]) -> None:
+    from torch.autograd.graph import increment_version
+
+    with torch.no_grad():
+        increment_version(params)
+
+
 def _dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
@@ -300,6 +307,10 @@ class EmbeddedTrainer(RLStep):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        # The fused step writes the parameters without moving their version counters, which
+        # caches of derived weights key on (``quant.QuantLinear``'s quantized copy): without
+        # this, the next forward would run the weights before the step.
+        _increment_version([p for g in self.optimizer.param_groups for p in g["params"]])
         self._zero_grad()
         return True, grad_norm
 

@@ -118,6 +118,32 @@ def test_token_major_rope_is_the_same_arithmetic(dtype: torch.dtype) -> None:
     assert torch.equal(q2.transpose(1, 2), q1) and torch.equal(k2.transpose(1, 2), k1)
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+def test_float32_rms_norm_with_autograd_is_the_fused_forward_and_the_exact_gradient(frozen: bool) -> None:
+    """``fused.rms_norm`` under autograd (``_RMSNorm32``): the forward is ``F.rms_norm``'s,
+    bitwise, and its gradients of x and of the weight match float64 autograd of the plain
+    formula to float32 rounding; a frozen weight gets none."""
+    from miles.models.fused import rms_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 4, 24, requires_grad=True)
+    w = (torch.rand(24) + 0.5).requires_grad_(not frozen)
+    g = torch.randn(3, 5, 4, 24)
+    out = rms_norm(x, w, 1e-6)
+    assert out.grad_fn is not None and "RMSNorm32" in type(out.grad_fn).__name__
+    assert torch.equal(out, torch.nn.functional.rms_norm(x.detach(), (24,), w.detach(), 1e-6))
+    out.backward(g)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64).backward(g.double())
+    torch.testing.assert_close(x.grad, x64.grad.float(), rtol=1e-5, atol=1e-5)
+    if frozen:
+        assert w.grad is None
+    else:
+        torch.testing.assert_close(w.grad, w64.grad.float(), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # outside autograd: the plain fused op
+        assert torch.equal(rms_norm(x, w, 1e-6), out.detach())
+
+
 def test_rope_tables_packed_in_a_dtype_are_the_same_values() -> None:
     """``Rotary.reserve(dtype=...)``: cos and sin gathered from one table packed in that dtype
     (the engine's, one kernel) equal the float32 tables' gathers cast, bitwise, and the packed

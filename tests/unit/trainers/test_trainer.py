@@ -345,3 +345,18 @@ def test_sequences_longer_than_the_default_rope_table() -> None:
     assert torch.allclose(logp, want, atol=1e-4)
     set_behaviour(tr, [[traj]])
     assert math.isfinite(tr.train_step([[traj]])["train/loss"])
+
+
+def test_an_optimizer_step_moves_every_parameter_version_even_fused() -> None:
+    """torch's fused AdamW (the CUDA trainer's) writes the parameters without moving their
+    version counters; the trainer moves them, since caches of derived weights (the quantized
+    copies of ``quant.QuantLinear``) key on them. Run here with a fused CPU optimizer."""
+    tr = _trainer()
+    groups = [g for g in tr.optimizer.param_groups]
+    tr.optimizer = torch.optim.AdamW(groups, lr=1e-2, fused=True)
+    params = [p for g in tr.optimizer.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p._version for p in params]
+    taken, _ = tr._optimizer_step(torch.ones((), dtype=torch.bool), 1e-2)
+    assert taken and all(p._version > v for p, v in zip(params, before))
