@@ -168,18 +168,28 @@ class SessionClient(openai.AsyncOpenAI):
         """The library's request, built by the library once per shape: a JSON post of ours
         (body bytes, no query, files, extra JSON or headers of the call's own) differs from
         the previous one of its path, timeout and retry count only in its body. Building
-        the headers and URL again costs a third of the client's call."""
+        the headers and URL again costs a third of the client's call. The request is built
+        as httpx leaves one it has read (its body in a ``ByteStream`` and read, the
+        ``Content-Length`` header set), from the shape's header list rather than through the
+        header merge, and with the headers' encoding known (httpx works it out again on each
+        new ``Headers`` by decoding every header)."""
         if not _plain_post(options) or self._idempotency_header:
             return super()._build_request(options, retries_taken=retries_taken)
         key = (options.method, options.url, retries_taken, repr(options.timeout), repr(options.security))
         shape = self._shapes.get(key)
         if shape is None:
             request = super()._build_request(options, retries_taken=retries_taken)
-            headers = httpx.Headers([(k, v) for k, v in request.headers.raw if k.lower() != b"content-length"])
-            self._shapes[key] = (request.method, request.url, headers, dict(request.extensions))
+            raw = [(k, v) for k, v in request.headers.raw if k.lower() != b"content-length"]
+            self._shapes[key] = (request.method, request.url, raw, dict(request.extensions), _encoding(raw))
             return request
-        method, url, headers, extensions = shape
-        return httpx.Request(method, url, headers=headers, content=options.content, extensions=dict(extensions))
+        method, url, raw, extensions, encoding = shape
+        content = options.content
+        request = httpx.Request(method, url, headers=[*raw, (b"Content-Length", b"%d" % len(content))],
+                                stream=httpx.ByteStream(content), extensions=dict(extensions))
+        request._content = content  # as Request.read() leaves it
+        if encoding is not None:
+            request.headers.encoding = encoding
+        return request
 
 
     async def _process_response(self, *, cast_to: Any, options: Any, response: Any, stream: bool,
@@ -203,6 +213,12 @@ def _plain_post(options: Any) -> bool:
 
 
 _RESULTS = frozenset({ChatCompletion, Completion})
+
+
+def _encoding(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """"ascii" where every header is (what httpx's ``Headers.encoding`` finds first), else
+    None: httpx works it out."""
+    return "ascii" if all(k.isascii() and v.isascii() for k, v in headers) else None
 
 
 class _Body(httpx.AsyncByteStream):
@@ -276,7 +292,19 @@ class _LoopbackHttp(httpx.AsyncClient):
         if stream:
             return httpx.Response(resp.status, headers=resp.headers, stream=_Body(resp, request), request=request,
                                   extensions=ext)
-        return httpx.Response(resp.status, headers=resp.headers, content=resp.body, request=request, extensions=ext)
+        # the response as httpx leaves one it has read (Response.read()), without its decoder
+        # and chunker passes over a body that has no content encoding
+        if any(k.lower() == b"content-encoding" for k, _ in resp.headers):
+            return httpx.Response(resp.status, headers=resp.headers, content=resp.body, request=request,
+                                  extensions=ext)
+        response = httpx.Response(resp.status, headers=resp.headers, stream=httpx.ByteStream(resp.body),
+                                  request=request, extensions=ext)
+        response._content = resp.body
+        response.is_stream_consumed = response.is_closed = True
+        encoding = _encoding(resp.headers)
+        if encoding is not None:
+            response.headers.encoding = encoding
+        return response
 
     async def aclose(self) -> None:
         await self._pool.close()
