@@ -143,7 +143,9 @@ class _Connection(asyncio.Protocol):
         keep = headers.get("connection", "").lower() != "close" and (
             parts[2] != "HTTP/1.0" or headers.get("connection", "").lower() == "keep-alive")
         self.busy = True
-        asyncio.get_running_loop().create_task(self._answer(Request(parts[0], parts[1], headers, body), keep))
+        task = asyncio.get_running_loop().create_task(self._answer(Request(parts[0], parts[1], headers, body), keep))
+        self.server.tasks.add(task)  # the loop keeps only a weak reference
+        task.add_done_callback(self.server.tasks.discard)
 
     def _chunked(self, at: int) -> tuple[bytes, int] | None:
         """The body of a chunked request starting at ``at`` and where it ends, or None while
@@ -203,6 +205,7 @@ class HttpServer:
     def __init__(self, handler: Handler, *, max_body: int = 64 * 1024 * 1024) -> None:
         self.handler, self.max_body = handler, max_body
         self.connections: set[_Connection] = set()
+        self.tasks: set[asyncio.Task[None]] = set()  # requests being answered
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
@@ -215,12 +218,16 @@ class HttpServer:
         return [s.getsockname() for s in (self._server.sockets if self._server is not None else ())]
 
     async def stop(self) -> None:
-        """Stop listening and close every connection (kept-alive ones included)."""
+        """Stop listening, close every connection (kept-alive ones included) and cancel the
+        requests still being answered (their clients are gone with the connections)."""
         if self._server is None:
             return
         self._server.close()
         for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.close()
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
         await self._server.wait_closed()
         self._server = None
