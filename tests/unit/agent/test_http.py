@@ -134,7 +134,8 @@ def test_session_routes_refuse_other_paths_and_methods() -> None:
                     _post("/s/abc/v1/chat/completions", b"{}")):
             writer.write(req)
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            out.append(head + await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])))
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            out.append(head + await reader.readexactly(length))
         writer.close()
         await server.stop()
         return out
