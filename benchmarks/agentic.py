@@ -234,7 +234,8 @@ def report(results: dict[str, list[dict[str, float]]], args: argparse.Namespace)
                           for a, b in zip(results["async"], results["sync"]))
     verdict = "met" if ratio >= GOAL else "NOT met"
     command = "python benchmarks/agentic.py" + (" --quick" if args.quick else "") + (
-        f" --device {args.device}" if args.device != "cpu" else "") + (" --path agent" if args.path == "agent" else "")
+        f" --device {args.device}" if args.device != "cpu" else "") + (" --path agent" if args.path == "agent" else "") + (
+        f" --rounds {args.rounds}" if args.rounds != (1 if args.quick else 2) else "")
     text = "\n".join([
         f"\n## Agentic rollouts ({args.path} path): async vs sync ({datetime.date.today().isoformat()})\n",
         f"Command: `{command}`  ",

@@ -10,7 +10,8 @@ and template tokens are masked) with the reward ``fn`` returns.
 - ``rollout.py`` AgentRollout: the generate function that runs the agent (timeouts, failures)
 - ``client.py``  the episode's ``openai.AsyncOpenAI``, lean for loopback (no request transform)
 - ``transport.py`` a small keep-alive HTTP/1.1 client under it
-- ``server.py``  AgentServer: the aiohttp app (``/s/<id>/v1/chat/completions``, ...)
+- ``server.py``  AgentServer: the session routes (``/s/<id>/v1/chat/completions``, ...)
+- ``http.py``    a small HTTP/1.1 server under it (an ``asyncio.Protocol``)
 - ``session.py`` Session: an episode's tokens, extended request by request; drift
 - ``chat.py``    request checks, chat-template rendering, tool-call parsing
 """

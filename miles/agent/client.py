@@ -21,6 +21,10 @@ rest of the library (its ``request`` loop, headers, ``ChatCompletion`` objects,
 - lenient response construction: pydantic's validator builds the ``ChatCompletion`` in a
   twentieth of the time (``_strict_response_validation``; the server's responses follow
   the schema).
+- the response wrapper: for a plain call's JSON answer (no raw or streamed response, no
+  extra headers, no post-parser) the body is decoded and validated straight into the
+  result type, as the library's ``APIResponse.parse`` ends up doing after several times
+  that much work on type dispatch and header lookups.
 - httpx's send layers (auth flow, redirects, cookie jar, event hooks) and a general HTTP
   client under them. The session server needs none of them (the session id in the URL is
   the credential; it never redirects or sets cookies): ``_LoopbackHttp.send`` writes the
@@ -39,7 +43,8 @@ from typing import Any
 import msgspec
 import openai
 import pydantic
-from openai._models import FinalRequestOptions
+from openai._models import FinalRequestOptions, add_request_id
+from openai._utils import is_given
 from openai.resources.chat.completions import AsyncCompletions as _AsyncChatCompletions
 from openai.resources.completions import AsyncCompletions as _AsyncTextCompletions
 from openai.types import Completion
@@ -163,19 +168,57 @@ class SessionClient(openai.AsyncOpenAI):
         """The library's request, built by the library once per shape: a JSON post of ours
         (body bytes, no query, files, extra JSON or headers of the call's own) differs from
         the previous one of its path, timeout and retry count only in its body. Building
-        the headers and URL again costs a third of the client's call."""
-        if (options.files is not None or options.params or options.extra_json is not None or options.headers
-                or not isinstance(options.content, bytes) or self._idempotency_header):
+        the headers and URL again costs a third of the client's call. The request is built
+        as httpx leaves one it has read (its body in a ``ByteStream`` and read, the
+        ``Content-Length`` header set), from the shape's header list rather than through the
+        header merge, and with the headers' encoding known (httpx works it out again on each
+        new ``Headers`` by decoding every header)."""
+        if not _plain_post(options) or self._idempotency_header:
             return super()._build_request(options, retries_taken=retries_taken)
         key = (options.method, options.url, retries_taken, repr(options.timeout), repr(options.security))
         shape = self._shapes.get(key)
         if shape is None:
             request = super()._build_request(options, retries_taken=retries_taken)
-            headers = httpx.Headers([(k, v) for k, v in request.headers.raw if k.lower() != b"content-length"])
-            self._shapes[key] = (request.method, request.url, headers, dict(request.extensions))
+            raw = [(k, v) for k, v in request.headers.raw if k.lower() != b"content-length"]
+            self._shapes[key] = (request.method, request.url, raw, dict(request.extensions), _encoding(raw))
             return request
-        method, url, headers, extensions = shape
-        return httpx.Request(method, url, headers=headers, content=options.content, extensions=dict(extensions))
+        method, url, raw, extensions, encoding = shape
+        content = options.content
+        request = httpx.Request(method, url, headers=[*raw, (b"Content-Length", b"%d" % len(content))],
+                                stream=httpx.ByteStream(content), extensions=dict(extensions))
+        request._content = content  # as Request.read() leaves it
+        if encoding is not None:
+            request.headers.encoding = encoding
+        return request
+
+
+    async def _process_response(self, *, cast_to: Any, options: Any, response: Any, stream: bool,
+                                stream_cls: Any, retries_taken: int = 0) -> Any:
+        """A plain call's result validated from its JSON body (module docstring); anything
+        else (streams, raw responses, other result types) the library's way."""
+        if stream or cast_to not in _RESULTS or not _plain_post(options) or is_given(options.post_parser) \
+                or not response.headers.get("content-type", "").startswith("application/json"):
+            return await super()._process_response(cast_to=cast_to, options=options, response=response,
+                                                   stream=stream, stream_cls=stream_cls, retries_taken=retries_taken)
+        parsed = self._process_response_data(data=msgspec.json.decode(response.content), cast_to=cast_to,
+                                             response=response)
+        add_request_id(parsed, response.headers.get("x-request-id"))
+        return parsed
+
+
+def _plain_post(options: Any) -> bool:
+    """A JSON post built by ``_Create``: body bytes, no query, files, extra JSON or headers."""
+    return (options.files is None and not options.params and options.extra_json is None and not options.headers
+            and isinstance(options.content, bytes))
+
+
+_RESULTS = frozenset({ChatCompletion, Completion})
+
+
+def _encoding(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """"ascii" where every header is (what httpx's ``Headers.encoding`` finds first), else
+    None: httpx works it out."""
+    return "ascii" if all(k.isascii() and v.isascii() for k, v in headers) else None
 
 
 class _Body(httpx.AsyncByteStream):
@@ -249,7 +292,19 @@ class _LoopbackHttp(httpx.AsyncClient):
         if stream:
             return httpx.Response(resp.status, headers=resp.headers, stream=_Body(resp, request), request=request,
                                   extensions=ext)
-        return httpx.Response(resp.status, headers=resp.headers, content=resp.body, request=request, extensions=ext)
+        # the response as httpx leaves one it has read (Response.read()), without its decoder
+        # and chunker passes over a body that has no content encoding
+        if any(k.lower() == b"content-encoding" for k, _ in resp.headers):
+            return httpx.Response(resp.status, headers=resp.headers, content=resp.body, request=request,
+                                  extensions=ext)
+        response = httpx.Response(resp.status, headers=resp.headers, stream=httpx.ByteStream(resp.body),
+                                  request=request, extensions=ext)
+        response._content = resp.body
+        response.is_stream_consumed = response.is_closed = True
+        encoding = _encoding(resp.headers)
+        if encoding is not None:
+            response.headers.encoding = encoding
+        return response
 
     async def aclose(self) -> None:
         await self._pool.close()

@@ -1,6 +1,7 @@
 """The session server: an OpenAI-compatible HTTP API per episode, on the rollout worker.
 
-One ``AgentServer`` per rollout worker, on the worker's event loop (aiohttp), listening on
+One ``AgentServer`` per rollout worker, on the worker's event loop (``miles.agent.http``: a
+small HTTP/1.1 server, as a session's calls are per-turn overhead), listening on
 ``--agent-host`` (loopback by default: the API has no other authentication) and
 ``--agent-port`` (0: a free port). Each episode's base URL is
 ``http://HOST:PORT/s/<session id>/v1``; under it:
@@ -28,17 +29,17 @@ import time
 from typing import Any
 
 import msgspec
-from aiohttp import web
 
 from miles.agent.chat import AgentError, check_messages, check_tools
+from miles.agent.http import HttpServer, Reply, Request
 from miles.agent.session import Session, SessionStore, Turn
 
-_JSON = "application/json"
 _encode = msgspec.json.Encoder().encode
+_ROUTES = {"chat/completions": "POST", "completions": "POST", "models": "GET"}
 
 
-def _error(exc: AgentError) -> web.Response:
-    return web.Response(text=json.dumps(exc.body()), status=exc.status, content_type=_JSON)
+def _error(exc: AgentError) -> Reply:
+    return Reply(exc.status, json.dumps(exc.body()).encode())
 
 
 def _number(body: dict[str, Any], name: str, lo: float, hi: float) -> float | None:
@@ -77,35 +78,27 @@ def _sampling(body: dict[str, Any]) -> tuple[int | None, list[str], dict[str, An
 
 
 class AgentServer:
-    """The aiohttp app of the sessions and its listening socket."""
+    """The sessions' routes and their listening socket."""
 
     def __init__(self, store: SessionStore | None = None, *, model_name: str = "miles") -> None:
         self.store = store or SessionStore()
         self.model_name = model_name
         self.host, self.port = "127.0.0.1", 0
-        self._runner: web.AppRunner | None = None
+        self.http = HttpServer(self.handle, max_body=64 * 1024 * 1024)
         self.counters: dict[str, float] = {"requests": 0, "rejected": 0, "call_s": 0.0, "engine_s": 0.0}
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/s/{sid}/v1/chat/completions", self.chat)
-        app.router.add_post("/s/{sid}/v1/completions", self.completions)
-        app.router.add_get("/s/{sid}/v1/models", self.models)
-        return app
-
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        runner = web.AppRunner(self.app(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        self._runner = runner
-        sockets = getattr(site._server, "sockets", None) or []  # the port 0 resolved to
-        self.host, self.port = host, sockets[0].getsockname()[1] if sockets else port
+        await self.http.start(host, port)
+        addresses = self.http.addresses  # the port 0 resolved to
+        self.host, self.port = host, addresses[0][1] if addresses else port
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self.http.stop()
+
+    @property
+    def addresses(self) -> list[Any]:
+        """The listening sockets' addresses."""
+        return self.http.addresses
 
     def base_url(self, session: Session) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
@@ -113,26 +106,35 @@ class AgentServer:
         return f"http://{host}:{self.port}/s/{session.id}/v1"
 
     # ---- routes --------------------------------------------------------------------------
-    async def models(self, request: web.Request) -> web.Response:
+    async def handle(self, request: Request) -> Reply:
+        """``/s/<session id>/v1/<route>``; anything else is a 404 (405 for a known route's
+        other methods)."""
+        path = request.path.split("?", 1)[0]
+        head, _, route = path.partition("/v1/")
+        sid = head[3:] if head.startswith("/s/") else ""
+        method = _ROUTES.get(route.rstrip("/"))
+        if not sid or "/" in sid or method is None:
+            return _error(AgentError(404, f"no route {path}", kind="not_found"))
+        if request.method != method:
+            return _error(AgentError(405, f"{request.method} is not allowed on {path}", kind="invalid_request_error"))
+        if method == "GET":
+            return self.models(sid)
+        return await self._call(sid, request.body, chat=route.startswith("chat"))
+
+    def models(self, sid: str) -> Reply:
         try:
-            self.store.get(request.match_info["sid"])
+            self.store.get(sid)
         except AgentError as exc:
             return _error(exc)
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "miles"}
-        return web.json_response({"object": "list", "data": [card]})
+        return Reply(200, _encode({"object": "list", "data": [card]}))
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._call(request, chat=True)
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._call(request, chat=False)
-
-    async def _call(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    async def _call(self, sid: str, raw: bytes, *, chat: bool) -> Reply:
         t0 = time.perf_counter()
         self.counters["requests"] += 1
         try:
-            session = self.store.get(request.match_info["sid"])
-            body = await _body(request)
+            session = self.store.get(sid)
+            body = _body(raw)
             max_tokens, stop, overrides = _sampling(body)
             stream = bool(body.get("stream"))
             if chat:
@@ -172,9 +174,10 @@ class AgentServer:
             self.counters["call_s"] += time.perf_counter() - t0
         obj = self._response(session, turn, chat=chat, logprobs=want_logprobs)
         if not stream:
-            return web.Response(body=_encode(obj), content_type=_JSON)
+            return Reply(200, _encode(obj))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return await _sse(request, _chunks(obj, chat=chat, include_usage=include_usage))
+        events = [b"data: " + _encode(c) + b"\n\n" for c in _chunks(obj, chat=chat, include_usage=include_usage)]
+        return Reply(200, events=[*events, b"data: [DONE]\n\n"])
 
     def _response(self, session: Session, turn: Turn, *, chat: bool, logprobs: bool) -> dict[str, Any]:
         tok = session.tokenizer
@@ -209,8 +212,7 @@ class AgentServer:
         }
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
+def _body(raw: bytes) -> dict[str, Any]:
     try:
         body = msgspec.json.decode(raw) if raw.strip() else None
     except (msgspec.DecodeError, ValueError, UnicodeDecodeError) as exc:
@@ -256,13 +258,3 @@ def _chunks(obj: dict[str, Any], *, chat: bool, include_usage: bool) -> list[dic
     if include_usage:
         out.append({**head, "object": kind, "choices": [], "usage": obj["usage"]})
     return out
-
-
-async def _sse(request: web.Request, chunks: list[dict[str, Any]]) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    for c in chunks:
-        await resp.write(b"data: " + _encode(c) + b"\n\n")
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp

@@ -59,6 +59,7 @@ class Session:
         self.history: list[dict[str, Any]] = []  # chat: the normal-form messages the tokens cover
         self.tools: list[dict[str, Any]] | None = None
         self._close: str | None = None  # the template's assistant close for these tools
+        self._rendered = ""  # chat: the last request's rendering (with its generation prompt)
         self.text = ""  # completions: the text the tokens cover
         self.after: str | None = None  # the stop text that ended the last model call
         self.ended = False
@@ -76,23 +77,35 @@ class Session:
 
     # ---- building the context ----------------------------------------------------------
     def chat_context(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
-        """Make the stored tokens the context of a chat request for ``messages``."""
+        """Make the stored tokens the context of a chat request for ``messages``.
+
+        The new messages start where the history's own rendering ends in the request's
+        rendering. The usual turn (the history ends with the model's plain answer) finds
+        that point without rendering the history again: it is the last request's rendering,
+        the answer's text and the template's assistant close, when the new rendering starts
+        with exactly that (then the stored tokens' text is the new rendering's start, which
+        is all the append needs). Otherwise (tool calls, templates that rewrite an answer,
+        e.g. dropping ``<think>``) the history is rendered to find it."""
         tok = self.tokenizer
         if getattr(tok, "chat_template", None) is None:
             raise AgentError(400, "this checkpoint's tokenizer has no chat template: use /v1/completions")
         k = len(self.history)
         if self.mode == "chat" and k and len(messages) > k and tools == self.tools \
                 and same_history(messages[:k], self.history):
-            prefix = render(tok, messages[:k], tools, generation_prompt=False)
             full = render(tok, messages, tools, generation_prompt=True)
+            if self._close is None:
+                self._close = assistant_close(tok, tools)
+            last = self.history[-1]
+            prefix = self._rendered + last["content"] + self._close \
+                if last["role"] == "assistant" and not last.get("tool_calls") else None
+            if prefix is None or not full.startswith(prefix):
+                prefix = render(tok, messages[:k], tools, generation_prompt=False)
             if full.startswith(prefix):
-                if self._close is None:
-                    self._close = assistant_close(tok, tools)
                 close = self._close
                 if self.after and close.startswith(self.after):
                     close = close[len(self.after):]  # the model wrote that part itself
                 self._append_env(tok.encode(close + full[len(prefix):]))
-                self.history = list(messages)
+                self.history, self._rendered = list(messages), full
                 return
             reason = "the chat template renders the earlier turns differently once new messages follow"
         elif self.mode is None:
@@ -105,7 +118,7 @@ class Session:
             reason = "the messages do not extend the session's history (edited, dropped or reordered)"
         text = render(tok, messages, tools, generation_prompt=True)
         self._start_segment(text, tok.encode(text), reason)
-        self.mode, self.history, self.tools, self._close = "chat", list(messages), tools, None
+        self.mode, self.history, self.tools, self._close, self._rendered = "chat", list(messages), tools, None, text
 
     def completion_context(self, prompt: str | list[int]) -> None:
         """Make the stored tokens the context of a completions request for ``prompt``."""

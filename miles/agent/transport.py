@@ -3,7 +3,7 @@ request at a time on each.
 
 ``miles.agent.client`` sends every episode's requests through it (under httpx's request and
 response objects, which the ``openai`` client works with). An agent's turn is a
-round trip to this process's own aiohttp server, and a general client's per-request work
+round trip to this process's own session server, and a general client's per-request work
 (aiohttp's request and response objects, timers, cookie jar, tracing hooks) costs more CPU
 than the server's whole handler: the round trip here is one write of the request and a
 read of the status line, headers and body (``Content-Length``, chunked, or to the end).

@@ -109,3 +109,55 @@ def test_a_refused_connection_is_the_library_s_connection_error() -> None:
             await factory.close()
 
     asyncio.run(go())
+
+
+def test_requests_and_responses_read_as_httpx_ones_and_raw_responses_still_work() -> None:
+    """The lean request and response objects (built as httpx leaves read ones) carry what the
+    library and an agent read: the body, Content-Length, headers, content, json; a raw
+    response (``with_raw_response``) goes the library's way and parses to the same result."""
+    from miles.agent.client import ClientFactory
+    from miles.agent.http import HttpServer, Reply
+
+    seen: list[Any] = []
+    canned = {"id": "c1", "object": "chat.completion", "created": 0, "model": "m",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "hé"}, "finish_reason": "stop",
+                           "token_ids": [7]}],
+              "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+    async def handler(request: Any) -> Reply:
+        seen.append(request)
+        return Reply(200, json.dumps(canned).encode())
+
+    async def go() -> tuple[Any, Any, Any]:
+        server = HttpServer(handler)
+        await server.start("127.0.0.1", 0)
+        factory = ClientFactory()
+        client = factory(f"http://127.0.0.1:{server.addresses[0][1]}/v1", 5.0)
+        sent: list[Any] = []
+        send = client._client.send
+
+        async def spy(request: Any, **kw: Any) -> Any:
+            response = await send(request, **kw)
+            sent.append((request, response))
+            return response
+
+        client._client.send = spy  # type: ignore[method-assign]
+        try:
+            args = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+            first = await client.chat.completions.create(**args)
+            second = await client.chat.completions.create(**args, max_tokens=3)  # the cached request shape
+            raw = await client.chat.completions.with_raw_response.create(**args)
+            return first, second, (raw, raw.parse(), sent)
+        finally:
+            await factory.close()
+            await server.stop()
+
+    first, second, (raw, parsed, sent) = asyncio.run(go())
+    assert first.choices[0].message.content == "hé" and first.choices[0].model_extra["token_ids"] == [7]
+    assert second == first and parsed == first and raw.headers["content-type"] == "application/json"
+    assert json.loads(seen[1].body) == {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+    assert int(seen[1].headers["content-length"]) == len(seen[1].body)
+    request, response = sent[1]
+    assert request.content == seen[1].body and request.headers["Content-Length"] == str(len(seen[1].body))
+    assert response.json() == canned and response.text == json.dumps(canned) and response.is_closed
+    assert asyncio.run(response.aread()) == json.dumps(canned).encode()

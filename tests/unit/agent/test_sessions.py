@@ -127,6 +127,47 @@ def test_five_turn_tool_episode_is_token_exact(stream) -> None:
     assert out.metadata["agent"]["drift"] == [] and ro.stats()["agent/calls"] == 6.0
 
 
+def test_plain_turns_extend_with_one_render_each(monkeypatch) -> None:
+    """Plain answers: each request's new messages are found in one rendering (the last
+    request's rendering + the answer + the close), and the stored text is the template's."""
+    import miles.agent.session as session_mod
+
+    script = [TOKENIZER.encode(w) + [EOS] for w in ("alpha", "beta", "gamma", "delta")]
+    renders: list[int] = []
+    real = session_mod.render
+
+    def counting(*args, **kwargs):
+        renders.append(len(args[1]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(session_mod, "render", counting)
+    seen: dict[str, Any] = {}
+
+    async def agent(client, sample):
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "go"}]
+        for _ in script:
+            r = await client.chat.completions.create(model="m", messages=messages)
+            messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "user", "content": "more"}]
+        seen["messages"] = messages[:-1]
+        return 1.0
+
+    out, engine, _ = run_agent(agent, script)
+    out.validate()
+    assert out.metadata["agent"]["drift"] == []
+    assert renders == [2, 4, 6, 8]  # one rendering a request: the history is not rendered again
+    for req in engine.requests:  # nothing re-tokenized
+        assert req.input_ids == out.prompt_tokens + out.response_tokens[: req.num_prefix_tokens]
+    model = [out.response_tokens[g.start:g.end] for g in out.segments if g.kind == "model"]
+    assert model == script
+    # the stored text is the template's rendering of the conversation (the model's EOS aside)
+    from miles.agent.chat import check_messages
+    last = render(TOKENIZER, check_messages(seen["messages"][:-1]), None, generation_prompt=True)
+    glued = TOKENIZER.decode(out.prompt_tokens + out.response_tokens[: engine.requests[-1].num_prefix_tokens],
+                             skip_special_tokens=False)
+    assert glued.replace("<eos>", "") == last
+
+
 def test_drifting_history_starts_a_new_segment() -> None:
     script = [call_tokens(1, 2), TOKENIZER.encode("x") + [EOS], TOKENIZER.encode("y") + [EOS]]
 
@@ -325,7 +366,7 @@ def test_sessions_are_on_loopback_unguessable_and_isolated() -> None:
 
     async def go():
         outs = await asyncio.gather(*(ro(make_traj(f"t{i}"), make_ctx(engine)) for i in range(8)))
-        sock = ro.server._runner.addresses[0]
+        sock = ro.server.addresses[0]
         await ro.stop()
         return outs, sock
 
