@@ -2,8 +2,8 @@
 
 - FP8 (W8A8): activations quantized per 1 × 128 group, weights per 128 × 128 block. For up to
   256 rows (decode) ``fp8_config`` picks per (shape, batch bucket) one of: the Triton
-  block-scaled GEMM quantizing its activation tiles itself (``fused``; 3-10x slower than the
-  unfused forms in the first H100 call, so never the default), the Triton activation
+  block-scaled GEMM quantizing its activation tiles itself (``fused``; measured slower than the
+  unfused forms, so never the default), the Triton activation
   kernel then that GEMM (``triton``), or the Triton activation kernel then cuBLAS's block-wise
   ``torch._scaled_mm`` (``cublas``, also every larger M: prefill, the trainer). The
   ``_scaled_mm`` forms are probed once, on operands whose scales differ by orders of magnitude
@@ -18,8 +18,8 @@
   over a few programs when the output alone gives too few. Both deterministic (partial sums
   added in a fixed order) and equal to the dequantized product to bf16 round-off.
 
-Launch parameters come from ``TUNED`` per (kind, N, K, batch bucket): defaults measured on the
-H200, overridden by ``benchmarks/low_precision.py --parts tune``, which times a few launches per
+Launch parameters come from ``TUNED`` per (kind, N, K, batch bucket): defaults measured on a
+Hopper GPU, overridden by ``benchmarks/low_precision.py --parts tune``, which times a few launches per
 shape and keeps the fastest that matches the dequantized product.
 """
 
@@ -35,14 +35,14 @@ FP8_PATH: dict[str, str] = {}  # per "NxK/M" seen: the Triton GEMM, the _scaled_
 INT4_PATH: dict[str, str] = {}  # per "NxK/M" seen on CUDA: the decode kernel's launch or "tiled"
 FP8_ERRORS: dict[str, str] = {}  # why each _scaled_mm form was refused (the first probe's messages)
 INT4_CONFIG: dict[str, int] = {}  # overrides of the large-M INT4 launch (BN, warps, stages, programs), for tuning
-# Launches of the decode-sized kernels per (kind, N, K, M bucket): the defaults measured on the
-# H200 (benchmarks/log/low_precision.md), which ``benchmarks/low_precision.py --parts tune`` overrides.
+# Launches of the decode-sized kernels per (kind, N, K, M bucket): the defaults measured on a
+# Hopper GPU (benchmarks/log/low_precision.md), which ``benchmarks/low_precision.py --parts tune`` overrides.
 BUCKETS = (1, 16, 64, 256)  # a batch takes the launch of the first bucket at or above it
 _CUBLAS = dict(path="cublas")
 _TILED = dict(path="tiled", BN=64, programs=264, warps=4, stages=3)
 TUNED: dict[tuple[str, int, int, int], dict] = {
     # Qwen3-8B's decode GEMMs (qkv, o, gate/up, down): the fastest checked launch of
-    # `low_precision.py --parts tune` (benchmarks/log/low_precision.md, 2026-12-06 04:01, H100 80GB)
+    # `low_precision.py --parts tune` (its raw section in benchmarks/log/low_precision.md)
     ("int4", 24576, 4096, 1): {'path': 'tiled', 'BN': 64, 'programs': 264, 'warps': 4, 'stages': 3},
     ("fp8", 24576, 4096, 1): {'path': 'triton', 'BM': 16, 'BN': 64, 'warps': 4, 'stages': 4},
     ("int4", 24576, 4096, 16): {'path': 'tiled', 'BN': 64, 'programs': 264, 'warps': 4, 'stages': 3},
@@ -264,7 +264,7 @@ def _int4_small(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
     while groups % unroll:
         unroll //= 2
     tiles = triton_cdiv(N, cfg["BN"]) * triton_cdiv(M, BM)
-    # split 0: enough K slices for ~2048 programs (16 resident on each of the H200's 132 SMs):
+    # split 0: enough K slices for ~2048 programs (16 resident on each of a Hopper GPU's 132 SMs):
     # a GEMV's speed is the bytes in flight, and one program's K loop is a chain of loads
     split = cfg["split"] or max(1, min(8, 2048 // tiles))
     while (groups // unroll) % split:

@@ -2,10 +2,10 @@
 for it (``compile_warmup="background"``, the CUDA default; ``--dev compile_warmup=...``).
 
 Why a process: the warm-up is compile work (dynamo tracing, AOTAutograd, inductor, Triton),
-about 30 s for a Qwen3-0.6B shape on an H200, and the trainer's first step waited for all of
-it. Run in a thread beside eager steps it held the GIL (eager steps 1.66 s against 1.26 s
-compiled), was not done after 6 steps, and the two threads shared one model's lazily grown
-buffers (a device assert). A child process shares neither the GIL nor the model.
+tens of seconds for a Qwen3-0.6B shape, and the trainer's first step waited for all of it. Run
+in a thread beside eager steps it held the GIL (the eager steps ran slower than compiled ones),
+was not done after several steps, and the two threads shared one model's lazily grown buffers
+(a device assert). A child process shares neither the GIL nor the model.
 
 What carries over is torch's on-disk caches: inductor's FX graph cache, AOTAutograd's cache
 and Triton's kernel cache (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``; by default per
