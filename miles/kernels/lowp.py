@@ -251,6 +251,8 @@ def int4_config(M: int, N: int, K: int, group: int, dtype: torch.dtype) -> dict 
 
 
 def _int4_small(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict) -> Tensor:
+    import triton
+
     from miles.kernels import lowp_triton as lt
 
     M, K = x.shape
@@ -263,13 +265,13 @@ def _int4_small(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
     unroll = cfg["UNROLL"]
     while groups % unroll:
         unroll //= 2
-    tiles = triton_cdiv(N, cfg["BN"]) * triton_cdiv(M, BM)
+    tiles = triton.cdiv(N, cfg["BN"]) * triton.cdiv(M, BM)
     # split 0: enough K slices for ~2048 programs (16 resident on each of a Hopper GPU's 132 SMs):
     # a GEMV's speed is the bytes in flight, and one program's K loop is a chain of loads
     split = cfg["split"] or max(1, min(8, 2048 // tiles))
     while (groups // unroll) % split:
         split -= 1
-    grid = (triton_cdiv(N, cfg["BN"]), split, triton_cdiv(M, BM))
+    grid = (triton.cdiv(N, cfg["BN"]), split, triton.cdiv(M, BM))
     out = torch.empty((split, M, N) if split > 1 else (M, N), device=x.device,
                       dtype=torch.float32 if split > 1 else x.dtype)
     lt.w4a16[grid](x, packed, scale, out, M, N, K // split, x.stride(0), packed.stride(0), scale.stride(0), M * N, N,
@@ -280,12 +282,8 @@ def _int4_small(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
     if split == 1:
         return out
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    lt.sum_splits[(triton_cdiv(M * N, 1024),)](out, y, M * N, SPLIT=split, BLOCK=1024)
+    lt.sum_splits[(triton.cdiv(M * N, 1024),)](out, y, M * N, SPLIT=split, BLOCK=1024)
     return y
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def fp8_config(M: int, N: int, K: int) -> dict:
@@ -301,23 +299,27 @@ def fp8_config(M: int, N: int, K: int) -> dict:
 def _fp8_quant_triton(x: Tensor, rows: int, outer: bool) -> tuple[Tensor, Tensor]:
     """``quantize.fp8_quantize_act`` of ``x`` [M, K] in one kernel, into ``rows`` ≥ M rows (the
     rows past M zero groups); scales outer-major (cuBLAS's block-wise layout) or row-major."""
+    import triton
+
     from miles.kernels import lowp_triton as lt
     from miles.kernels.quantize import BLOCK, FP8, FP8_MAX
 
     M, K = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    G = triton_cdiv(K, BLOCK)
+    G = triton.cdiv(K, BLOCK)
     xq = torch.empty((rows, K), device=x.device, dtype=FP8)
     xs = (torch.empty_strided((rows, G), (1, rows), device=x.device, dtype=torch.float32) if outer
           else torch.empty((rows, G), device=x.device, dtype=torch.float32))
     BR = 16
-    lt.fp8_act_quant[(triton_cdiv(rows, BR), G)](x, xq, xs, M, rows, K, x.stride(0), xq.stride(0), xs.stride(0),
+    lt.fp8_act_quant[(triton.cdiv(rows, BR), G)](x, xq, xs, M, rows, K, x.stride(0), xq.stride(0), xs.stride(0),
                                                  xs.stride(1), BR=BR, GB=BLOCK, FP8_MAX=FP8_MAX, num_warps=4)
     return xq, xs
 
 
 def _fp8_triton(x: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype, cfg: dict) -> Tensor:
+    import triton
+
     from miles.kernels import lowp_triton as lt
     from miles.kernels.quantize import BLOCK, FP8_MAX
 
@@ -331,7 +333,7 @@ def _fp8_triton(x: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype, cfg: 
     else:
         xq, xs = _fp8_quant_triton(x, M, outer=False)
     y = torch.empty((M, N), device=x.device, dtype=out_dtype)
-    grid = (triton_cdiv(M, cfg["BM"]), triton_cdiv(N, cfg["BN"]))
+    grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(N, cfg["BN"]))
     lt.fp8_gemm[grid](x, xq, xs, wq, ws, y, M, N, K, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1),
                       wq.stride(0), ws.stride(0), ws.stride(1), y.stride(0),
                       BM=cfg["BM"], BN=cfg["BN"], BK=BLOCK, FUSED=fused, FP8_MAX=FP8_MAX,
