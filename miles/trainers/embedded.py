@@ -37,7 +37,7 @@ from miles.trainers.compile_cache import BackgroundCompile
 from miles.trainers import state as ckpt
 from miles.trainers.batching import TokenBatch, build_batch
 from miles.trainers.config import TrainerConfig, lr_at
-from miles.trainers.fsdp import distributed_world_size, maybe_fully_shard
+from miles.trainers.fsdp import maybe_fully_shard, wants_fsdp
 from miles.trainers.logprobs import full_routing, response_logprobs
 from miles.trainers.offload import OptimizerOffloader
 from miles.trainers.oom import OOMGuard
@@ -104,7 +104,7 @@ class EmbeddedTrainer(RLStep):
             lora.apply_lora(self.model, config.lora_rank, config.lora_alpha, config.lora_dropout,
                             config.lora_target_modules)
             lora.cast_for_training(self.model, self.compute_dtype)  # the frozen base in the compute dtype
-            if not (config.fsdp or (config.fsdp is None and distributed_world_size() > 1)):
+            if not wants_fsdp(config.fsdp):
                 # q/k/v and gate/up as the engine's fused GEMMs read them: a colocated engine can
                 # serve this base as is (``shared_base``)
                 lora.fuse_frozen_base(self.model)

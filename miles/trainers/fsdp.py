@@ -23,14 +23,18 @@ def distributed_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def wants_fsdp(fsdp: bool | None) -> bool:
+    """Whether the trainer shards: as asked, or (``fsdp=None``) when torch.distributed runs
+    with more than one rank."""
+    return distributed_world_size() > 1 if fsdp is None else fsdp
+
+
 def maybe_fully_shard(model: nn.Module, fsdp: bool | None, compute_dtype: torch.dtype) -> bool:
     """Shard ``model`` in place when asked (or, for ``fsdp=None``, when torch.distributed
     runs with more than one rank). Returns whether it did."""
-    world = distributed_world_size()
-    use = world > 1 if fsdp is None else fsdp
-    if not use:
+    if not wants_fsdp(fsdp):
         return False
-    if world <= 1:
+    if distributed_world_size() <= 1:
         raise ValueError("TrainerConfig.fsdp=True needs torch.distributed initialized with more than one rank")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
