@@ -191,7 +191,6 @@ class SessionClient(openai.AsyncOpenAI):
             request.headers.encoding = encoding
         return request
 
-
     async def _process_response(self, *, cast_to: Any, options: Any, response: Any, stream: bool,
                                 stream_cls: Any, retries_taken: int = 0) -> Any:
         """A plain call's result validated from its JSON body (module docstring); anything
