@@ -596,7 +596,7 @@ class EmbeddedEngine:
         if not keep_kv_cache:
             for r in self.stepper.running:
                 r.needs_prefill = True
-        if getattr(self.stager.adapters, "layout_changed", False):  # new unmerged-adapter buffers
+        if self.stager.adapters.layout_changed:  # new unmerged-adapter buffers
             self.stager.adapters.layout_changed = False
             self.offloader.drop_graphs()  # re-captured with them when next needed
         if woke:  # generate again

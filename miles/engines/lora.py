@@ -53,18 +53,28 @@ def check(name: str, shape: tuple[int, ...], params: dict[str, Tensor]) -> str |
 
 
 class AdapterMerger:
-    """Remembers the adapters merged so far, to replace them at the next update."""
+    """Merges adapters into ``params`` (the engine's weights by name), remembering those merged
+    so far, to replace them at the next update. ``UnmergedAdapters`` answers the same calls
+    (``problem``, ``apply``) for an engine that must not write its weights."""
 
-    def __init__(self) -> None:
+    layout_changed = False  # merging writes the weights in place: no new buffers for graphs to see
+
+    def __init__(self, params: dict[str, Tensor]) -> None:
+        self.params = params
         self.merged: dict[str, tuple[Tensor, Tensor]] = {}  # "<module>.weight" -> (A, B), float32
 
     @property
     def num_modules(self) -> int:
         return len(self.merged)
 
+    def problem(self, name: str) -> str | None:
+        """Why the adapter tensor ``name`` cannot be merged beyond ``check``'s reasons: none."""
+        return None
+
     @torch.no_grad()
-    def merge(self, staged: dict[str, Tensor], params: dict[str, Tensor]) -> int:
-        """Merge the staged adapter tensors into ``params``; returns how many weights changed."""
+    def apply(self, staged: dict[str, Tensor]) -> int:
+        """Merge the staged adapter tensors into the weights; returns how many weights changed."""
+        params = self.params
         new: dict[str, dict[str, Tensor]] = {}
         for name, t in staged.items():
             base, which = split(name)  # type: ignore[misc]

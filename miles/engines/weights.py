@@ -50,15 +50,13 @@ class WeightStager:
         self.shared = shared
         # LoRA updates: merged into the weights, or kept apart over a shared base (miles.engines.lora)
         self.adapters: lora.AdapterMerger | lora.UnmergedAdapters = (
-            lora.UnmergedAdapters(model, self.device, dtype) if shared else lora.AdapterMerger())
+            lora.UnmergedAdapters(model, self.device, dtype) if shared else lora.AdapterMerger(self.params))
 
     def stage(self, named_tensors: Any, *, borrow: bool = False) -> int:
         items = [(name, t if isinstance(t, Tensor) else torch.as_tensor(t)) for name, t in named_tensors]
         for name, t in items:
             if lora.split(name) is not None:
-                problem = lora.check(name, tuple(t.shape), self.params)
-                if problem is None and isinstance(self.adapters, lora.UnmergedAdapters):
-                    problem = self.adapters.problem(name)
+                problem = lora.check(name, tuple(t.shape), self.params) or self.adapters.problem(name)
                 if problem:
                     raise WeightError(problem)
                 continue
@@ -135,10 +133,7 @@ class WeightStager:
         adapters = {n: t for n, t in staged.items() if lora.split(n) is not None}
         if adapters:
             try:
-                if isinstance(self.adapters, lora.UnmergedAdapters):
-                    self.adapters.apply(adapters)
-                else:
-                    self.adapters.merge(adapters, self.params)
+                self.adapters.apply(adapters)
             except ValueError as exc:
                 raise WeightError(str(exc)) from None
             staged = {n: t for n, t in staged.items() if n not in adapters}
