@@ -242,7 +242,7 @@ def int4_config(M: int, N: int, K: int, group: int, dtype: torch.dtype) -> dict 
     quantization group wide, so the group must be a power of two from 32 (``tl.dot``'s K ≥ 16)."""
     if M > SMALL_M or group < 32 or group & (group - 1) or K % group or _triton() is None:
         return None
-    cfg = TUNED.get(("int4", N, K, _bucket(M)), _TILED)  # untuned shapes: the tiled GEMM (the H100's best mostly)
+    cfg = TUNED.get(("int4", N, K, _bucket(M)), _TILED)  # untuned shapes: the tiled GEMM (the best at most tuned ones)
     if cfg.get("path") == "tiled":
         return cfg
     if cfg["DOT"] and dtype not in (torch.bfloat16, torch.float16):  # a float32 tl.dot would round to tf32

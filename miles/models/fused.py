@@ -43,7 +43,7 @@ class _RMSNorm32(torch.autograd.Function):
     """float32 RMSNorm whose backward reuses the forward's 1/rms. The forward is the fused
     op ``F.rms_norm`` runs (the same bits); autograd's own backward of it recomputes the
     statistics from x with pow/mean/rsqrt passes, each a full pass over [tokens, dim]: on the
-    CPU that backward cost ~8× its forward for a small model's train step."""
+    CPU that backward cost several times its forward for a small model's train step."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:

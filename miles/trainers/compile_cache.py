@@ -124,8 +124,8 @@ def warm_in_child(spec: dict[str, Any]) -> float:
     from miles.trainers.embedded import EmbeddedTrainer
 
     # One layer and a small vocabulary: the decoder layers' graphs see hidden states only.
-    # The full vocabulary's LM head ([tokens, 151,936] logits and their gradient, ~10 GB at
-    # the warm-up's largest micro-batch) did not fit beside a colocated engine on an H100.
+    # The full vocabulary's LM head ([tokens, vocab] logits and their gradient at the warm-up's
+    # largest micro-batch, gigabytes for a 152k vocabulary) need not fit beside a colocated engine.
     vocab = min(spec["model"]["vocab_size"], CHILD_VOCAB)
     model_cfg = msgspec.convert({**spec["model"], "num_hidden_layers": 1, "vocab_size": vocab}, ModelConfig)
     trainer_cfg = msgspec.convert({**spec["trainer"], "compile": True, "compile_warmup": "inline"}, TrainerConfig)
