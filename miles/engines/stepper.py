@@ -261,24 +261,21 @@ class Stepper:
         """This process's capture and compile seconds so far (what a phase leaves out)."""
         return GRAPH_CAPTURES["seconds"], self._compile_seconds()
 
-    def _measured(self, start: float, captures: tuple[float, float]) -> float:
-        """Seconds since ``start`` without the CUDA graph captures and the compiles made
-        meanwhile: a capture is a one-time cost of a new shape, not the option's rate. Counted
-        in, it made a rarely used option (met at each new context bucket) look several times
-        slower than it is, and the adaptive rule never chose it again (GRAPH_CAPTURES is per
-        process: one engine per process, as a rollout worker runs it). A compile of a new
-        shape variant likewise (``compile_seconds``): counted in, it read as prefill time."""
-        capture, compiled = self._clocks()
-        return time.perf_counter() - start - (capture - captures[0]) - (compiled - captures[1])
-
     def _account(self, phase: str, start: float, captures: tuple[float, float]) -> float:
-        """Add the seconds since ``start`` to ``phase`` (captures made meanwhile to
-        ``capture``, compiles to ``compile``); returns the phase's own seconds."""
-        seconds = self._measured(start, captures)
+        """Add the seconds since ``start`` to ``phase`` and return them, less the CUDA graph
+        captures and the compiles made meanwhile (added to ``capture`` and ``compile``): a
+        capture is a one-time cost of a new shape, not the option's rate. Counted in, it made
+        a rarely used option (met at each new context bucket) look several times slower than
+        it is, and the adaptive rule never chose it again (GRAPH_CAPTURES is per process: one
+        engine per process, as a rollout worker runs it). A compile of a new shape variant
+        likewise (``compile_seconds``): counted in, it read as prefill time."""
         capture, compiled = self._clocks()
+        capture -= captures[0]
+        compiled -= captures[1]
+        seconds = time.perf_counter() - start - capture - compiled
         self.stats.phase_s[phase] += seconds
-        self.stats.phase_s["capture"] += capture - captures[0]
-        self.stats.phase_s["compile"] += compiled - captures[1]
+        self.stats.phase_s["capture"] += capture
+        self.stats.phase_s["compile"] += compiled
         return seconds
 
     def _spec_round(self, k: int) -> None:
