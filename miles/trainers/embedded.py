@@ -307,10 +307,11 @@ class EmbeddedTrainer(RLStep):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        # The fused step writes the parameters without moving their version counters, which
-        # caches of derived weights key on (``quant.QuantLinear``'s quantized copy): without
-        # this, the next forward would run the weights before the step.
-        _increment_version([p for g in self.optimizer.param_groups for p in g["params"]])
+        if self.optimizer.defaults.get("fused"):
+            # The fused step writes the parameters without moving their version counters, which
+            # caches of derived weights key on (``quant.QuantLinear``'s quantized copy): without
+            # this, the next forward would run the weights before the step.
+            _increment_version([p for g in self.optimizer.param_groups for p in g["params"]])
         self._zero_grad()
         return True, grad_norm
 
