@@ -301,6 +301,9 @@ def main() -> None:
                              "workload scaled down (2-layer 64-wide random model, --groups groups a step)")
     parser.add_argument("--groups", type=int, default=None,
                         help="groups a step (B; default 32 on the GPU, 8 with --workload zipf on the CPU)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=32768,
+                        help="GPU: the trainer's --max-tokens-per-micro-batch (colocated, the engine's memory plan "
+                             "reserves its activations: on an 80 GB card 8192 leaves room for the KV cache)")
     parser.add_argument("--disaggregated", action="store_true", help="GPU: trainer and engine on GPUs of their own")
     parser.add_argument("--seeds", type=int, default=1,
                         help="runs per config (seeds 1..N); the table gives the median and the spread")
@@ -343,9 +346,11 @@ def main() -> None:
                     max_inflight_per_worker=groups * 8)
         if gpu:
             base.update(device="cuda", actor_num_gpus_per_node=1, colocate=not args.disaggregated,
-                        rollout_num_gpus=1 if args.disaggregated else 0, max_tokens_per_micro_batch=32768)
+                        rollout_num_gpus=1 if args.disaggregated else 0,
+                        max_tokens_per_micro_batch=args.micro_batch_tokens)
             where = "trainer on GPU 0, engine on GPU 1" if args.disaggregated else "colocated on one GPU"
-            what = f"Qwen3-0.6B shape, random weights, bf16, {where}; Zipf lengths ≤ {args.max_len}"
+            what = (f"Qwen3-0.6B shape, random weights, bf16, {where}; Zipf lengths ≤ {args.max_len}; "
+                    f"{args.micro_batch_tokens}-token micro-batches")
         else:
             what = f"2-layer 64-wide random model, float32, CPU; Zipf lengths ≤ {args.max_len} (the GPU workload scaled down)"
     else:
@@ -433,7 +438,7 @@ def run_lanes(args: argparse.Namespace, configs: list, steps: int, base: dict[st
         out.unlink(missing_ok=True)
         gpus = ",".join(str(g) for g in range(i * per, (i + 1) * per))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--device", "cuda", "--steps", str(steps),
-               "--max-len", str(args.max_len), "--json-out", str(out), "--only", *[slug(n) for n, _ in lane]]
+               "--max-len", str(args.max_len), "--micro-batch-tokens", str(args.micro_batch_tokens), "--json-out", str(out), "--only", *[slug(n) for n, _ in lane]]
         cmd += ["--disaggregated"] * args.disaggregated + ["--compile"] * args.compile
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpus)), out))
         plan.append(f"GPUs {gpus}: {', '.join(n for n, _ in lane)}")

@@ -124,6 +124,30 @@ def wants_shared_base(cfg: MilesConfig) -> bool:
             and cfg.quant.engine_spec() is None)
 
 
+def colocated_trainer_bytes(cfg: MilesConfig, model_config: Any, num_params: int, *,
+                            shared_base: bool = False) -> tuple[int, int] | None:
+    """(resident state, micro-batch activation) bytes of the embedded trainer that shares the
+    engine's GPU, for the engine's memory plan; None where no trainer does. The micro-batch
+    is --max-tokens-per-micro-batch, else its rows (--micro-batch-size, else a whole step's)
+    padded to the context. With --offload-rollout the engines release their KV cache while
+    the trainer runs, so only the state that stays between steps counts; a LoRA engine over
+    the trainer's base already holds that base (it is in the engine's weights)."""
+    from miles.engines.memory import trainer_activation_bytes, trainer_state_bytes
+
+    if not (cfg.run.colocate and cfg.run.train_backend == "embedded" and cfg.engine.device.startswith("cuda")):
+        return None
+    t = cfg.trainer
+    lora = t.lora_rank > 0
+    state = 0 if shared_base else trainer_state_bytes(num_params, 0 if lora else num_params,
+                                                      offload_train=t.offload_train, lora=lora)
+    if cfg.engine.offload_rollout:
+        return state, 0
+    rows = t.micro_batch_size or cfg.scheduler.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    tokens = t.max_tokens_per_micro_batch or rows * context_len(cfg)
+    dtype = torch.float32 if t.dtype == "float32" else torch.bfloat16
+    return state, trainer_activation_bytes(model_config, tokens, dtype, checkpointing=t.gradient_checkpointing)
+
+
 def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0, base_offer: Any = None) -> Any:
     """The rollout engine of worker ``index``: embedded torch, or an SGLang server.
     ``base_offer``: a colocated LoRA trainer's ``base_offer()``; the engine serves that base
@@ -150,7 +174,9 @@ def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0, base
         model_cfg = load_config(cfg.rollout.hf_checkpoint)
         base, why = shared.open_offer(base_offer, model_cfg, engine_cfg.device, engine_cfg.torch_dtype())
         if base is not None:
-            engine = EmbeddedEngine.over_shared_base(model_cfg, base, config=engine_cfg, tokenizer=tokenizer)
+            trainer = colocated_trainer_bytes(cfg, model_cfg, sum(t.numel() for t in base.values()), shared_base=True)
+            engine = EmbeddedEngine.over_shared_base(model_cfg, base, config=engine_cfg, tokenizer=tokenizer,
+                                                     colocated_trainer=trainer)
             log.warning("LoRA: the engine serves the colocated trainer's frozen base (%.1f GiB, one copy on the "
                         "GPU) and applies the adapters unmerged (engine/lora_shared_base = 1)",
                         shared.shared_bytes(engine.model, engine.shared) / 2**30)
@@ -159,11 +185,13 @@ def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0, base
         log.warning("LoRA: the engine loads its own copy of the base and merges the adapters "
                     "(engine/lora_shared_base = 0): %s", why)
     model = load_pretrained(cfg.rollout.hf_checkpoint, device=engine_cfg.device)
+    trainer = colocated_trainer_bytes(cfg, model.config, sum(p.numel() for p in model.parameters()))
     from miles.models.quant import apply_quantization
 
     apply_quantization(model, cfg.quant.engine_spec())
     draft = build_draft_model(cfg, model.config) if cfg.speculative.enabled else None
-    engine = EmbeddedEngine(model, config=engine_cfg, tokenizer=tokenizer, draft=draft, speculative=cfg.speculative)
+    engine = EmbeddedEngine(model, config=engine_cfg, tokenizer=tokenizer, draft=draft, speculative=cfg.speculative,
+                            colocated_trainer=trainer)
     engine.start()
     return engine
 

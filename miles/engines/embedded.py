@@ -77,10 +77,12 @@ class EmbeddedEngine:
     def __init__(self, model: CausalLM, *, config: EngineConfig | None = None,
                  tokenizer: Any = None, version: int = 0, draft: Any = None,
                  speculative: SpeculativeConfig | None = None, draft_version: int = 0,
-                 shared: frozenset[str] = frozenset()) -> None:
+                 shared: frozenset[str] = frozenset(), colocated_trainer: tuple[int, int] | None = None) -> None:
         """Takes ownership of ``model`` (and ``draft``): moves it to ``config.device`` /
         dtype, freezes grads. Speculation needs both ``draft`` and an enabled ``speculative``.
-        ``shared``: parameters that are a colocated trainer's frozen base (``over_shared_base``)."""
+        ``shared``: parameters that are a colocated trainer's frozen base (``over_shared_base``).
+        ``colocated_trainer``: the (resident state, micro-batch activation) bytes of a trainer on
+        the same GPU; on CUDA the memory plan then reserves its peak, ``--engine-mem-fraction`` or not."""
         self.config = config = config or EngineConfig()
         if shared and (draft is not None or quant.spec_of(model) is not None or model.config.is_moe):
             raise ValueError("an engine over a shared base runs dense, unquantized, non-speculative models only")
@@ -95,10 +97,11 @@ class EmbeddedEngine:
         self.tokenizer = tokenizer
         spec_on = draft is not None and speculative is not None and speculative.enabled
         self.memory_plan = None
-        if config.engine_mem_fraction is not None and self.device.type == "cuda":
+        if (config.engine_mem_fraction is not None or colocated_trainer is not None) and self.device.type == "cuda":
             from miles.engines.memory import measure_plan
 
-            self.memory_plan = measure_plan(self.model, config, config.kv_torch_dtype() or self.dtype)
+            self.memory_plan = measure_plan(self.model, config, config.kv_torch_dtype() or self.dtype,
+                                            trainer=colocated_trainer)
             log.warning("%s", self.memory_plan.describe())
             config = self.config = msgspec.structs.replace(config, max_batch_size=self.memory_plan.slots)
         self.runner = ModelRunner(self.model, config, headroom=MAX_STEPS + 2 if spec_on else 0)

@@ -6,7 +6,10 @@ colocated trainer and a margin, decided once at start and printed.
     slots    = min(max_batch_size, budget // (kv bytes per token · max_seq_len))
 
 ``plan_memory`` is the arithmetic alone (pure, tested on the CPU); ``measure_plan`` reads
-the GPU (``torch.cuda.mem_get_info``) and the model and calls it. A plan that cannot hold one
+the GPU (``torch.cuda.mem_get_info``) and the model and calls it. A colocated engine plans even
+without ``--engine-mem-fraction`` (``COLOCATED_FRACTION``, the trainer's peak from
+``colocated_trainer_peak``): without a plan it would take ``max_batch_size`` slots of KV and
+leave the trainer's first step to run out of memory. A plan that cannot hold one
 sequence of ``max_seq_len`` tokens raises ``MemoryPlanError`` naming the knobs, before any
 request is taken; ``EmbeddedEngine`` then builds ``slots`` slots instead of
 ``max_batch_size`` (more requests wait in its queue).
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 GiB = 1 << 30
+COLOCATED_FRACTION = 0.9  # a colocated engine's plan without --engine-mem-fraction: the rest is CUDA contexts and allocator slack
 
 
 class MemoryPlanError(ValueError):
@@ -66,7 +70,7 @@ def plan_memory(*, total_bytes: int, fraction: float, in_use_bytes: int, weights
         raise MemoryPlanError(
             f"one sequence of --max-seq-len {max_seq_len} needs {need / GiB:.2f} GiB of KV cache, but "
             f"{max(0, budget) / GiB:.2f} GiB is left ({plan.describe()}); raise --engine-mem-fraction, lower "
-            f"--max-seq-len or --train-memory-margin-bytes, use --kv-cache-dtype fp8_e4m3, --lora-rank or "
+            f"--max-seq-len, --max-tokens-per-micro-batch or --train-memory-margin-bytes, use --kv-cache-dtype fp8_e4m3, --lora-rank or "
             f"--offload-train")
     return plan
 
@@ -87,13 +91,44 @@ def activation_bytes(config, max_batch_size: int, max_prefill_tokens: int, dtype
     return logits + 2 * max_prefill_tokens * width * size
 
 
-def measure_plan(model, engine_config, kv_dtype: torch.dtype, *, trainer_peak_bytes: int = 0) -> MemoryPlan:
-    """The plan on the engine's CUDA device, with its weights already there."""
+def trainer_activation_bytes(config, tokens: int, dtype: torch.dtype, *, checkpointing: bool = False) -> int:
+    """A bound on what one training micro-batch of ``tokens`` tokens allocates beyond the
+    trainer's resident state: the tensors autograd saves in each decoder layer (the layer's
+    input alone under gradient checkpointing, plus one layer recomputed), and the logits with
+    their gradient in the compute dtype beside the float32 log-softmax chunks."""
+    from miles.trainers.logprobs import CHUNK_BYTES
+
+    size = torch.empty((), dtype=dtype).element_size()
+    h = config.hidden_size
+    mlp = (config.moe_intermediate_size * config.num_experts_per_tok if config.num_experts
+           else config.intermediate_size)
+    attn = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    # norms, residuals and attention out (h each), gate/up and SiLU·up, q/k/v before and after RoPE
+    layer = (8 * h + 3 * mlp + 2 * attn) * size
+    saved = (h * size * config.num_hidden_layers + layer) if checkpointing else layer * config.num_hidden_layers
+    return tokens * (saved + 2 * config.vocab_size * size) + 3 * CHUNK_BYTES
+
+
+def colocated_trainer_peak(state_bytes: int, activation_bytes: int, other_in_use_bytes: int) -> int:
+    """What a colocated trainer still adds at its peak: its activations, and whatever of its
+    resident state is not allocated yet. The engine cannot tell the trainer's allocations from
+    other processes', so memory in use beyond its own weights counts as the trainer's state
+    (the two actors start concurrently: either may allocate first)."""
+    return activation_bytes + max(0, state_bytes - other_in_use_bytes)
+
+
+def measure_plan(model, engine_config, kv_dtype: torch.dtype, *, trainer: tuple[int, int] | None = None) -> MemoryPlan:
+    """The plan on the engine's CUDA device, with its weights already there. ``trainer``: a
+    colocated trainer's (resident state bytes, micro-batch activation bytes)."""
     device = torch.device(engine_config.device)
     free, total = torch.cuda.mem_get_info(device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainer_peak_bytes = 0
+    if trainer is not None:
+        trainer_peak_bytes = colocated_trainer_peak(*trainer, other_in_use_bytes=max(0, total - free - weights))
+    fraction = engine_config.engine_mem_fraction or COLOCATED_FRACTION
     return plan_memory(
-        total_bytes=total, fraction=engine_config.engine_mem_fraction, in_use_bytes=total - free,
+        total_bytes=total, fraction=fraction, in_use_bytes=total - free,
         weights_bytes=weights, kv_bytes_per_token=kv_bytes_per_token(model.config, kv_dtype),
         max_seq_len=engine_config.max_seq_len, max_batch_size=engine_config.max_batch_size,
         trainer_peak_bytes=trainer_peak_bytes,

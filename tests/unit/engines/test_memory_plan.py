@@ -62,3 +62,83 @@ def test_a_qwen3_32b_lora_trainer_and_its_engine_fit_one_h200_only_with_a_bf16_b
     bf16_base = trainer_state_bytes(n, adapters, lora=True)
     assert engine + bf16_base < h200 - 8 * GiB  # room left for the KV cache and activations
     assert engine + trainer_state_bytes(n, adapters) > h200  # a float32 base beside it does not fit
+
+
+QWEN3_06B = dict(num_hidden_layers=28, num_key_value_heads=8, head_dim=128, hidden_size=1024,
+                 intermediate_size=3072, num_attention_heads=16, vocab_size=151936)
+
+
+def _saved_bytes(model: CausalLM, input_ids: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward in one forward (each storage once, the parameters
+    left out: they are the trainer's resident state), plus the logits."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(input_ids).logits
+    return sum(seen.values()) + logits.numel() * logits.element_size()
+
+
+def test_trainer_activation_bound_covers_what_autograd_saves() -> None:
+    from miles.engines.memory import trainer_activation_bytes
+    from miles.trainers.logprobs import CHUNK_BYTES
+
+    cfg = tiny_config(num_hidden_layers=3, hidden_size=64, intermediate_size=192, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=512)
+    torch.manual_seed(0)
+    model = CausalLM(cfg).train()
+    ids = torch.randint(0, cfg.vocab_size, (4, 32))
+    saved = _saved_bytes(model, ids)
+    bound = trainer_activation_bytes(cfg, ids.numel(), torch.float32) - 3 * CHUNK_BYTES
+    assert saved <= bound <= 3 * saved, (saved, bound)
+    ckpt = trainer_activation_bytes(cfg, ids.numel(), torch.float32, checkpointing=True) - 3 * CHUNK_BYTES
+    assert ckpt < bound
+
+
+def test_a_colocated_plan_reserves_the_trainers_micro_batch() -> None:
+    """The 80 GB case: a Qwen3-0.6B shape colocated with a 32k-token micro-batch (eager) does not
+    fit beside one sequence of KV, and the plan says so before the run starts; a 16k-token
+    micro-batch leaves fewer slots than an 8k one."""
+    from miles.engines.memory import colocated_trainer_peak, trainer_activation_bytes
+
+    cfg = tiny_config(**QWEN3_06B)
+    n, weights = 600_000_000, 1_200_000_000
+    state = trainer_state_bytes(n, n)
+
+    def slots(tokens: int, other_in_use: int) -> int:
+        peak = colocated_trainer_peak(state, trainer_activation_bytes(cfg, tokens, torch.bfloat16), other_in_use)
+        return plan_memory(total_bytes=80 * GiB, fraction=0.9, in_use_bytes=weights + other_in_use,
+                           weights_bytes=weights, kv_bytes_per_token=kv_bytes_per_token(cfg, torch.bfloat16),
+                           max_seq_len=2112, max_batch_size=256, trainer_peak_bytes=peak).slots
+
+    assert 0 < slots(16384, 0) < slots(8192, 0) < 256
+    # the trainer's state counts once, whether it was allocated before the engine's plan or not
+    assert slots(8192, state) == slots(8192, 0)
+    with pytest.raises(MemoryPlanError, match="--max-tokens-per-micro-batch"):
+        slots(32768, 0)
+
+
+def test_the_colocated_trainer_the_engine_plans_for() -> None:
+    from miles.actors.factory import colocated_trainer_bytes
+    from miles.config import default_config
+
+    cfg = tiny_config(**QWEN3_06B)
+    n = 600_000_000
+
+    def of(**flags) -> tuple[int, int] | None:
+        run = default_config(**flags)
+        run = run.replace(device="cuda") if "device" not in flags else run
+        return colocated_trainer_bytes(run, cfg, n)
+
+    assert of(colocate=False) is None
+    assert of(colocate=True, device="cpu") is None
+    state, act = of(colocate=True, max_tokens_per_micro_batch=8192)
+    assert state == 16 * n and act > 8192 * 2 * 151936 * 2
+    assert of(colocate=True, max_tokens_per_micro_batch=4096)[1] < act
+    assert of(colocate=True, max_tokens_per_micro_batch=8192, offload_rollout=True) == (state, 0)
+    assert of(colocate=True, max_tokens_per_micro_batch=8192, offload_train=True)[0] == 4 * n
