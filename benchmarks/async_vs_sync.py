@@ -347,7 +347,10 @@ def main() -> None:
         if gpu:
             base.update(device="cuda", actor_num_gpus_per_node=1, colocate=not args.disaggregated,
                         rollout_num_gpus=1 if args.disaggregated else 0,
-                        max_tokens_per_micro_batch=args.micro_batch_tokens)
+                        max_tokens_per_micro_batch=args.micro_batch_tokens,
+                        # the trainer compiles before the first step: a steady-state comparison, whose
+                        # short span a background compile's switch would land in (first_step.py times that)
+                        compile_warmup="inline")
             where = "trainer on GPU 0, engine on GPU 1" if args.disaggregated else "colocated on one GPU"
             what = (f"Qwen3-0.6B shape, random weights, bf16, {where}; Zipf lengths ≤ {args.max_len}; "
                     f"{args.micro_batch_tokens}-token micro-batches")

@@ -103,8 +103,10 @@ def trainer_activation_bytes(config, tokens: int, dtype: torch.dtype, *, checkpo
     mlp = (config.moe_intermediate_size * config.num_experts_per_tok if config.num_experts
            else config.intermediate_size)
     attn = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
-    # norms, residuals and attention out (h each), gate/up and SiLU·up, q/k/v before and after RoPE
-    layer = (8 * h + 3 * mlp + 2 * attn) * size
+    # norms, residuals and attention out (h each), gate/up and SiLU·up, q/k/v before and after
+    # RoPE; the RMSNorms (the two of the layer, q and k's) also keep their float32 inputs
+    norms = 2 * h + (config.num_attention_heads + config.num_key_value_heads) * config.head_dim
+    layer = (8 * h + 3 * mlp + 2 * attn) * size + 4 * norms
     saved = (h * size * config.num_hidden_layers + layer) if checkpointing else layer * config.num_hidden_layers
     return tokens * (saved + 2 * config.vocab_size * size) + 3 * CHUNK_BYTES
 
