@@ -301,9 +301,10 @@ def main() -> None:
                              "workload scaled down (2-layer 64-wide random model, --groups groups a step)")
     parser.add_argument("--groups", type=int, default=None,
                         help="groups a step (B; default 32 on the GPU, 8 with --workload zipf on the CPU)")
-    parser.add_argument("--micro-batch-tokens", type=int, default=32768,
+    parser.add_argument("--micro-batch-tokens", type=int, default=None,
                         help="GPU: the trainer's --max-tokens-per-micro-batch (colocated, the engine's memory plan "
-                             "reserves its activations: on an 80 GB card 8192 leaves room for the KV cache)")
+                             "reserves its activations; default 32768 on a card of 100 GiB or more, else 8192, "
+                             "which leaves an 80 GB card room for the KV cache)")
     parser.add_argument("--disaggregated", action="store_true", help="GPU: trainer and engine on GPUs of their own")
     parser.add_argument("--seeds", type=int, default=1,
                         help="runs per config (seeds 1..N); the table gives the median and the spread")
@@ -332,6 +333,11 @@ def main() -> None:
     if gpu and args.workload == "countdown":
         parser.error("--workload countdown runs on the CPU only")
     args.max_len = args.max_len or (2048 if gpu else 256)
+    if gpu and args.micro_batch_tokens is None:
+        import torch
+
+        big = torch.cuda.get_device_properties(0).total_memory >= 100 * 2**30
+        args.micro_batch_tokens = 32768 if big else 8192
     work = ROOT / "runs" / "async_vs_sync"
     work.mkdir(parents=True, exist_ok=True)
     if zipf:
