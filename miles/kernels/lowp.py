@@ -192,6 +192,8 @@ def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, group: int) -> Tensor:
     INT4_PATH[f"{packed.shape[0]}x{x.shape[1]}/{x.shape[0]}"] = "tiled" if cfg is None else _label(cfg)
     if cfg is not None and cfg.get("path") == "tiled":
         return _int4_triton(x, packed, scale, group, cfg)
+    if cfg is not None and cfg.get("path") in ("gemv", "dott"):
+        return _int4_words(x, packed, scale, group, cfg)
     if cfg is not None:
         return _int4_small(x, packed, scale, group, cfg)
     return _int4_triton(x, packed, scale, group)
@@ -243,7 +245,7 @@ def int4_config(M: int, N: int, K: int, group: int, dtype: torch.dtype) -> dict 
     if M > SMALL_M or group < 32 or group & (group - 1) or K % group or _triton() is None:
         return None
     cfg = TUNED.get(("int4", N, K, _bucket(M)), _TILED)  # untuned shapes: the tiled GEMM (the best at most tuned ones)
-    if cfg.get("path") == "tiled":
+    if cfg.get("path") in ("tiled", "gemv", "dott"):
         return cfg
     if cfg["DOT"] and dtype not in (torch.bfloat16, torch.float16):  # a float32 tl.dot would round to tf32
         cfg = {**cfg, "DOT": False, "BN": min(cfg["BN"], 16)}
@@ -279,6 +281,48 @@ def _int4_small(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
                    ACC2D=cfg.get("ACC2D", False),
                    KIND=0 if not dot else 1 if x.dtype == torch.bfloat16 else 2,
                    num_warps=cfg["warps"], num_stages=cfg["stages"])
+    if split == 1:
+        return out
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    lt.sum_splits[(triton.cdiv(M * N, 1024),)](out, y, M * N, SPLIT=split, BLOCK=1024)
+    return y
+
+
+def _int4_words(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict) -> Tensor:
+    """The word-wise W4A16 kernels (``lowp_triton.w4a16_gemv`` / ``w4a16_dott``): ``cfg`` gives
+    the path, ``BN`` rows a program, ``U`` groups a loop step, and ``split`` K slices (0: as
+    many as bring the programs up to ``programs``), ``warps`` and ``stages``."""
+    import triton
+
+    from miles.kernels import lowp_triton as lt
+
+    M, K = x.shape
+    N = packed.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    words = packed.view(torch.int32)  # [N, K/8]: eight nibbles, the columns 8w .. 8w + 7
+    dot = cfg["path"] == "dott" and x.dtype in (torch.bfloat16, torch.float16)  # no tf32 dot
+    BN, BM = cfg["BN"], (cfg.get("BM", 16) if dot else 1)
+    groups = K // group
+    unroll = cfg["U"]
+    while groups % unroll:
+        unroll //= 2
+    tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
+    split = cfg.get("split", 0) or max(1, min(groups // unroll, cfg.get("programs", 1056) // tiles))
+    while (groups // unroll) % split:
+        split -= 1
+    grid = (triton.cdiv(N, BN), split, triton.cdiv(M, BM))
+    out = torch.empty((split, M, N) if split > 1 else (M, N), device=x.device,
+                      dtype=torch.float32 if split > 1 else x.dtype)
+    kw_per = K // 8 // split
+    launch = dict(num_warps=cfg["warps"], num_stages=cfg.get("stages", 2))
+    if dot:
+        lt.w4a16_dott[grid](x, words, scale, out, M, N, kw_per, x.stride(0), words.stride(0), scale.stride(0),
+                            M * N, N, G=group, BN=BN, BM=BM, U=unroll,
+                            KIND=1 if x.dtype == torch.bfloat16 else 2, **launch)
+    else:
+        lt.w4a16_gemv[grid](x, words, scale, out, N, kw_per, x.stride(0), words.stride(0), scale.stride(0),
+                            M * N, N, G=group, BN=BN, U=unroll, **launch)
     if split == 1:
         return out
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)

@@ -13,6 +13,14 @@ where triton is not installed).
   ``ACC2D`` (CUDA-core form) keeps per-lane float32 sums over all groups and reduces across
   threads once at the end instead of once per group. ``split`` > 1 cuts K into that many slices written to a float32 buffer that ``sum_splits``
   adds in a fixed order: no atomics, so the result is deterministic.
+- ``w4a16_gemv`` and ``w4a16_dott``: the same product read as int32 words (eight nibbles, the
+  columns ``8·w … 8·w + 7`` of word ``w``: the packed layout's bytes in little-endian order), so
+  each thread loads 16 contiguous bytes of a row. ``w4a16_gemv`` (one batch row a program)
+  is CUDA-core only: each nibble plane ``i`` of a ``[BN, U, G/8]`` tile of words becomes
+  ``q − 8`` with the mantissa trick, multiplied by the activations ``x[8·w + i]`` and summed per
+  lane in float32 (scaled once per word and group), reduced across lanes once at the end.
+  ``w4a16_dott`` puts the weights on the tensor cores' wide side: ``yᵀ [BN, BM] += s ·
+  Σ_i q_i [BN, G/8] · xᵀ_i [G/8, BM]``, so the batch pads only to the dot's narrow side.
 - ``fp8_act_quant``: the quantizer's 1 × 128 activation groups in one kernel (amax, scale =
   max(amax · fl32(1/448), 1e-12), round-to-nearest-even e4m3 of ``x / scale``, an IEEE division),
   bit-identical to ``quantize.fp8_quantize_act``; scales written with any strides (cuBLAS wants
@@ -92,6 +100,62 @@ if triton is not None:
             acc = tl.sum(acc3, axis=2)
         tl.store(y_ptr + pid_k * sys_ + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _plane(p, i: tl.constexpr):
+        """Nibble ``i`` of each int32 word (its column ``8·w + i``) as ``q − 8`` in float32."""
+        return (((p >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+
+    @triton.jit
+    def w4a16_gemv(x_ptr, w_ptr, s_ptr, y_ptr, N, kw_per, sxm, swn, ssn, sys_, sym,
+                   G: tl.constexpr, BN: tl.constexpr, U: tl.constexpr):
+        """Rows [pid_n·BN, +BN) of batch row pid_m over the words [pid_k·kw_per, +kw_per) of K
+        (``w_ptr``: the packed weight as int32 words, ``swn`` in words)."""
+        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        W: tl.constexpr = G // 8
+        rn = pid_n * BN + tl.arange(0, BN)
+        ru = tl.arange(0, U)
+        rw = tl.arange(0, W)
+        n_ok = rn < N
+        acc = tl.zeros((BN, U, W), dtype=tl.float32)
+        kw_lo = pid_k * kw_per
+        for kw0 in range(kw_lo, kw_lo + kw_per, W * U):
+            kw = kw0 + ru[:, None] * W + rw[None, :]  # [U, W] word index along K
+            p = tl.load(w_ptr + rn[:, None, None] * swn + kw[None, :, :], mask=n_ok[:, None, None], other=0)
+            s = tl.load(s_ptr + rn[:, None] * ssn + (kw0 // W + ru)[None, :], mask=n_ok[:, None], other=0.0)
+            xrow = x_ptr + pid_m * sxm + kw * 8
+            part = _plane(p, 0) * tl.load(xrow).to(tl.float32)[None, :, :]
+            for i in tl.static_range(1, 8):
+                part += _plane(p, i) * tl.load(xrow + i).to(tl.float32)[None, :, :]
+            acc += part * s[:, :, None]
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        tl.store(y_ptr + pid_k * sys_ + pid_m * sym + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def w4a16_dott(x_ptr, w_ptr, s_ptr, y_ptr, M, N, kw_per, sxm, swn, ssn, sys_, sym,
+                   G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, U: tl.constexpr, KIND: tl.constexpr):
+        """``yᵀ`` tile [BN, BM] (weight rows × batch rows) over the words [pid_k·kw_per, +kw_per)."""
+        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        W: tl.constexpr = G // 8
+        rn = pid_n * BN + tl.arange(0, BN)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rw = tl.arange(0, W)
+        n_ok, m_ok = rn < N, rm < M
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        kw_lo = pid_k * kw_per
+        for kw0 in range(kw_lo, kw_lo + kw_per, W * U):
+            for u in tl.static_range(U):
+                kw = kw0 + u * W
+                p = tl.load(w_ptr + rn[:, None] * swn + (kw + rw)[None, :], mask=n_ok[:, None], other=0)
+                s = tl.load(s_ptr + rn * ssn + kw // W, mask=n_ok, other=0.0)
+                xcol = x_ptr + rm[None, :] * sxm + ((kw + rw) * 8)[:, None]  # [W, BM]: xᵀ at the columns 8·w
+                part = tl.dot(_nibble((p & 0xF), True, KIND), tl.load(xcol, mask=m_ok[None, :], other=0.0))
+                for i in tl.static_range(1, 8):
+                    q = _nibble((p >> (4 * i)) & 0xF, True, KIND)
+                    part = tl.dot(q, tl.load(xcol + i, mask=m_ok[None, :], other=0.0), part)
+                acc += part * s[:, None]
+        tl.store(y_ptr + pid_k * sys_ + rm[None, :] * sym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=n_ok[:, None] & m_ok[None, :])
 
     @triton.jit
     def sum_splits(p_ptr, y_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
