@@ -108,9 +108,11 @@ if triton is not None:
 
     @triton.jit
     def w4a16_gemv(x_ptr, w_ptr, s_ptr, y_ptr, N, kw_per, sxm, swn, ssn, sys_, sym,
-                   G: tl.constexpr, BN: tl.constexpr, U: tl.constexpr):
+                   G: tl.constexpr, BN: tl.constexpr, U: tl.constexpr, XV: tl.constexpr):
         """Rows [pid_n·BN, +BN) of batch row pid_m over the words [pid_k·kw_per, +kw_per) of K
-        (``w_ptr``: the packed weight as int32 words, ``swn`` in words)."""
+        (``w_ptr``: the packed weight as int32 words, ``swn`` in words). ``XV``: a word's eight
+        activations loaded as one 16-byte vector and its nibbles expanded along a fourth axis
+        (one wide load, not eight strided ones)."""
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         W: tl.constexpr = G // 8
         rn = pid_n * BN + tl.arange(0, BN)
@@ -124,17 +126,27 @@ if triton is not None:
             p = tl.load(w_ptr + rn[:, None, None] * swn + kw[None, :, :], mask=n_ok[:, None, None], other=0)
             s = tl.load(s_ptr + rn[:, None] * ssn + (kw0 // W + ru)[None, :], mask=n_ok[:, None], other=0.0)
             xrow = x_ptr + pid_m * sxm + kw * 8
-            part = _plane(p, 0) * tl.load(xrow).to(tl.float32)[None, :, :]
-            for i in tl.static_range(1, 8):
-                part += _plane(p, i) * tl.load(xrow + i).to(tl.float32)[None, :, :]
+            if XV:
+                r8 = tl.arange(0, 8)
+                xv = tl.load(xrow[:, :, None] + r8[None, None, :]).to(tl.float32)  # [U, W, 8]
+                n = (p[:, :, :, None] >> (4 * r8)[None, None, None, :]) & 0xF
+                q = (n | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+                part = tl.sum(q * xv[None, :, :, :], axis=3)
+            else:
+                part = _plane(p, 0) * tl.load(xrow).to(tl.float32)[None, :, :]
+                for i in tl.static_range(1, 8):
+                    part += _plane(p, i) * tl.load(xrow + i).to(tl.float32)[None, :, :]
             acc += part * s[:, :, None]
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
         tl.store(y_ptr + pid_k * sys_ + pid_m * sym + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
     @triton.jit
     def w4a16_dott(x_ptr, w_ptr, s_ptr, y_ptr, M, N, kw_per, sxm, swn, ssn, sys_, sym,
-                   G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, U: tl.constexpr, KIND: tl.constexpr):
-        """``yᵀ`` tile [BN, BM] (weight rows × batch rows) over the words [pid_k·kw_per, +kw_per)."""
+                   G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, U: tl.constexpr, KIND: tl.constexpr,
+                   JOIN: tl.constexpr):
+        """``yᵀ`` tile [BN, BM] (weight rows × batch rows) over the words [pid_k·kw_per, +kw_per).
+        ``JOIN``: the eight nibble planes joined back into the group's column order, one dot of
+        depth G against one contiguous ``xᵀ`` tile, instead of eight dots of depth G/8."""
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         W: tl.constexpr = G // 8
         rn = pid_n * BN + tl.arange(0, BN)
@@ -148,11 +160,23 @@ if triton is not None:
                 kw = kw0 + u * W
                 p = tl.load(w_ptr + rn[:, None] * swn + (kw + rw)[None, :], mask=n_ok[:, None], other=0)
                 s = tl.load(s_ptr + rn * ssn + kw // W, mask=n_ok, other=0.0)
-                xcol = x_ptr + rm[None, :] * sxm + ((kw + rw) * 8)[:, None]  # [W, BM]: xᵀ at the columns 8·w
-                part = tl.dot(_nibble((p & 0xF), True, KIND), tl.load(xcol, mask=m_ok[None, :], other=0.0))
-                for i in tl.static_range(1, 8):
-                    q = _nibble((p >> (4 * i)) & 0xF, True, KIND)
-                    part = tl.dot(q, tl.load(xcol + i, mask=m_ok[None, :], other=0.0), part)
+                if JOIN:  # axes (a, b, c) of nibble 4a + 2b + c, joined innermost last: column 8w + i
+                    t = tl.join(tl.join(tl.join(_nibble(p & 0xF, True, KIND), _nibble((p >> 16) & 0xF, True, KIND)),
+                                        tl.join(_nibble((p >> 8) & 0xF, True, KIND),
+                                                _nibble((p >> 24) & 0xF, True, KIND))),
+                                tl.join(tl.join(_nibble((p >> 4) & 0xF, True, KIND),
+                                                _nibble((p >> 20) & 0xF, True, KIND)),
+                                        tl.join(_nibble((p >> 12) & 0xF, True, KIND),
+                                                _nibble((p >> 28) & 0xF, True, KIND))))
+                    rk = tl.arange(0, G)
+                    xt = tl.load(x_ptr + rm[None, :] * sxm + (kw * 8 + rk)[:, None], mask=m_ok[None, :], other=0.0)
+                    part = tl.dot(tl.reshape(t, (BN, G)), xt)
+                else:
+                    xcol = x_ptr + rm[None, :] * sxm + ((kw + rw) * 8)[:, None]  # [W, BM]: xᵀ at the columns 8·w
+                    part = tl.dot(_nibble((p & 0xF), True, KIND), tl.load(xcol, mask=m_ok[None, :], other=0.0))
+                    for i in tl.static_range(1, 8):
+                        q = _nibble((p >> (4 * i)) & 0xF, True, KIND)
+                        part = tl.dot(q, tl.load(xcol + i, mask=m_ok[None, :], other=0.0), part)
                 acc += part * s[:, None]
         tl.store(y_ptr + pid_k * sys_ + rm[None, :] * sym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
                  mask=n_ok[:, None] & m_ok[None, :])
