@@ -376,13 +376,22 @@ def _fp8_triton(x: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype, cfg: 
         xq, xs = x, ws  # unused operands of the fused form
     else:
         xq, xs = _fp8_quant_triton(x, M, outer=False)
-    y = torch.empty((M, N), device=x.device, dtype=out_dtype)
-    grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(N, cfg["BN"]))
-    lt.fp8_gemm[grid](x, xq, xs, wq, ws, y, M, N, K, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1),
-                      wq.stride(0), ws.stride(0), ws.stride(1), y.stride(0),
+    blocks = triton.cdiv(K, BLOCK)
+    split = max(1, min(cfg.get("split", 1), blocks))
+    k_per = triton.cdiv(blocks, split) * BLOCK
+    split = triton.cdiv(K, k_per)
+    y = torch.empty((split, M, N) if split > 1 else (M, N), device=x.device,
+                    dtype=torch.float32 if split > 1 else out_dtype)
+    grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(N, cfg["BN"]), split)
+    lt.fp8_gemm[grid](x, xq, xs, wq, ws, y, M, N, K, k_per, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1),
+                      wq.stride(0), ws.stride(0), ws.stride(1), N, M * N,
                       BM=cfg["BM"], BN=cfg["BN"], BK=BLOCK, FUSED=fused, FP8_MAX=FP8_MAX,
                       num_warps=cfg["warps"], num_stages=cfg["stages"])
-    return y
+    if split == 1:
+        return y
+    out = torch.empty((M, N), device=x.device, dtype=out_dtype)
+    lt.sum_splits[(triton.cdiv(M * N, 1024),)](y, out, M * N, SPLIT=split, BLOCK=1024)
+    return out
 
 
 _KERNEL = None

@@ -214,16 +214,18 @@ if triton is not None:
         tl.store(s_ptr + rr * ssm + pid_g * ssg, scale, mask=rr < R)
 
     @triton.jit
-    def fp8_gemm(x_ptr, a_ptr, as_ptr, b_ptr, bs_ptr, y_ptr, M, N, K, sxm, sam, sasm, sasg, sbn, sbsn, sbsk, sym,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr,
+    def fp8_gemm(x_ptr, a_ptr, as_ptr, b_ptr, bs_ptr, y_ptr, M, N, K, k_per, sxm, sam, sasm, sasg, sbn, sbsn, sbsk,
+                 sym, sys_, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr,
                  FP8_MAX: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        """Tile (pid_m, pid_n) over the K slice [pid_k·k_per, +k_per) (split-K: each slice's
+        float32 partial at ``y_ptr + pid_k·sys_``, added by ``sum_splits``)."""
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         m_ok, n_ok = rm < M, rn < N
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        for k0 in range(pid_k * k_per, tl.minimum(pid_k * k_per + k_per, K), BK):
             k_ok = (k0 + rk) < K
             if FUSED:
                 x = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :],
@@ -236,5 +238,5 @@ if triton is not None:
             b = tl.load(b_ptr + rn[:, None] * sbn + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             sb = tl.load(bs_ptr + (rn // BK) * sbsn + (k0 // BK) * sbsk, mask=n_ok, other=0.0)
             acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-        tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+        tl.store(y_ptr + pid_k * sys_ + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
