@@ -319,7 +319,8 @@ def _int4_words(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
     if dot:
         lt.w4a16_dott[grid](x, words, scale, out, M, N, kw_per, x.stride(0), words.stride(0), scale.stride(0),
                             M * N, N, G=group, BN=BN, BM=BM, U=unroll,
-                            KIND=1 if x.dtype == torch.bfloat16 else 2, JOIN=cfg.get("JOIN", False), **launch)
+                            KIND=1 if x.dtype == torch.bfloat16 else 2, JOIN=cfg.get("JOIN", False),
+                            NIB16=cfg.get("NIB16", False), **launch)
     else:
         lt.w4a16_gemv[grid](x, words, scale, out, N, kw_per, x.stride(0), words.stride(0), scale.stride(0),
                             M * N, N, G=group, BN=BN, U=unroll, XV=cfg.get("XV", False), **launch)

@@ -107,6 +107,16 @@ if triton is not None:
         return (((p >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
 
     @triton.jit
+    def _half(p, i: tl.constexpr, KIND: tl.constexpr, NIB16: tl.constexpr):
+        """Nibble ``i`` of each word as ``q − 8`` in the dot's dtype (KIND 1 bf16, 2 fp16)."""
+        if NIB16:
+            return _nibble((p >> (4 * i)) & 0xF, True, KIND)
+        elif KIND == 1:
+            return _plane(p, i).to(tl.bfloat16)
+        else:
+            return _plane(p, i).to(tl.float16)
+
+    @triton.jit
     def w4a16_gemv(x_ptr, w_ptr, s_ptr, y_ptr, N, kw_per, sxm, swn, ssn, sys_, sym,
                    G: tl.constexpr, BN: tl.constexpr, U: tl.constexpr, XV: tl.constexpr):
         """Rows [pid_n·BN, +BN) of batch row pid_m over the words [pid_k·kw_per, +kw_per) of K
@@ -143,10 +153,12 @@ if triton is not None:
     @triton.jit
     def w4a16_dott(x_ptr, w_ptr, s_ptr, y_ptr, M, N, kw_per, sxm, swn, ssn, sys_, sym,
                    G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, U: tl.constexpr, KIND: tl.constexpr,
-                   JOIN: tl.constexpr):
+                   JOIN: tl.constexpr, NIB16: tl.constexpr):
         """``yᵀ`` tile [BN, BM] (weight rows × batch rows) over the words [pid_k·kw_per, +kw_per).
         ``JOIN``: the eight nibble planes joined back into the group's column order, one dot of
-        depth G against one contiguous ``xᵀ`` tile, instead of eight dots of depth G/8."""
+        depth G against one contiguous ``xᵀ`` tile, instead of eight dots of depth G/8.
+        ``NIB16``: a nibble becomes ``q − 8`` by the 16-bit mantissa trick, else by the float32
+        one and a conversion (which of the two the compiler does best is measured)."""
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         W: tl.constexpr = G // 8
         rn = pid_n * BN + tl.arange(0, BN)
@@ -161,21 +173,19 @@ if triton is not None:
                 p = tl.load(w_ptr + rn[:, None] * swn + (kw + rw)[None, :], mask=n_ok[:, None], other=0)
                 s = tl.load(s_ptr + rn * ssn + kw // W, mask=n_ok, other=0.0)
                 if JOIN:  # axes (a, b, c) of nibble 4a + 2b + c, joined innermost last: column 8w + i
-                    t = tl.join(tl.join(tl.join(_nibble(p & 0xF, True, KIND), _nibble((p >> 16) & 0xF, True, KIND)),
-                                        tl.join(_nibble((p >> 8) & 0xF, True, KIND),
-                                                _nibble((p >> 24) & 0xF, True, KIND))),
-                                tl.join(tl.join(_nibble((p >> 4) & 0xF, True, KIND),
-                                                _nibble((p >> 20) & 0xF, True, KIND)),
-                                        tl.join(_nibble((p >> 12) & 0xF, True, KIND),
-                                                _nibble((p >> 28) & 0xF, True, KIND))))
+                    h = (_half(p, 0, KIND, NIB16), _half(p, 1, KIND, NIB16), _half(p, 2, KIND, NIB16),
+                         _half(p, 3, KIND, NIB16), _half(p, 4, KIND, NIB16), _half(p, 5, KIND, NIB16),
+                         _half(p, 6, KIND, NIB16), _half(p, 7, KIND, NIB16))
+                    t = tl.join(tl.join(tl.join(h[0], h[4]), tl.join(h[2], h[6])),
+                                tl.join(tl.join(h[1], h[5]), tl.join(h[3], h[7])))
                     rk = tl.arange(0, G)
                     xt = tl.load(x_ptr + rm[None, :] * sxm + (kw * 8 + rk)[:, None], mask=m_ok[None, :], other=0.0)
                     part = tl.dot(tl.reshape(t, (BN, G)), xt)
                 else:
                     xcol = x_ptr + rm[None, :] * sxm + ((kw + rw) * 8)[:, None]  # [W, BM]: xᵀ at the columns 8·w
-                    part = tl.dot(_nibble((p & 0xF), True, KIND), tl.load(xcol, mask=m_ok[None, :], other=0.0))
+                    part = tl.dot(_half(p, 0, KIND, NIB16), tl.load(xcol, mask=m_ok[None, :], other=0.0))
                     for i in tl.static_range(1, 8):
-                        q = _nibble((p >> (4 * i)) & 0xF, True, KIND)
+                        q = _half(p, i, KIND, NIB16)
                         part = tl.dot(q, tl.load(xcol + i, mask=m_ok[None, :], other=0.0), part)
                 acc += part * s[:, None]
         tl.store(y_ptr + pid_k * sys_ + rm[None, :] * sym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
