@@ -12,8 +12,11 @@
   quantized operands are multiplied dequantized (the quantizer's semantics, slowly). Every path
   quantizes the activations with the quantizer's arithmetic (bit-identical values), so the
   paths differ only in float32 summation order. ``FP8_PATH`` says which ran per shape and M.
-- INT4 (W4A16): up to ``SMALL_M`` rows, the Triton decode kernel (``lowp_triton.w4a16``: the
-  packed weight streamed once, group scales applied after each group's float32 sum); above,
+- INT4 (W4A16): up to ``SMALL_M`` rows, the launch ``TUNED`` names per shape and batch bucket:
+  a word-wise kernel (``lowp_triton.w4a16_gemv`` on the CUDA cores, ``w4a16_dott`` on the tensor
+  cores, the packed weight read as int32 words, viewed, not copied), the byte-wise decode
+  kernel (``lowp_triton.w4a16``: the packed weight streamed once, group scales applied after
+  each group's float32 sum) or the tiled GEMM; above,
   a tiled Triton GEMM that dequantizes a tile in registers and accumulates in float32, split-K
   over a few programs when the output alone gives too few. Both deterministic (partial sums
   added in a fixed order) and equal to the dequantized product to bf16 round-off.

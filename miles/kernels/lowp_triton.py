@@ -26,7 +26,8 @@ where triton is not installed).
   bit-identical to ``quantize.fp8_quantize_act``; scales written with any strides (cuBLAS wants
   them outer-major), rows past M written as zero groups (cuBLAS's row padding).
 - ``fp8_gemm``: block-scaled FP8 GEMM, ``y = Σ_kblocks (a_q · b_qᵀ) · s_a · s_b`` with the
-  scales applied per 128-K block in the float32 accumulation (DeepSeek-V3's recipe). With
+  scales applied per 128-K block in the float32 accumulation (DeepSeek-V3's recipe), split-K
+  over a grid axis where the tiles alone leave SMs idle (float32 partials, ``sum_splits``). With
   ``FUSED`` the activation tile is quantized in the prologue from the bf16 input with the same
   arithmetic as ``fp8_act_quant`` (so the same values as the unfused path), and no quantized
   copy of the activations is written.
