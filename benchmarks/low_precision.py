@@ -214,7 +214,8 @@ _GEMV = [_gv(BN, U, w, XV=xv) for xv in (False, True)
          for BN, U, w in ((8, 4, 4), (16, 4, 4), (32, 4, 4), (64, 4, 8), (16, 8, 4), (32, 2, 4), (32, 8, 8), (16, 2, 2))]
 _GEMV += [_gv(BN, U, w, programs=p, XV=xv, stages=st) for xv in (False, True)
           for BN, U, w, p, st in ((32, 4, 4, 2112, 2), (16, 4, 4, 528, 2), (64, 2, 4, 1056, 2), (32, 4, 4, 1056, 1),
-                                  (32, 4, 4, 1056, 3), (16, 4, 4, 1056, 3))]
+                                  (32, 4, 4, 1056, 3), (16, 4, 4, 1056, 3), (64, 4, 4, 1056, 2), (128, 4, 8, 1056, 2))]
+_GEMV += [_gv(BN, U, w, XV=True) for BN, U, w in ((128, 2, 4), (64, 8, 8))]  # more rows a thread: its activations reused
 INT4_CANDIDATES = {
     1: [*_GEMV, _dt(64, 1, 4), _dt(64, 2, 4), _dt(128, 1, 4), _dt(128, 1, 8), _dt(64, 1, 4, JOIN=True),
         _dt(128, 1, 8, JOIN=True), _dt(64, 2, 4, NIB16=True), _dt(64, 1, 4, programs=2112), _dt(32, 2, 4),
