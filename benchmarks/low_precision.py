@@ -197,37 +197,32 @@ def _tiled(BN, programs, warps=4, stages=3):  # noqa: ANN001, ANN202, N803
     return dict(path="tiled", BN=BN, programs=programs, warps=warps, stages=stages)
 
 
-def _gv(BN, U, warps, programs=1056, XV=False, stages=2):  # noqa: ANN001, ANN202, N803
-    return dict(path="gemv", BN=BN, U=U, split=0, programs=programs, warps=warps, stages=stages, XV=XV)
+def _gv(BN, U, warps, programs=1056, split=0):  # noqa: ANN001, ANN202, N803
+    return dict(path="gemv", BN=BN, U=U, split=split, programs=programs, warps=warps, stages=2, XV=False)
 
 
-def _dt(BN, U, warps, programs=1056, JOIN=False, NIB16=False, stages=2):  # noqa: ANN001, ANN202, N803
+def _dt(BN, U, warps, programs=1056, JOIN=True, NIB16=False, stages=2):  # noqa: ANN001, ANN202, N803
     return dict(path="dott", BN=BN, BM=16, U=U, split=0, programs=programs, warps=warps, stages=stages, JOIN=JOIN,
                 NIB16=NIB16)
 
 
-# launches tried per batch: the word-wise kernels (lowp_triton.w4a16_gemv: BN, U groups a step, warps, programs
-# (split-K up to that many), XV, stages; w4a16_dott: the same with JOIN, NIB16), then the fastest launches of the
-# earlier sweeps (benchmarks/log/low_precision.md) of the byte-wise decode kernel (DOT, BN, UNROLL, split, warps,
-# ACC2D, stages) and of the tiled GEMM (BN, programs, warps, stages), so a new kernel is kept only where it wins.
-_GEMV = [_gv(BN, U, w, XV=xv) for xv in (False, True)
-         for BN, U, w in ((8, 4, 4), (16, 4, 4), (32, 4, 4), (64, 4, 8), (16, 8, 4), (32, 2, 4), (32, 8, 8), (16, 2, 2))]
-_GEMV += [_gv(BN, U, w, programs=p, XV=xv, stages=st) for xv in (False, True)
-          for BN, U, w, p, st in ((32, 4, 4, 2112, 2), (16, 4, 4, 528, 2), (64, 2, 4, 1056, 2), (32, 4, 4, 1056, 1),
-                                  (32, 4, 4, 1056, 3), (16, 4, 4, 1056, 3), (64, 4, 4, 1056, 2), (128, 4, 8, 1056, 2))]
-_GEMV += [_gv(BN, U, w, XV=True) for BN, U, w in ((128, 2, 4), (64, 8, 8))]  # more rows a thread: its activations reused
+# launches tried per batch: the word-wise kernels (lowp_triton.w4a16_gemv: BN, U groups a step, warps, split-K
+# (0: up to `programs` programs); w4a16_dott: the same with JOIN, NIB16) around the first sweep's winners (its raw
+# section in benchmarks/log/low_precision.md: gemv without XV, few rows a program and many groups a step; dott
+# joined), with the earlier kernels' best launches for reference (byte-wise decode kernel: DOT, BN, UNROLL, split,
+# warps, ACC2D, stages; tiled GEMM: BN, programs, warps, stages). Software pipelining (stages) changed nothing.
 INT4_CANDIDATES = {
-    1: [*_GEMV, _dt(64, 1, 4), _dt(64, 2, 4), _dt(128, 1, 4), _dt(128, 1, 8), _dt(64, 1, 4, JOIN=True),
-        _dt(128, 1, 8, JOIN=True), _dt(64, 2, 4, NIB16=True), _dt(64, 1, 4, programs=2112), _dt(32, 2, 4),
-        _d(True, 64, 2, 8, 4, stages=2), _d(True, 64, 1, 8, 4, stages=2), _d(True, 64, 2, 4, 4), _d(True, 128, 1, 2, 8),
-        _tiled(64, 264), _tiled(64, 1056), _tiled(32, 1056)],
-    16: [_dt(64, 1, 4), _dt(64, 2, 4), _dt(128, 1, 4), _dt(128, 1, 8), _dt(128, 2, 8), _dt(256, 1, 8),
-         _dt(64, 1, 4, JOIN=True), _dt(128, 1, 4, JOIN=True), _dt(128, 1, 8, JOIN=True), _dt(256, 1, 8, JOIN=True),
-         _dt(128, 2, 8, JOIN=True), _dt(64, 2, 4, JOIN=True), _dt(128, 1, 8, JOIN=True, NIB16=True),
-         _dt(128, 1, 8, NIB16=True), _dt(128, 1, 8, programs=2112), _dt(128, 1, 8, JOIN=True, programs=528),
-         _dt(64, 1, 4, JOIN=True, programs=2112), _dt(128, 1, 8, JOIN=True, stages=3), _dt(128, 1, 4, stages=1),
-         _tiled(64, 264), _tiled(64, 1056), _tiled(32, 1056), _d(True, 128, 1, 8, 8, stages=2),
-         _d(True, 128, 1, 2, 8)],
+    1: [*(_gv(BN, U, w, programs=p) for BN, U, w, p in (
+            (16, 8, 4, 1056), (8, 4, 4, 1056), (8, 8, 4, 1056), (8, 16, 4, 1056), (16, 16, 4, 1056), (4, 8, 2, 1056),
+            (4, 16, 4, 1056), (8, 8, 2, 1056), (8, 4, 2, 1056), (16, 8, 8, 1056), (16, 8, 4, 2112), (8, 8, 4, 2112),
+            (16, 8, 4, 528))),
+        *(_gv(BN, U, w, split=1) for BN, U, w in (  # no split-K: no float32 partials, no second launch
+            (4, 8, 2), (4, 16, 4), (8, 8, 4), (8, 16, 4), (8, 4, 4), (4, 4, 2), (8, 8, 2), (16, 8, 4), (4, 16, 2))),
+        _d(True, 64, 2, 8, 4, stages=2), _tiled(64, 264)],
+    16: [_dt(64, 2, 4), _dt(32, 2, 4), _dt(32, 4, 4), _dt(32, 2, 2), _dt(16, 4, 2), _dt(16, 4, 1), _dt(64, 4, 4),
+         _dt(64, 2, 4, programs=528), _dt(64, 2, 4, programs=2112), _dt(32, 4, 4, programs=2112), _dt(128, 2, 4),
+         _dt(32, 8, 4), _dt(64, 2, 8), _dt(64, 2, 4, NIB16=True), _dt(64, 2, 4, JOIN=False),
+         _tiled(64, 264), _tiled(32, 1056), _tiled(32, 264)],
 }
 FP8_CANDIDATES = {  # (path, BM, BN, warps, stages[, split-K]); cublas: the Triton activation kernel + _scaled_mm
     1: [("cublas",), ("triton", 16, 64, 4, 4), ("triton", 16, 32, 4, 4), ("triton", 16, 64, 4, 4, 2),
@@ -280,7 +275,9 @@ def part_tune(s: dict, batches: list[int], out: dict, iters: int) -> list[str]:
             xq, xs = fp8_quantize_act(x)
             ref = F.linear(xq.float() * xs.repeat_interleave(128, -1), ref8w)
             if DEVICE == "cuda":  # the cublas path's separate activation launch, alone (what fusing it could save)
-                t_q = _time(lambda: lowp._fp8_quant_triton(x, B - B % -lowp.ROWS, outer=True), iters)
+                # 32 launches a replay: one launch alone would time the graph launch, not the kernel
+                t_q = _time(lambda: [lowp._fp8_quant_triton(x, B - B % -lowp.ROWS, outer=True) for _ in range(32)],
+                            iters) / 32
                 rows.append(f"| {N}x{K} | {B} | fp8 | activation quantizer alone | {t_q * 1e6:.1f} | | |")
             for cand in FP8_CANDIDATES.get(B, FP8_CANDIDATES[256]):
                 cfg = dict(path="cublas") if cand[0] == "cublas" else dict(
