@@ -198,7 +198,7 @@ def _tiled(BN, programs, warps=4, stages=3):  # noqa: ANN001, ANN202, N803
 
 
 def _gv(BN, U, warps, programs=1056, split=0):  # noqa: ANN001, ANN202, N803
-    return dict(path="gemv", BN=BN, U=U, split=split, programs=programs, warps=warps, stages=2, XV=False)
+    return dict(path="gemv", BN=BN, U=U, split=split, programs=programs, warps=warps, stages=2)
 
 
 def _dt(BN, U, warps, programs=1056, JOIN=True, NIB16=False, stages=2):  # noqa: ANN001, ANN202, N803

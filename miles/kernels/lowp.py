@@ -46,25 +46,25 @@ _TILED = dict(path="tiled", BN=64, programs=264, warps=4, stages=3)
 TUNED: dict[tuple[str, int, int, int], dict] = {
     # Qwen3-8B's decode GEMMs (qkv, o, gate/up, down): the fastest checked launch of
     # `low_precision.py --parts tune` (its raw section in benchmarks/log/low_precision.md)
-    ("int4", 24576, 4096, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 1056, "warps": 4, "stages": 2, "XV": False},
+    ("int4", 24576, 4096, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 1056, "warps": 4, "stages": 2},
     ("fp8", 24576, 4096, 1): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4},
     ("int4", 24576, 4096, 16): {"path": "tiled", "BN": 64, "programs": 264, "warps": 4, "stages": 3},
     ("fp8", 24576, 4096, 16): {"path": "triton", "BM": 16, "BN": 64, "warps": 4, "stages": 4},
     ("fp8", 24576, 4096, 64): {"path": "triton", "BM": 64, "BN": 64, "warps": 4, "stages": 4},
     ("fp8", 24576, 4096, 256): {"path": "cublas"},
-    ("int4", 4096, 12288, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 1056, "warps": 4, "stages": 2, "XV": False},
+    ("int4", 4096, 12288, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 1056, "warps": 4, "stages": 2},
     ("fp8", 4096, 12288, 1): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
     ("int4", 4096, 12288, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 1056, "warps": 4, "stages": 2, "JOIN": True, "NIB16": False},
     ("fp8", 4096, 12288, 16): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
     ("fp8", 4096, 12288, 64): {"path": "triton", "BM": 64, "BN": 64, "warps": 4, "stages": 4, "split": 2},
     ("fp8", 4096, 12288, 256): {"path": "cublas"},
-    ("int4", 6144, 4096, 1): {"path": "gemv", "BN": 8, "U": 4, "split": 0, "programs": 1056, "warps": 4, "stages": 2, "XV": False},
+    ("int4", 6144, 4096, 1): {"path": "gemv", "BN": 8, "U": 4, "split": 0, "programs": 1056, "warps": 4, "stages": 2},
     ("fp8", 6144, 4096, 1): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
     ("int4", 6144, 4096, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 1056, "warps": 4, "stages": 2, "JOIN": True, "NIB16": False},
     ("fp8", 6144, 4096, 16): {"path": "triton", "BM": 16, "BN": 64, "warps": 4, "stages": 4, "split": 2},
     ("fp8", 6144, 4096, 64): {"path": "cublas"},
     ("fp8", 6144, 4096, 256): {"path": "cublas"},
-    ("int4", 4096, 4096, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 1056, "warps": 4, "stages": 2, "XV": False},
+    ("int4", 4096, 4096, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 1056, "warps": 4, "stages": 2},
     ("fp8", 4096, 4096, 1): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
     ("int4", 4096, 4096, 16): {"path": "tiled", "BN": 64, "programs": 264, "warps": 4, "stages": 3},
     ("fp8", 4096, 4096, 16): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
@@ -326,7 +326,7 @@ def _int4_words(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
                             NIB16=cfg.get("NIB16", False), **launch)
     else:
         lt.w4a16_gemv[grid](x, words, scale, out, N, kw_per, x.stride(0), words.stride(0), scale.stride(0),
-                            M * N, N, G=group, BN=BN, U=unroll, XV=cfg.get("XV", False), **launch)
+                            M * N, N, G=group, BN=BN, U=unroll, **launch)
     if split == 1:
         return out
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)

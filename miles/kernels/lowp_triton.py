@@ -119,11 +119,11 @@ if triton is not None:
 
     @triton.jit
     def w4a16_gemv(x_ptr, w_ptr, s_ptr, y_ptr, N, kw_per, sxm, swn, ssn, sys_, sym,
-                   G: tl.constexpr, BN: tl.constexpr, U: tl.constexpr, XV: tl.constexpr):
+                   G: tl.constexpr, BN: tl.constexpr, U: tl.constexpr):
         """Rows [pid_n·BN, +BN) of batch row pid_m over the words [pid_k·kw_per, +kw_per) of K
-        (``w_ptr``: the packed weight as int32 words, ``swn`` in words). ``XV``: a word's eight
-        activations loaded as one 16-byte vector and its nibbles expanded along a fourth axis
-        (one wide load, not eight strided ones)."""
+        (``w_ptr``: the packed weight as int32 words, ``swn`` in words). The activations are
+        eight strided loads a word (cached); one 16-byte load a word expanded along a fourth
+        axis measured twice as slow."""
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         W: tl.constexpr = G // 8
         rn = pid_n * BN + tl.arange(0, BN)
@@ -137,16 +137,9 @@ if triton is not None:
             p = tl.load(w_ptr + rn[:, None, None] * swn + kw[None, :, :], mask=n_ok[:, None, None], other=0)
             s = tl.load(s_ptr + rn[:, None] * ssn + (kw0 // W + ru)[None, :], mask=n_ok[:, None], other=0.0)
             xrow = x_ptr + pid_m * sxm + kw * 8
-            if XV:
-                r8 = tl.arange(0, 8)
-                xv = tl.load(xrow[:, :, None] + r8[None, None, :]).to(tl.float32)  # [U, W, 8]
-                n = (p[:, :, :, None] >> (4 * r8)[None, None, None, :]) & 0xF
-                q = (n | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-                part = tl.sum(q * xv[None, :, :, :], axis=3)
-            else:
-                part = _plane(p, 0) * tl.load(xrow).to(tl.float32)[None, :, :]
-                for i in tl.static_range(1, 8):
-                    part += _plane(p, i) * tl.load(xrow + i).to(tl.float32)[None, :, :]
+            part = _plane(p, 0) * tl.load(xrow).to(tl.float32)[None, :, :]
+            for i in tl.static_range(1, 8):
+                part += _plane(p, i) * tl.load(xrow + i).to(tl.float32)[None, :, :]
             acc += part * s[:, :, None]
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
         tl.store(y_ptr + pid_k * sys_ + pid_m * sym + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)

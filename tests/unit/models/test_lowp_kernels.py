@@ -57,8 +57,8 @@ def test_w4a16_decode_kernel_matches_the_dequantized_product(M: int, cfg: dict) 
 
 @needs_triton
 @pytest.mark.parametrize("M", [1, 3, 16])
-@pytest.mark.parametrize("cfg", [dict(path="gemv", BN=16, U=2, split=1, XV=False),
-                                 dict(path="gemv", BN=32, U=4, split=0, programs=8, XV=True),
+@pytest.mark.parametrize("cfg", [dict(path="gemv", BN=16, U=2, split=1),
+                                 dict(path="gemv", BN=32, U=4, split=0, programs=8),
                                  dict(path="dott", BN=16, U=2, split=1, JOIN=False, NIB16=True),
                                  dict(path="dott", BN=32, U=1, split=2, JOIN=True),
                                  dict(path="dott", BN=16, U=4, split=0, programs=8, JOIN=True, NIB16=True)])
