@@ -197,31 +197,42 @@ def _tiled(BN, programs, warps=4, stages=3):  # noqa: ANN001, ANN202, N803
     return dict(path="tiled", BN=BN, programs=programs, warps=warps, stages=stages)
 
 
-# launches tried per batch: the decode kernel (lowp_triton.w4a16: DOT, BN, UNROLL, split (0: auto), warps,
-# ACC2D, stages) and the tiled GEMM (BN, programs, warps, stages). The first H100 call's times fit a
-# chain of dependent loads per program (its K steps × the memory latency) over too few resident
-# programs, so these span more K slices, fewer stages (less shared memory: more programs an SM) and warps.
-_TILED = [_tiled(64, 264), _tiled(64, 1056), _tiled(128, 1056), _tiled(32, 1056), _tiled(64, 2112), _tiled(32, 2112),
-          _tiled(64, 1056, stages=2), _tiled(128, 2112, warps=8)]
+def _gv(BN, U, warps, programs=1056, split=0):  # noqa: ANN001, ANN202, N803
+    return dict(path="gemv", BN=BN, U=U, split=split, programs=programs, warps=warps, stages=2)
+
+
+def _dt(BN, U, warps, programs=1056, JOIN=True, NIB16=False, stages=2):  # noqa: ANN001, ANN202, N803
+    return dict(path="dott", BN=BN, BM=16, U=U, split=0, programs=programs, warps=warps, stages=stages, JOIN=JOIN,
+                NIB16=NIB16)
+
+
+# launches tried per batch: the word-wise kernels (lowp_triton.w4a16_gemv: BN, U groups a step, warps, split-K
+# (0: up to `programs` programs); w4a16_dott: the same with JOIN, NIB16) around the first sweep's winners (its raw
+# section in benchmarks/log/low_precision.md: gemv without XV, few rows a program and many groups a step; dott
+# joined), with the earlier kernels' best launches for reference (byte-wise decode kernel: DOT, BN, UNROLL, split,
+# warps, ACC2D, stages; tiled GEMM: BN, programs, warps, stages). Software pipelining (stages) changed nothing.
 INT4_CANDIDATES = {
-    1: [_d(True, 32, 2, 4, 4), _d(True, 64, 2, 2, 4), _d(True, 64, 2, 4, 4), _d(True, 128, 1, 2, 8),
-        _d(True, 128, 2, 2, 8), _d(True, 64, 4, 2, 4), _d(True, 32, 1, 8, 4, stages=2), _d(True, 64, 1, 8, 4, stages=2),
-        _d(True, 64, 2, 8, 4, stages=2), _d(True, 32, 2, 4, 2, stages=2), _d(True, 64, 2, 4, 4, stages=1),
-        _d(True, 32, 2, 8, 4, stages=1), _d(True, 16, 2, 8, 2, stages=2), _d(True, 64, 1, 16, 4, stages=2),
-        _d(False, 16, 2, 4, 4, True), _d(False, 32, 2, 4, 4, True), _d(False, 16, 4, 4, 2, True),
-        _d(False, 64, 1, 4, 4, True), _d(False, 32, 1, 8, 4, True), _d(False, 16, 1, 16, 2, True),
-        _d(False, 32, 2, 8, 4, True, stages=1), _d(False, 64, 2, 8, 8, True), _d(False, 32, 4, 4, 4, True),
-        _d(False, 64, 4, 2, 8, True), *_TILED],
-    16: [_d(True, 64, 2, 4, 4), _d(True, 128, 1, 2, 8), _d(True, 128, 2, 2, 8), _d(True, 128, 1, 4, 8),
-         _d(True, 64, 4, 2, 4), _d(True, 256, 1, 2, 8), _d(True, 64, 1, 8, 4, stages=2), _d(True, 128, 1, 8, 8, stages=2),
-         _d(True, 64, 2, 8, 4, stages=2), _d(True, 128, 2, 4, 8, stages=2), _d(True, 32, 2, 8, 4, stages=2),
-         _d(True, 64, 2, 4, 4, stages=1), *_TILED],
+    1: [*(_gv(BN, U, w, programs=p) for BN, U, w, p in (
+            (16, 8, 4, 1056), (8, 4, 4, 1056), (8, 8, 4, 1056), (8, 16, 4, 1056), (16, 16, 4, 1056), (4, 8, 2, 1056),
+            (4, 16, 4, 1056), (8, 8, 2, 1056), (8, 4, 2, 1056), (16, 8, 8, 1056), (16, 8, 4, 2112), (8, 8, 4, 2112),
+            (16, 8, 4, 528))),
+        *(_gv(BN, U, w, split=1) for BN, U, w in (  # no split-K: no float32 partials, no second launch
+            (4, 8, 2), (4, 16, 4), (8, 8, 4), (8, 16, 4), (8, 4, 4), (4, 4, 2), (8, 8, 2), (16, 8, 4), (4, 16, 2))),
+        _d(True, 64, 2, 8, 4, stages=2), _tiled(64, 264)],
+    16: [_dt(64, 2, 4), _dt(32, 2, 4), _dt(32, 4, 4), _dt(32, 2, 2), _dt(16, 4, 2), _dt(16, 4, 1), _dt(64, 4, 4),
+         _dt(64, 2, 4, programs=528), _dt(64, 2, 4, programs=2112), _dt(32, 4, 4, programs=2112), _dt(128, 2, 4),
+         _dt(32, 8, 4), _dt(64, 2, 8), _dt(64, 2, 4, NIB16=True), _dt(64, 2, 4, JOIN=False),
+         _tiled(64, 264), _tiled(32, 1056), _tiled(32, 264)],
 }
-FP8_CANDIDATES = {  # (path, BM, BN, warps, stages); cublas: the Triton activation kernel + _scaled_mm
-    1: [("cublas",), ("triton", 16, 64, 4, 4), ("triton", 16, 128, 4, 3), ("triton", 16, 32, 4, 4)],
-    16: [("cublas",), ("triton", 16, 64, 4, 4), ("triton", 16, 128, 4, 3), ("triton", 16, 32, 4, 4)],
-    64: [("cublas",), ("triton", 64, 128, 4, 3), ("triton", 64, 64, 4, 4)],
-    256: [("cublas",), ("triton", 64, 128, 4, 4), ("triton", 128, 128, 8, 3), ("triton", 128, 256, 8, 3)],
+FP8_CANDIDATES = {  # (path, BM, BN, warps, stages[, split-K]); cublas: the Triton activation kernel + _scaled_mm
+    1: [("cublas",), ("triton", 16, 64, 4, 4), ("triton", 16, 32, 4, 4), ("triton", 16, 64, 4, 4, 2),
+        ("triton", 16, 32, 4, 4, 3)],
+    16: [("cublas",), ("triton", 16, 64, 4, 4), ("triton", 16, 32, 4, 4), ("triton", 16, 64, 4, 4, 2),
+         ("triton", 16, 32, 4, 4, 3)],
+    64: [("cublas",), ("triton", 64, 128, 4, 3), ("triton", 64, 64, 4, 4), ("triton", 64, 128, 4, 3, 2),
+         ("triton", 64, 64, 4, 4, 2)],
+    256: [("cublas",), ("triton", 128, 128, 8, 3, 2), ("triton", 64, 128, 4, 3, 2)],  # the Triton GEMM lost every
+    # other 256-row launch of the first sweep (larger tiles, fused, split-K up to 3) to cuBLAS by 1.3-8×
 }
 
 
@@ -256,14 +267,21 @@ def part_tune(s: dict, batches: list[int], out: dict, iters: int) -> list[str]:
             if B <= 16:
                 ref = F.linear(x.float(), ref4w)
                 for cfg in INT4_CANDIDATES[1 if B == 1 else 16]:
-                    fn = lowp._int4_triton if cfg.get("path") == "tiled" else lowp._int4_small
+                    fn = dict(tiled=lowp._int4_triton, gemv=lowp._int4_words, dott=lowp._int4_words).get(
+                        cfg.get("path"), lowp._int4_small)
                     trials.append(("int4", cfg, cfg, ref, lambda cfg=cfg, fn=fn: [fn(x, *c, 128, cfg) for c in c4],
                                    lambda cfg=cfg, fn=fn: fn(x, *w4, 128, cfg)))
             xq, xs = fp8_quantize_act(x)
             ref = F.linear(xq.float() * xs.repeat_interleave(128, -1), ref8w)
+            if DEVICE == "cuda":  # the cublas path's separate activation launch, alone (what fusing it could save)
+                # 32 launches a replay: one launch alone would time the graph launch, not the kernel
+                t_q = _time(lambda: [lowp._fp8_quant_triton(x, B - B % -lowp.ROWS, outer=True) for _ in range(32)],
+                            iters) / 32
+                rows.append(f"| {N}x{K} | {B} | fp8 | activation quantizer alone | {t_q * 1e6:.1f} | | |")
             for cand in FP8_CANDIDATES.get(B, FP8_CANDIDATES[256]):
                 cfg = dict(path="cublas") if cand[0] == "cublas" else dict(
-                    path=cand[0], BM=cand[1], BN=cand[2], warps=cand[3], stages=cand[4])
+                    path=cand[0], BM=cand[1], BN=cand[2], warps=cand[3], stages=cand[4],
+                    **(dict(split=cand[5]) if len(cand) > 5 else {}))
 
                 def run(cfg=cfg, c=w8):  # noqa: ANN001, ANN202
                     lowp.TUNED[("fp8", N, K, lowp._bucket(B))] = cfg

@@ -12,8 +12,11 @@
   quantized operands are multiplied dequantized (the quantizer's semantics, slowly). Every path
   quantizes the activations with the quantizer's arithmetic (bit-identical values), so the
   paths differ only in float32 summation order. ``FP8_PATH`` says which ran per shape and M.
-- INT4 (W4A16): up to ``SMALL_M`` rows, the Triton decode kernel (``lowp_triton.w4a16``: the
-  packed weight streamed once, group scales applied after each group's float32 sum); above,
+- INT4 (W4A16): up to ``SMALL_M`` rows, the launch ``TUNED`` names per shape and batch bucket:
+  a word-wise kernel (``lowp_triton.w4a16_gemv`` on the CUDA cores, ``w4a16_dott`` on the tensor
+  cores, the packed weight read as int32 words, viewed, not copied), the byte-wise decode
+  kernel (``lowp_triton.w4a16``: the packed weight streamed once, group scales applied after
+  each group's float32 sum) or the tiled GEMM; above,
   a tiled Triton GEMM that dequantizes a tile in registers and accumulates in float32, split-K
   over a few programs when the output alone gives too few. Both deterministic (partial sums
   added in a fixed order) and equal to the dequantized product to bf16 round-off.
@@ -43,30 +46,30 @@ _TILED = dict(path="tiled", BN=64, programs=264, warps=4, stages=3)
 TUNED: dict[tuple[str, int, int, int], dict] = {
     # Qwen3-8B's decode GEMMs (qkv, o, gate/up, down): the fastest checked launch of
     # `low_precision.py --parts tune` (its raw section in benchmarks/log/low_precision.md)
-    ("int4", 24576, 4096, 1): {'path': 'tiled', 'BN': 64, 'programs': 264, 'warps': 4, 'stages': 3},
-    ("fp8", 24576, 4096, 1): {'path': 'triton', 'BM': 16, 'BN': 64, 'warps': 4, 'stages': 4},
-    ("int4", 24576, 4096, 16): {'path': 'tiled', 'BN': 64, 'programs': 264, 'warps': 4, 'stages': 3},
-    ("fp8", 24576, 4096, 16): {'path': 'triton', 'BM': 16, 'BN': 32, 'warps': 4, 'stages': 4},
-    ("fp8", 24576, 4096, 64): {'path': 'cublas'},
-    ("fp8", 24576, 4096, 256): {'path': 'cublas'},
-    ("int4", 4096, 12288, 1): {'DOT': True, 'BN': 64, 'UNROLL': 2, 'split': 8, 'warps': 4, 'stages': 2, 'MAGIC': True, 'ACC2D': False},
-    ("fp8", 4096, 12288, 1): {'path': 'cublas'},
-    ("int4", 4096, 12288, 16): {'path': 'tiled', 'BN': 64, 'programs': 1056, 'warps': 4, 'stages': 3},
-    ("fp8", 4096, 12288, 16): {'path': 'cublas'},
-    ("fp8", 4096, 12288, 64): {'path': 'cublas'},
-    ("fp8", 4096, 12288, 256): {'path': 'cublas'},
-    ("int4", 6144, 4096, 1): {'DOT': True, 'BN': 64, 'UNROLL': 1, 'split': 8, 'warps': 4, 'stages': 2, 'MAGIC': True, 'ACC2D': False},
-    ("fp8", 6144, 4096, 1): {'path': 'triton', 'BM': 16, 'BN': 32, 'warps': 4, 'stages': 4},
-    ("int4", 6144, 4096, 16): {'path': 'tiled', 'BN': 64, 'programs': 1056, 'warps': 4, 'stages': 3},
-    ("fp8", 6144, 4096, 16): {'path': 'cublas'},
-    ("fp8", 6144, 4096, 64): {'path': 'cublas'},
-    ("fp8", 6144, 4096, 256): {'path': 'cublas'},
-    ("int4", 4096, 4096, 1): {'DOT': True, 'BN': 64, 'UNROLL': 2, 'split': 8, 'warps': 4, 'stages': 2, 'MAGIC': True, 'ACC2D': False},
-    ("fp8", 4096, 4096, 1): {'path': 'triton', 'BM': 16, 'BN': 32, 'warps': 4, 'stages': 4},
-    ("int4", 4096, 4096, 16): {'path': 'tiled', 'BN': 64, 'programs': 264, 'warps': 4, 'stages': 3},
-    ("fp8", 4096, 4096, 16): {'path': 'triton', 'BM': 16, 'BN': 32, 'warps': 4, 'stages': 4},
-    ("fp8", 4096, 4096, 64): {'path': 'cublas'},
-    ("fp8", 4096, 4096, 256): {'path': 'cublas'},
+    ("int4", 24576, 4096, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 1056, "warps": 4, "stages": 2},
+    ("fp8", 24576, 4096, 1): {"path": "triton", "BM": 16, "BN": 64, "warps": 4, "stages": 4},
+    ("int4", 24576, 4096, 16): {"path": "tiled", "BN": 64, "programs": 264, "warps": 4, "stages": 3},
+    ("fp8", 24576, 4096, 16): {"path": "triton", "BM": 16, "BN": 64, "warps": 4, "stages": 4},
+    ("fp8", 24576, 4096, 64): {"path": "triton", "BM": 64, "BN": 64, "warps": 4, "stages": 4},
+    ("fp8", 24576, 4096, 256): {"path": "cublas"},
+    ("int4", 4096, 12288, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 2112, "warps": 4, "stages": 2},
+    ("fp8", 4096, 12288, 1): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
+    ("int4", 4096, 12288, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 1056, "warps": 4, "stages": 2, "JOIN": True, "NIB16": True},
+    ("fp8", 4096, 12288, 16): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
+    ("fp8", 4096, 12288, 64): {"path": "triton", "BM": 64, "BN": 64, "warps": 4, "stages": 4, "split": 2},
+    ("fp8", 4096, 12288, 256): {"path": "cublas"},
+    ("int4", 6144, 4096, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 528, "warps": 4, "stages": 2},
+    ("fp8", 6144, 4096, 1): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
+    ("int4", 6144, 4096, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 528, "warps": 4, "stages": 2, "JOIN": True, "NIB16": False},
+    ("fp8", 6144, 4096, 16): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
+    ("fp8", 6144, 4096, 64): {"path": "cublas"},
+    ("fp8", 6144, 4096, 256): {"path": "cublas"},
+    ("int4", 4096, 4096, 1): {"path": "gemv", "BN": 8, "U": 8, "split": 1, "programs": 1056, "warps": 4, "stages": 2},
+    ("fp8", 4096, 4096, 1): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
+    ("int4", 4096, 4096, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 528, "warps": 4, "stages": 2, "JOIN": True, "NIB16": False},
+    ("fp8", 4096, 4096, 16): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
+    ("fp8", 4096, 4096, 64): {"path": "triton", "BM": 64, "BN": 64, "warps": 4, "stages": 4, "split": 2},
+    ("fp8", 4096, 4096, 256): {"path": "cublas"},
 }
 SMALL_M = 16  # the W4A16 decode kernel's rows at most; more go to the tiled GEMM
 _FORM: list[str | None] = []  # the _scaled_mm form the first probe validated, or None
@@ -192,6 +195,8 @@ def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, group: int) -> Tensor:
     INT4_PATH[f"{packed.shape[0]}x{x.shape[1]}/{x.shape[0]}"] = "tiled" if cfg is None else _label(cfg)
     if cfg is not None and cfg.get("path") == "tiled":
         return _int4_triton(x, packed, scale, group, cfg)
+    if cfg is not None and cfg.get("path") in ("gemv", "dott"):
+        return _int4_words(x, packed, scale, group, cfg)
     if cfg is not None:
         return _int4_small(x, packed, scale, group, cfg)
     return _int4_triton(x, packed, scale, group)
@@ -243,7 +248,7 @@ def int4_config(M: int, N: int, K: int, group: int, dtype: torch.dtype) -> dict 
     if M > SMALL_M or group < 32 or group & (group - 1) or K % group or _triton() is None:
         return None
     cfg = TUNED.get(("int4", N, K, _bucket(M)), _TILED)  # untuned shapes: the tiled GEMM (the best at most tuned ones)
-    if cfg.get("path") == "tiled":
+    if cfg.get("path") in ("tiled", "gemv", "dott"):
         return cfg
     if cfg["DOT"] and dtype not in (torch.bfloat16, torch.float16):  # a float32 tl.dot would round to tf32
         cfg = {**cfg, "DOT": False, "BN": min(cfg["BN"], 16)}
@@ -279,6 +284,49 @@ def _int4_small(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
                    ACC2D=cfg.get("ACC2D", False),
                    KIND=0 if not dot else 1 if x.dtype == torch.bfloat16 else 2,
                    num_warps=cfg["warps"], num_stages=cfg["stages"])
+    if split == 1:
+        return out
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    lt.sum_splits[(triton.cdiv(M * N, 1024),)](out, y, M * N, SPLIT=split, BLOCK=1024)
+    return y
+
+
+def _int4_words(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict) -> Tensor:
+    """The word-wise W4A16 kernels (``lowp_triton.w4a16_gemv`` / ``w4a16_dott``): ``cfg`` gives
+    the path, ``BN`` rows a program, ``U`` groups a loop step, and ``split`` K slices (0: as
+    many as bring the programs up to ``programs``), ``warps`` and ``stages``."""
+    import triton
+
+    from miles.kernels import lowp_triton as lt
+
+    M, K = x.shape
+    N = packed.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    words = packed.view(torch.int32)  # [N, K/8]: eight nibbles, the columns 8w .. 8w + 7
+    dot = cfg["path"] == "dott" and x.dtype in (torch.bfloat16, torch.float16)  # no tf32 dot
+    BN, BM = cfg["BN"], (cfg.get("BM", 16) if dot else 1)
+    groups = K // group
+    unroll = cfg["U"]
+    while groups % unroll:
+        unroll //= 2
+    tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
+    split = cfg.get("split", 0) or max(1, min(groups // unroll, cfg.get("programs", 1056) // tiles))
+    while (groups // unroll) % split:
+        split -= 1
+    grid = (triton.cdiv(N, BN), split, triton.cdiv(M, BM))
+    out = torch.empty((split, M, N) if split > 1 else (M, N), device=x.device,
+                      dtype=torch.float32 if split > 1 else x.dtype)
+    kw_per = K // 8 // split
+    launch = dict(num_warps=cfg["warps"], num_stages=cfg.get("stages", 2))
+    if dot:
+        lt.w4a16_dott[grid](x, words, scale, out, M, N, kw_per, x.stride(0), words.stride(0), scale.stride(0),
+                            M * N, N, G=group, BN=BN, BM=BM, U=unroll,
+                            KIND=1 if x.dtype == torch.bfloat16 else 2, JOIN=cfg.get("JOIN", False),
+                            NIB16=cfg.get("NIB16", False), **launch)
+    else:
+        lt.w4a16_gemv[grid](x, words, scale, out, N, kw_per, x.stride(0), words.stride(0), scale.stride(0),
+                            M * N, N, G=group, BN=BN, U=unroll, **launch)
     if split == 1:
         return out
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
@@ -332,13 +380,22 @@ def _fp8_triton(x: Tensor, wq: Tensor, ws: Tensor, out_dtype: torch.dtype, cfg: 
         xq, xs = x, ws  # unused operands of the fused form
     else:
         xq, xs = _fp8_quant_triton(x, M, outer=False)
-    y = torch.empty((M, N), device=x.device, dtype=out_dtype)
-    grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(N, cfg["BN"]))
-    lt.fp8_gemm[grid](x, xq, xs, wq, ws, y, M, N, K, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1),
-                      wq.stride(0), ws.stride(0), ws.stride(1), y.stride(0),
+    blocks = triton.cdiv(K, BLOCK)
+    split = max(1, min(cfg.get("split", 1), blocks))
+    k_per = triton.cdiv(blocks, split) * BLOCK
+    split = triton.cdiv(K, k_per)
+    y = torch.empty((split, M, N) if split > 1 else (M, N), device=x.device,
+                    dtype=torch.float32 if split > 1 else out_dtype)
+    grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(N, cfg["BN"]), split)
+    lt.fp8_gemm[grid](x, xq, xs, wq, ws, y, M, N, K, k_per, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1),
+                      wq.stride(0), ws.stride(0), ws.stride(1), N, M * N,
                       BM=cfg["BM"], BN=cfg["BN"], BK=BLOCK, FUSED=fused, FP8_MAX=FP8_MAX,
                       num_warps=cfg["warps"], num_stages=cfg["stages"])
-    return y
+    if split == 1:
+        return y
+    out = torch.empty((M, N), device=x.device, dtype=out_dtype)
+    lt.sum_splits[(triton.cdiv(M * N, 1024),)](y, out, M * N, SPLIT=split, BLOCK=1024)
+    return out
 
 
 _KERNEL = None

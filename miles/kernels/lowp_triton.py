@@ -13,12 +13,21 @@ where triton is not installed).
   ``ACC2D`` (CUDA-core form) keeps per-lane float32 sums over all groups and reduces across
   threads once at the end instead of once per group. ``split`` > 1 cuts K into that many slices written to a float32 buffer that ``sum_splits``
   adds in a fixed order: no atomics, so the result is deterministic.
+- ``w4a16_gemv`` and ``w4a16_dott``: the same product read as int32 words (eight nibbles, the
+  columns ``8·w … 8·w + 7`` of word ``w``: the packed layout's bytes in little-endian order), so
+  each thread loads 16 contiguous bytes of a row. ``w4a16_gemv`` (one batch row a program)
+  is CUDA-core only: each nibble plane ``i`` of a ``[BN, U, G/8]`` tile of words becomes
+  ``q − 8`` with the mantissa trick, multiplied by the activations ``x[8·w + i]`` and summed per
+  lane in float32 (scaled once per word and group), reduced across lanes once at the end.
+  ``w4a16_dott`` puts the weights on the tensor cores' wide side: ``yᵀ [BN, BM] += s ·
+  Σ_i q_i [BN, G/8] · xᵀ_i [G/8, BM]``, so the batch pads only to the dot's narrow side.
 - ``fp8_act_quant``: the quantizer's 1 × 128 activation groups in one kernel (amax, scale =
   max(amax · fl32(1/448), 1e-12), round-to-nearest-even e4m3 of ``x / scale``, an IEEE division),
   bit-identical to ``quantize.fp8_quantize_act``; scales written with any strides (cuBLAS wants
   them outer-major), rows past M written as zero groups (cuBLAS's row padding).
 - ``fp8_gemm``: block-scaled FP8 GEMM, ``y = Σ_kblocks (a_q · b_qᵀ) · s_a · s_b`` with the
-  scales applied per 128-K block in the float32 accumulation (DeepSeek-V3's recipe). With
+  scales applied per 128-K block in the float32 accumulation (DeepSeek-V3's recipe), split-K
+  over a grid axis where the tiles alone leave SMs idle (float32 partials, ``sum_splits``). With
   ``FUSED`` the activation tile is quantized in the prologue from the bf16 input with the same
   arithmetic as ``fp8_act_quant`` (so the same values as the unfused path), and no quantized
   copy of the activations is written.
@@ -94,6 +103,89 @@ if triton is not None:
                  mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
+    def _plane(p, i: tl.constexpr):
+        """Nibble ``i`` of each int32 word (its column ``8·w + i``) as ``q − 8`` in float32."""
+        return (((p >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+
+    @triton.jit
+    def _half(p, i: tl.constexpr, KIND: tl.constexpr, NIB16: tl.constexpr):
+        """Nibble ``i`` of each word as ``q − 8`` in the dot's dtype (KIND 1 bf16, 2 fp16)."""
+        if NIB16:
+            return _nibble((p >> (4 * i)) & 0xF, True, KIND)
+        elif KIND == 1:
+            return _plane(p, i).to(tl.bfloat16)
+        else:
+            return _plane(p, i).to(tl.float16)
+
+    @triton.jit
+    def w4a16_gemv(x_ptr, w_ptr, s_ptr, y_ptr, N, kw_per, sxm, swn, ssn, sys_, sym,
+                   G: tl.constexpr, BN: tl.constexpr, U: tl.constexpr):
+        """Rows [pid_n·BN, +BN) of batch row pid_m over the words [pid_k·kw_per, +kw_per) of K
+        (``w_ptr``: the packed weight as int32 words, ``swn`` in words). The activations are
+        eight strided loads a word (cached); one 16-byte load a word expanded along a fourth
+        axis measured twice as slow."""
+        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        W: tl.constexpr = G // 8
+        rn = pid_n * BN + tl.arange(0, BN)
+        ru = tl.arange(0, U)
+        rw = tl.arange(0, W)
+        n_ok = rn < N
+        acc = tl.zeros((BN, U, W), dtype=tl.float32)
+        kw_lo = pid_k * kw_per
+        for kw0 in range(kw_lo, kw_lo + kw_per, W * U):
+            kw = kw0 + ru[:, None] * W + rw[None, :]  # [U, W] word index along K
+            p = tl.load(w_ptr + rn[:, None, None] * swn + kw[None, :, :], mask=n_ok[:, None, None], other=0)
+            s = tl.load(s_ptr + rn[:, None] * ssn + (kw0 // W + ru)[None, :], mask=n_ok[:, None], other=0.0)
+            xrow = x_ptr + pid_m * sxm + kw * 8
+            part = _plane(p, 0) * tl.load(xrow).to(tl.float32)[None, :, :]
+            for i in tl.static_range(1, 8):
+                part += _plane(p, i) * tl.load(xrow + i).to(tl.float32)[None, :, :]
+            acc += part * s[:, :, None]
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        tl.store(y_ptr + pid_k * sys_ + pid_m * sym + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def w4a16_dott(x_ptr, w_ptr, s_ptr, y_ptr, M, N, kw_per, sxm, swn, ssn, sys_, sym,
+                   G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, U: tl.constexpr, KIND: tl.constexpr,
+                   JOIN: tl.constexpr, NIB16: tl.constexpr):
+        """``yᵀ`` tile [BN, BM] (weight rows × batch rows) over the words [pid_k·kw_per, +kw_per).
+        ``JOIN``: the eight nibble planes joined back into the group's column order, one dot of
+        depth G against one contiguous ``xᵀ`` tile, instead of eight dots of depth G/8.
+        ``NIB16``: a nibble becomes ``q − 8`` by the 16-bit mantissa trick, else by the float32
+        one and a conversion (which of the two the compiler does best is measured)."""
+        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        W: tl.constexpr = G // 8
+        rn = pid_n * BN + tl.arange(0, BN)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rw = tl.arange(0, W)
+        n_ok, m_ok = rn < N, rm < M
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        kw_lo = pid_k * kw_per
+        for kw0 in range(kw_lo, kw_lo + kw_per, W * U):
+            for u in tl.static_range(U):
+                kw = kw0 + u * W
+                p = tl.load(w_ptr + rn[:, None] * swn + (kw + rw)[None, :], mask=n_ok[:, None], other=0)
+                s = tl.load(s_ptr + rn * ssn + kw // W, mask=n_ok, other=0.0)
+                if JOIN:  # axes (a, b, c) of nibble 4a + 2b + c, joined innermost last: column 8w + i
+                    h = (_half(p, 0, KIND, NIB16), _half(p, 1, KIND, NIB16), _half(p, 2, KIND, NIB16),
+                         _half(p, 3, KIND, NIB16), _half(p, 4, KIND, NIB16), _half(p, 5, KIND, NIB16),
+                         _half(p, 6, KIND, NIB16), _half(p, 7, KIND, NIB16))
+                    t = tl.join(tl.join(tl.join(h[0], h[4]), tl.join(h[2], h[6])),
+                                tl.join(tl.join(h[1], h[5]), tl.join(h[3], h[7])))
+                    rk = tl.arange(0, G)
+                    xt = tl.load(x_ptr + rm[None, :] * sxm + (kw * 8 + rk)[:, None], mask=m_ok[None, :], other=0.0)
+                    part = tl.dot(tl.reshape(t, (BN, G)), xt)
+                else:
+                    xcol = x_ptr + rm[None, :] * sxm + ((kw + rw) * 8)[:, None]  # [W, BM]: xᵀ at the columns 8·w
+                    part = tl.dot(_half(p, 0, KIND, NIB16), tl.load(xcol, mask=m_ok[None, :], other=0.0))
+                    for i in tl.static_range(1, 8):
+                        q = _half(p, i, KIND, NIB16)
+                        part = tl.dot(q, tl.load(xcol + i, mask=m_ok[None, :], other=0.0), part)
+                acc += part * s[:, None]
+        tl.store(y_ptr + pid_k * sys_ + rm[None, :] * sym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=n_ok[:, None] & m_ok[None, :])
+
+    @triton.jit
     def sum_splits(p_ptr, y_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < total
@@ -126,16 +218,18 @@ if triton is not None:
         tl.store(s_ptr + rr * ssm + pid_g * ssg, scale, mask=rr < R)
 
     @triton.jit
-    def fp8_gemm(x_ptr, a_ptr, as_ptr, b_ptr, bs_ptr, y_ptr, M, N, K, sxm, sam, sasm, sasg, sbn, sbsn, sbsk, sym,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr,
+    def fp8_gemm(x_ptr, a_ptr, as_ptr, b_ptr, bs_ptr, y_ptr, M, N, K, k_per, sxm, sam, sasm, sasg, sbn, sbsn, sbsk,
+                 sym, sys_, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FUSED: tl.constexpr,
                  FP8_MAX: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        """Tile (pid_m, pid_n) over the K slice [pid_k·k_per, +k_per) (split-K: each slice's
+        float32 partial at ``y_ptr + pid_k·sys_``, added by ``sum_splits``)."""
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         m_ok, n_ok = rm < M, rn < N
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        for k0 in range(pid_k * k_per, tl.minimum(pid_k * k_per + k_per, K), BK):
             k_ok = (k0 + rk) < K
             if FUSED:
                 x = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :],
@@ -148,5 +242,5 @@ if triton is not None:
             b = tl.load(b_ptr + rn[:, None] * sbn + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             sb = tl.load(bs_ptr + (rn // BK) * sbsn + (k0 // BK) * sbsk, mask=n_ok, other=0.0)
             acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-        tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+        tl.store(y_ptr + pid_k * sys_ + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])

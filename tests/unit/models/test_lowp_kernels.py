@@ -56,6 +56,30 @@ def test_w4a16_decode_kernel_matches_the_dequantized_product(M: int, cfg: dict) 
 
 
 @needs_triton
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("cfg", [dict(path="gemv", BN=16, U=2, split=1),
+                                 dict(path="gemv", BN=32, U=4, split=0, programs=8),
+                                 dict(path="dott", BN=16, U=2, split=1, JOIN=False, NIB16=True),
+                                 dict(path="dott", BN=32, U=1, split=2, JOIN=True),
+                                 dict(path="dott", BN=16, U=4, split=0, programs=8, JOIN=True, NIB16=True)])
+def test_word_wise_w4a16_kernels_match_the_dequantized_product(M: int, cfg: dict) -> None:
+    """The int32-word kernels: N not a multiple of the tile, two K slices or one, group 128."""
+    g = torch.Generator().manual_seed(M)
+    N, K, group = 40, 512, 128
+    packed, scale = _int4(N, K, group, g)
+    dot = cfg["path"] == "dott"
+    dtype = (torch.bfloat16 if DEVICE == "cuda" else torch.float16) if dot else torch.float32
+    x = torch.randn(M, K, generator=g).to(DEVICE, dtype)
+    from miles.kernels.quantize import unpack_int4
+
+    ref = F.linear(x.float(), int4_dequantize(unpack_int4(packed), scale))
+    got = lowp._int4_words(x, packed, scale, group, dict(cfg, warps=4, stages=2))
+    assert got.shape == (M, N) and got.dtype == dtype
+    assert _rel(got, ref) < (1e-5 if dtype == torch.float32 else 4e-3)
+    assert torch.equal(got, lowp._int4_words(x, packed, scale, group, dict(cfg, warps=4, stages=2)))
+
+
+@needs_triton
 def test_int4_dispatch_follows_the_tuned_table_for_small_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = dict(DOT=True, BN=64, UNROLL=2, split=4, warps=4, stages=3)
     monkeypatch.setitem(lowp.TUNED, ("int4", 96, 512, 16), kernel)
@@ -64,6 +88,9 @@ def test_int4_dispatch_follows_the_tuned_table_for_small_batches_only(monkeypatc
     assert lowp.int4_config(1, 96, 512, 128, torch.bfloat16)["path"] == "tiled"  # untuned: the tiled GEMM
     assert lowp.int4_config(lowp.SMALL_M + 1, 96, 512, 128, torch.bfloat16) is None
     assert lowp.int4_config(1, 96, 96 * 5, 96, torch.bfloat16) is None  # not a power-of-two group
+    words = dict(path="gemv", BN=32, U=4, split=0, warps=4, stages=2)
+    monkeypatch.setitem(lowp.TUNED, ("int4", 96, 512, 1), words)
+    assert lowp.int4_config(1, 96, 512, 128, torch.bfloat16) == words
 
 
 @needs_triton
@@ -91,8 +118,8 @@ def test_fp8_activation_kernel_is_the_quantizers_bit_for_bit(M: int, K: int, out
 @needs_triton
 @pytest.mark.skipif(not FP8_OK, reason="e4m3 needs compute capability 8.9")
 @pytest.mark.parametrize("M", [1, 20])
-@pytest.mark.parametrize("path", ["triton", "fused"])
-def test_block_scaled_fp8_gemm_matches_the_dequantized_product(M: int, path: str) -> None:
+@pytest.mark.parametrize("path,split", [("triton", 1), ("fused", 1), ("triton", 2), ("fused", 3)])
+def test_block_scaled_fp8_gemm_matches_the_dequantized_product(M: int, path: str, split: int) -> None:
     g = torch.Generator().manual_seed(M)
     N, K = 160, 384  # two weight blocks in N, one partial
     # scales far apart from one block / group to the next: a scale applied to the wrong block shows
@@ -104,6 +131,6 @@ def test_block_scaled_fp8_gemm_matches_the_dequantized_product(M: int, path: str
     wq, ws = fp8_quantize_weight(w)
     xq, xs = lowp._fp8_quant_triton(x, M, False)  # the quantizer's values (the test above)
     ref = F.linear(xq.float() * xs.repeat_interleave(BLOCK, -1), fp8_dequantize_weight(wq, ws))
-    got = lowp._fp8_triton(x, wq, ws, dtype, dict(path=path, BM=16, BN=32, warps=4, stages=2))
+    got = lowp._fp8_triton(x, wq, ws, dtype, dict(path=path, BM=16, BN=32, warps=4, stages=2, split=split))
     assert got.shape == (M, N) and got.dtype == dtype
     assert _rel(got, ref) < (1e-5 if dtype == torch.float32 else 4e-3)
