@@ -48,6 +48,11 @@ def notes(cfg: Any) -> list[str]:
     if agent.custom_agent_function_path and sched.mode == "sync" and cfg.rollout.partial_rollout:
         out.append("--mode sync --partial-rollout aborts in-flight work every step, and an agent episode "
                    "cannot be parked: those episodes fail (agent_aborted); --mode async keeps them")
+    if cfg.quant.rollout_quantization != "none" and not cfg.algorithm.off_policy_correction:
+        # the correction turns itself on for stale modes only; FP8 sampling is off-policy in every mode
+        out.append(f"--rollout-quantization {cfg.quant.rollout_quantization} with no off-policy correction: the "
+                   "engines' log-probs differ from the trainer's and nothing corrects the gap; add --use-tis "
+                   "(or --off-policy-correction for MIS)")
     return out
 
 

@@ -47,3 +47,15 @@ def test_fp8_on_a_gpu_without_fp8_gemms_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert "compute capability 8.9" in check_device(QuantSpec("fp8"), "cuda")
     assert check_device(QuantSpec("int4"), "cuda") is None
+
+
+def test_uncorrected_fp8_rollouts_get_a_note() -> None:
+    from miles.validation import notes
+
+    def fp8_notes(**flags):
+        return [n for n in notes(default_config(rollout_quantization="fp8", **flags)) if "--rollout-quantization" in n]
+
+    assert fp8_notes(mode="sync") and "--use-tis" in fp8_notes(mode="sync")[0]
+    assert not fp8_notes(mode="sync", use_tis=True)
+    assert not fp8_notes(mode="async")  # the stale modes' default correction covers it
+    assert not [n for n in notes(default_config(quantization="fp8", mode="sync")) if "quantization" in n]
