@@ -42,7 +42,7 @@ from miles.trainers.config import TrainerConfig, lr_at
 from miles.trainers.fsdp import maybe_fully_shard, wants_fsdp
 from miles.trainers.logprobs import full_routing, response_logprobs
 from miles.trainers.offload import OptimizerOffloader
-from miles.trainers.parallel import MicroBatchPool, cpu_helpers
+from miles.trainers.parallel import MicroBatchPool, cpu_helpers, finer_limits
 from miles.trainers.oom import OOMGuard
 from miles.trainers.step import MicroLoss, RLStep
 from miles.types import Trajectory
@@ -299,6 +299,8 @@ class EmbeddedTrainer(RLStep):
 
     def _forward_backward(self, batch: TokenBatch, rows: list[int], loss: MicroLoss, limits: TrainerConfig) -> None:
         entropy_mode = self._entropy_mode()
+        if self._pool is not None:
+            limits = finer_limits(limits, sum(batch.seq_lens[r] for r in rows), self._pool.threads)
         plan = [mb_rows for mb_rows in batch.plan(rows, limits) if any(batch.loss_tokens[r] for r in mb_rows)]
         if self._pool is not None and len(plan) > 1:
             self._parallel_forward_backward(batch, plan, loss, entropy_mode)

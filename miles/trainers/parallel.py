@@ -5,8 +5,9 @@ its share of the cores), and splitting one small op over two threads does not pa
 shared host: an OpenMP team waits at every op's barrier for a thread the rollout engine may
 hold. Whole micro-batches have no barrier to wait at. ``MicroBatchPool.run`` hands each
 micro-batch to the first free thread: the calling thread at its own priority and helper
-threads at the lowest (nice 19), so a helper only takes CPU time that nothing else on the
-host (the engine beside the trainer) wants, and the trainer never runs slower than alone.
+threads at the lowest priority (SCHED_IDLE), so a helper takes the CPU time that nothing else on the
+host (the rollout engine beside the trainer) wants. When the caller has run out of
+micro-batches it waits on its own core, where the scheduler moves a starved helper.
 
 Each micro-batch's gradients come back from ``torch.autograd.grad`` and are added to the
 parameters' ``.grad`` in micro-batch order, the sums ``backward()`` one micro-batch after
@@ -22,8 +23,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 import torch
 from torch import Tensor
+
+from miles.trainers.config import TrainerConfig
 
 Work = Callable[[int], Tensor]  # micro-batch i → its loss (the forward and loss run inside)
 
@@ -37,6 +41,32 @@ def cpu_helpers(device: torch.device) -> int:
     return len(os.sched_getaffinity(0)) - 1
 
 
+def _lowest_priority() -> None:
+    """This thread runs only on a core nothing else wants: SCHED_IDLE (Linux; a weight of 3
+    against nice 19's 15, so the helper barely slows a niced actor, as Ray's are, beside it),
+    else nice 19. Both are per thread on Linux."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (AttributeError, OSError):
+        pass
+
+
+def finer_limits(limits: TrainerConfig, tokens: int, threads: int) -> TrainerConfig:
+    """``limits`` with a token cap that cuts ``tokens`` into about two micro-batches per
+    thread: a thread that gets less CPU time (a helper beside a busy engine) then takes fewer
+    of them, where with one micro-batch each the step waits for the slower thread's."""
+    cap = max(1, -(-tokens // (2 * threads)))
+    if limits.max_tokens_per_micro_batch is not None and limits.max_tokens_per_micro_batch <= cap:
+        return limits
+    return msgspec.structs.replace(limits, max_tokens_per_micro_batch=cap)
+
+
 class MicroBatchPool:
     """Helper threads that run micro-batches' forward, loss and backward beside the caller."""
 
@@ -48,13 +78,15 @@ class MicroBatchPool:
             t.start()
 
     def _serve(self) -> None:
-        try:  # this thread only: Linux nice values are per thread
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
+        _lowest_priority()
         torch.set_num_threads(1)  # no-op on a one-thread process; keeps a helper from fanning out
         while (job := self._jobs.get()) is not None:
             job()
+
+    @property
+    def threads(self) -> int:
+        """The caller and its helpers."""
+        return len(self._threads) + 1
 
     def close(self) -> None:
         for _ in self._threads:
