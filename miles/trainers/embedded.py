@@ -5,7 +5,9 @@ non-finite steps, metrics) is ``miles.trainers.step.RLStep``'s; this class is it
 the batch on its device, the forward (``logprobs``: the fused LM head + log-softmax) and
 backward over micro-batches, global grad-norm clipping, AdamW and the LR schedule. An
 out-of-memory error in a step restarts it with micro-batches half as big (``oom``), and
-with ``offload_train`` the AdamW moments wait in host memory between steps (``offload``).
+with ``offload_train`` the AdamW moments wait in host memory between steps (``offload``). On
+the CPU the micro-batches run side by side on the cores the process would leave idle
+(``parallel``) and the forward skips the padding (``logprobs.unpads``).
 
 With ``lora_rank`` > 0 it trains LoRA adapters over frozen base weights (``lora``): the
 optimizer, the checkpoint state and every weight update hold the adapters only.

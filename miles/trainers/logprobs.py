@@ -228,10 +228,11 @@ def _plain(model: torch.nn.Module, h: Tensor, targets: Tensor, temperature: floa
 
 def unpads(mb: TokenBatch, routing: Tensor | None, compiled: bool) -> bool:
     """Whether the forward runs on the real tokens only (``UnpaddedAttention``): on the CPU,
-    where every per-token op's cost is its token count and a micro-batch's padding is a
-    fifth or more of it in long-tailed RL batches. Not with replayed routing (its [n, L]
-    layout), in ``--true-on-policy`` (the engine's kernels run the padded layout), nor compiled
-    (its warm-up shapes are the padded ones); on a GPU the padded step is launch-bound."""
+    where a per-token op costs in proportion to its tokens, pads included, and RL's
+    long-tailed batches leave padding in every micro-batch the plan cuts. Not with replayed
+    routing (its [n, L] layout), in ``--true-on-policy`` (the engine's kernels run the padded
+    layout), nor compiled (its warm-up shapes are the padded ones); on a GPU the padded step
+    is launch-bound."""
     return (mb.input_ids.device.type == "cpu" and routing is None and not compiled
             and not invariant.on(mb.input_ids) and mb.size > 1)
 

@@ -5,9 +5,10 @@ its share of the cores), and splitting one small op over two threads does not pa
 shared host: an OpenMP team waits at every op's barrier for a thread the rollout engine may
 hold. Whole micro-batches have no barrier to wait at. ``MicroBatchPool.run`` hands each
 micro-batch to the first free thread: the calling thread at its own priority and helper
-threads at the lowest priority (SCHED_IDLE), so a helper takes the CPU time that nothing else on the
+threads at the lowest (SCHED_IDLE), so a helper takes the CPU time that nothing else on the
 host (the rollout engine beside the trainer) wants. When the caller has run out of
 micro-batches it waits on its own core, where the scheduler moves a starved helper.
+``EmbeddedTrainer`` builds one for a CPU trainer with a core to spare (``cpu_helpers``).
 
 Each micro-batch's gradients come back from ``torch.autograd.grad`` and are added to the
 parameters' ``.grad`` in micro-batch order, the sums ``backward()`` one micro-batch after
