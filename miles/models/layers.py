@@ -184,6 +184,31 @@ class FullAttention:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=gqa)
 
 
+class UnpaddedAttention:
+    """Causal attention for a forward over packed tokens: ``input_ids`` [1, N] holds the real
+    tokens of B right-padded rows back to back (``position_ids`` restarting at 0 per row).
+    Everything but attention works per token, so it runs on the N real tokens only; this
+    backend copies q/k/v into the padded [B, T] grid for the plain causal (flash) kernel and
+    takes the real tokens' outputs back. ``index`` [N] is each packed token's place in the
+    flattened grid (row · T + position). The outputs at real tokens are those of
+    ``FullAttention(None)`` on the padded batch: under causal attention a real token never
+    sees the pads after it."""
+
+    def __init__(self, index: Tensor, batch: int, length: int) -> None:
+        self.index, self.batch, self.length = index, batch, length
+        self.full = FullAttention(None)
+
+    def _grid(self, x: Tensor) -> Tensor:
+        """[1, heads, N, D] packed → [B, heads, T, D] (a view of a token-major tensor), 0 on pads."""
+        tokens = x[0].transpose(0, 1)  # [N, heads, D]
+        grid = tokens.new_zeros(self.batch * self.length, *tokens.shape[1:]).index_copy(0, self.index, tokens)
+        return grid.view(self.batch, self.length, *tokens.shape[1:]).transpose(1, 2)
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = self.full(layer_idx, self._grid(q), self._grid(k), self._grid(v)).transpose(1, 2)  # [B, T, H, D]
+        out = out.reshape(self.batch * self.length, *out.shape[2:])  # a view: the kernel writes token-major
+        return out.index_select(0, self.index).transpose(0, 1)[None]  # [1, H, N, D]
+
 def build_mask(attention_mask: Tensor | None, segment_ids: Tensor | None, T: int,
                device: torch.device) -> Tensor | None:
     """Causal mask AND key-is-real AND same-segment (packing); the diagonal always stays

@@ -95,6 +95,26 @@ class TokenBatch:
         dev = self.response_ids.device
         return (to_device(rows, torch.long, dev), to_device(cols, torch.long, dev), to_device(pos, torch.long, dev))
 
+    def packed_positions(self) -> tuple[Tensor, Tensor, Tensor]:
+        """For a forward over the real tokens only, back to back (``miles.models.layers.
+        UnpaddedAttention``): the index [Σ seq_lens] of every real input token in the flattened
+        [n, L] grid (row · L + position), its position, and the packed index of each real
+        response token's predicting position, in ``response_positions`` order. From the host
+        lengths."""
+        seq = np.asarray(self.seq_lens, dtype=np.int64)
+        resp = np.asarray(self.resp_lens, dtype=np.int64)
+        cols = _arange_within(seq)
+        index = np.repeat(np.arange(len(seq)) * self.input_ids.shape[1], seq) + cols
+        start = np.cumsum(seq) - seq  # each row's first packed token
+        pred = np.repeat(start + seq - resp - 1, resp) + _arange_within(resp)
+        dev = self.input_ids.device
+        return (to_device(index, torch.long, dev), to_device(cols, torch.long, dev), to_device(pred, torch.long, dev))
+
+
+def _arange_within(lens: np.ndarray) -> np.ndarray:
+    """0..len-1 for each length, concatenated."""
+    return np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+
 
 def trajectories_of(groups: Sequence[Sequence[Trajectory]]) -> tuple[list[Trajectory], list[int]]:
     """Flatten groups into (trajectories, group index per trajectory)."""

@@ -5,7 +5,9 @@ non-finite steps, metrics) is ``miles.trainers.step.RLStep``'s; this class is it
 the batch on its device, the forward (``logprobs``: the fused LM head + log-softmax) and
 backward over micro-batches, global grad-norm clipping, AdamW and the LR schedule. An
 out-of-memory error in a step restarts it with micro-batches half as big (``oom``), and
-with ``offload_train`` the AdamW moments wait in host memory between steps (``offload``).
+with ``offload_train`` the AdamW moments wait in host memory between steps (``offload``). On
+the CPU the micro-batches run side by side on the cores the process would leave idle
+(``parallel``) and the forward skips the padding (``logprobs.unpads``).
 
 With ``lora_rank`` > 0 it trains LoRA adapters over frozen base weights (``lora``): the
 optimizer, the checkpoint state and every weight update hold the adapters only.
@@ -22,6 +24,7 @@ without pickle.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -30,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from miles.algorithms import AlgorithmConfig
+from miles.algorithms.masked import deferred_finite_checks
 from miles.models import quant
 from miles.models.quant_io import wire_tensors
 from miles.trainers import compilation, lora
@@ -40,6 +44,7 @@ from miles.trainers.config import TrainerConfig, lr_at
 from miles.trainers.fsdp import maybe_fully_shard, wants_fsdp
 from miles.trainers.logprobs import full_routing, response_logprobs
 from miles.trainers.offload import OptimizerOffloader
+from miles.trainers.parallel import MicroBatchPool, cpu_helpers, finer_limits
 from miles.trainers.oom import OOMGuard
 from miles.trainers.step import MicroLoss, RLStep
 from miles.types import Trajectory
@@ -134,6 +139,8 @@ class EmbeddedTrainer(RLStep):
         self.optimizer = self._build_optimizer()
         self.offloader = OptimizerOffloader(self.optimizer, self.device) if config.offload_train else None
         self.oom = OOMGuard(config)  # micro-batch limits, halved on an OOM (``oom``)
+        helpers = cpu_helpers(self.device) if not self.sharded and quant.spec_of(self.model) is None else 0
+        self._pool = MicroBatchPool(helpers) if helpers else None  # micro-batches on idle cores (``parallel``)
         if self.compiled:
             start = time.monotonic()
             self._warm_compiled()
@@ -180,6 +187,9 @@ class EmbeddedTrainer(RLStep):
         bg = getattr(self, "_background", None)
         if bg is not None:
             bg.stop()
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.close()
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         decay, no_decay = [], []
@@ -291,13 +301,42 @@ class EmbeddedTrainer(RLStep):
 
     def _forward_backward(self, batch: TokenBatch, rows: list[int], loss: MicroLoss, limits: TrainerConfig) -> None:
         entropy_mode = self._entropy_mode()
-        for mb_rows in batch.plan(rows, limits):
-            if not any(batch.loss_tokens[r] for r in mb_rows):
-                continue
+        if self._pool is not None:
+            limits = finer_limits(limits, sum(batch.seq_lens[r] for r in rows), self._pool.threads)
+        plan = [mb_rows for mb_rows in batch.plan(rows, limits) if any(batch.loss_tokens[r] for r in mb_rows)]
+        if self._pool is not None and len(plan) > 1:
+            self._parallel_forward_backward(batch, plan, loss, entropy_mode)
+            return
+        for mb_rows in plan:
             self.oom.check(mb_rows)
             mb = batch.select(mb_rows)
             logp, entropy = self._forward(self.model, mb, entropy_mode)
             loss(mb, mb_rows, logp, entropy).backward()
+
+    def _parallel_forward_backward(self, batch: TokenBatch, plan: list[list[int]], loss: MicroLoss,
+                                   entropy_mode: str) -> None:
+        """The loop above on the CPU's idle cores too (``parallel``). The loss records each
+        micro-batch's metrics in plan order, as the loop does."""
+        for mb_rows in plan:
+            self.oom.check(mb_rows)
+        rotary = getattr(self.model, "rotary", None)
+        if rotary is not None and max(batch.seq_lens) > rotary.length:  # grown once, before the threads
+            rotary.reserve(max(batch.seq_lens), self.device)
+        lock = threading.Lock()
+        recorded: list[Any] = [None] * len(plan)
+
+        def work(i: int) -> Tensor:
+            mb = batch.select(plan[i])
+            logp, entropy = self._forward(self.model, mb, entropy_mode)
+            with lock:
+                before = len(loss.pending)
+                value = loss(mb, plan[i], logp, entropy)
+                recorded[i] = loss.pending.pop() if len(loss.pending) > before else None
+            return value
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self._pool.run(len(plan), work, params, deferred_finite_checks)
+        loss.pending.extend(r for r in recorded if r is not None)
 
     def _optimizer_step(self, finite: Tensor, lr: float) -> tuple[bool, Tensor | None]:
         grad_norm = self._clip_grad_norm()

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from miles.models import invariant, token_logprobs
+from miles.models.layers import UnpaddedAttention
 from miles.trainers.batching import TokenBatch
 
 CHUNK_BYTES = 1 << 30  # float32 working set per log-softmax chunk
@@ -225,6 +226,17 @@ def _plain(model: torch.nn.Module, h: Tensor, targets: Tensor, temperature: floa
     return logp, ent
 
 
+def unpads(mb: TokenBatch, routing: Tensor | None, compiled: bool) -> bool:
+    """Whether the forward runs on the real tokens only (``UnpaddedAttention``): on the CPU,
+    where a per-token op costs in proportion to its tokens, pads included, and RL's
+    long-tailed batches leave padding in every micro-batch the plan cuts. Not with replayed
+    routing (its [n, L] layout), in ``--true-on-policy`` (the engine's kernels run the padded
+    layout), nor compiled (its warm-up shapes are the padded ones); on a GPU the padded step
+    is launch-bound."""
+    return (mb.input_ids.device.type == "cpu" and routing is None and not compiled
+            and not invariant.on(mb.input_ids) and mb.size > 1)
+
+
 def response_logprobs(
     model: torch.nn.Module,
     mb: TokenBatch,
@@ -244,11 +256,22 @@ def response_logprobs(
     """
     device = mb.input_ids.device
     autocast = torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32)
-    with autocast:
-        out = model(mb.input_ids, routing=routing, return_logits=False, return_hidden=True,
-                    check_inputs=False)
     rows, cols, pos = mb.response_positions()
-    h = out.hidden[rows, pos]
+    if unpads(mb, routing, compiled):
+        index, positions, pred = mb.packed_positions()
+        B, L = mb.input_ids.shape
+        if L > model.rotary.length:  # as the model's own forward grows it for a full pass
+            model.rotary.reserve(L, device)
+        with autocast:
+            out = model(mb.input_ids.reshape(-1).index_select(0, index)[None], positions[None],
+                        kv_cache=UnpaddedAttention(index, B, L), return_logits=False,
+                        return_hidden=True, check_inputs=False)
+        h = out.hidden[0, pred]
+    else:
+        with autocast:
+            out = model(mb.input_ids, routing=routing, return_logits=False, return_hidden=True,
+                        check_inputs=False)
+        h = out.hidden[rows, pos]
     targets = mb.response_ids[rows, cols]
     if invariant.on(mb.input_ids):
         fused = False  # the LM head and log-softmax as the engine runs them (the mode's kernels)

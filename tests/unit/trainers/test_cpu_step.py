@@ -1,0 +1,106 @@
+"""The CPU trainer's two shortcuts leave what is learned unchanged.
+
+- The unpadded forward (``UnpaddedAttention``, ``response_logprobs`` on the real tokens only)
+  gives the padded forward's log-probs bit for bit and its gradients to float32 round-off.
+- Micro-batches run side by side (``parallel.MicroBatchPool``) train the serial loop's
+  weights and report its metrics, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles.algorithms import AlgorithmConfig
+from miles.trainers import EmbeddedTrainer, TrainerConfig, embedded, logprobs
+from miles.trainers.batching import build_batch
+from miles.trainers.parallel import MicroBatchPool
+from tests.unit.trainers.conftest import make_model, random_groups, set_behaviour
+
+
+def _ragged_batch():
+    trajs = [t for g in random_groups(num_groups=4, size=4, seed=3) for t in g]
+    for i, t in enumerate(trajs):  # prompts of different lengths too
+        t.prompt_tokens = t.prompt_tokens + [5] * (i % 5)
+    return build_batch(trajs, device="cpu", vocab_size=288)
+
+
+@pytest.mark.parametrize("entropy", ["none", "metric"])
+def test_unpadded_forward_matches_the_padded_one(monkeypatch: pytest.MonkeyPatch, entropy: str) -> None:
+    batch = _ragged_batch()
+    mb = batch.select(range(batch.size))
+    assert len(set(mb.seq_lens)) > 1
+    model = make_model()
+    out = {}
+    for unpad in (False, True):
+        monkeypatch.setattr(logprobs, "unpads", lambda *a, u=unpad: u)
+        model.zero_grad()
+        logp, ent = logprobs.response_logprobs(model, mb, temperature=0.7, dtype=torch.float32, entropy=entropy)
+        (logp * mb.loss_mask).sum().backward()
+        out[unpad] = logp.detach(), ent, [p.grad.clone() for p in model.parameters()]
+    (lp0, e0, g0), (lp1, e1, g1) = out[False], out[True]
+    assert torch.equal(lp0, lp1)
+    if entropy == "metric":
+        assert torch.equal(e0, e1)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_unpadded_path_is_the_cpu_default() -> None:
+    mb = _ragged_batch().select(range(4))
+    assert logprobs.unpads(mb, None, compiled=False)
+    assert not logprobs.unpads(mb, None, compiled=True)
+    assert not logprobs.unpads(mb, torch.zeros(1), compiled=False)  # replayed routing keeps its layout
+
+
+def test_packed_positions() -> None:
+    batch = _ragged_batch()
+    index, positions, pred = batch.packed_positions()
+    L = batch.input_ids.shape[1]
+    assert torch.equal(batch.input_ids.reshape(-1)[index], torch.cat(
+        [batch.input_ids[n, :s] for n, s in enumerate(batch.seq_lens)]))
+    assert torch.equal(positions, index % L)
+    rows, _, pos = batch.response_positions()
+    assert torch.equal(index[pred], rows * L + pos)  # the same predicting positions, packed
+
+
+def _train(monkeypatch: pytest.MonkeyPatch, helpers: int, steps: int = 3) -> tuple[EmbeddedTrainer, list[dict]]:
+    monkeypatch.setattr(embedded, "cpu_helpers", lambda device: helpers)
+    config = TrainerConfig(lr=1e-2, seed=0, max_tokens_per_micro_batch=12)  # several micro-batches a step (under the pool's cap)
+    trainer = EmbeddedTrainer(make_model(), config=config, algo=AlgorithmConfig(use_tis=True))
+    assert (trainer._pool is not None) == (helpers > 0)
+    metrics = []
+    for s in range(steps):
+        groups = random_groups(num_groups=4, size=4, seed=s)
+        for t in (t for g in groups for t in g):
+            t.versions = [trainer.version] * len(t.response_tokens)
+        set_behaviour(trainer, groups, shift=0.05)
+        metrics.append(trainer.train_step(groups))
+    return trainer, metrics
+
+
+def test_micro_batches_side_by_side_train_as_the_serial_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    serial, m_serial = _train(monkeypatch, helpers=0)
+    pooled, m_pooled = _train(monkeypatch, helpers=2)
+    for a, b in zip(serial.model.parameters(), pooled.model.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(m_serial, m_pooled):
+        keys = {k for k in a if k.startswith("train/") and k not in ("train/step_time_s", "train/tokens_per_s")}
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+
+
+def test_pool_raises_a_micro_batch_error_and_stays_usable() -> None:
+    pool = MicroBatchPool(1)
+    w = torch.ones(3, requires_grad=True)
+
+    def work(i: int) -> torch.Tensor:
+        if i == 2:
+            raise ValueError("micro-batch 2")
+        return (w * (i + 1)).sum()
+
+    with pytest.raises(ValueError, match="micro-batch 2"):
+        pool.run(4, work, [w], torch.enable_grad)
+    assert w.grad is None  # nothing added on an error
+    pool.run(3, lambda i: (w * (i + 1)).sum(), [w], torch.enable_grad)
+    assert torch.equal(w.grad, torch.full((3,), 6.0))
+    pool.close()
