@@ -45,7 +45,6 @@ import argparse
 import json
 import math
 import os
-import random
 import shlex
 import statistics
 import subprocess
@@ -59,6 +58,8 @@ COUNTDOWN = ROOT / "examples" / "countdown"
 sys.path[:0] = [str(ROOT), str(COUNTDOWN)]
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+from benchmarks.vs_trl import prepare  # noqa: E402 - the same countdown inputs and held-out set as vs_trl
 
 MODES = ("bf16", "rollout-fp8", "fp8", "int4-qat")
 METRICS = ("train/mismatch_kl_k1", "train/mismatch_kl_k3", "train/tis_ratio_mean", "train/tis_ratio_max",
@@ -85,25 +86,6 @@ def served_spec(mode: str, group: int) -> Any:
 
 
 # ---- inputs and runs ---------------------------------------------------------------------
-
-
-def prepare(args: argparse.Namespace) -> dict[str, Path]:
-    """The example's prompt data and SFT warm-up (cached), and the fixed evaluation set."""
-    import task
-
-    data = Path(args.data_dir)
-    if not (data / "train.jsonl").is_file():
-        subprocess.run([sys.executable, str(COUNTDOWN / "task.py"), "--out-dir", str(data)], check=True)
-    subprocess.run([sys.executable, str(COUNTDOWN / "sft.py"), "--data", str(data / "train.jsonl"),
-                    "--out", args.sft], check=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rng, weights = random.Random(task.EVAL_SEED), task.distance_weights()
-    pool = [n for n in range(100, 1000) if task.held_out(n)]
-    starts = rng.choices(pool, weights=[weights[n % 100] for n in pool], k=args.eval_prompts)
-    eval_path = out / "eval.jsonl"
-    eval_path.write_text("".join(json.dumps(task.row(n)) + "\n" for n in starts))
-    return {"train": data / "train.jsonl", "eval": eval_path, "sft": Path(args.sft)}
 
 
 def train_command(args: argparse.Namespace, inputs: dict[str, Path], mode: str, seed: int, run_dir: Path) -> list[str]:
