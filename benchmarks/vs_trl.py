@@ -451,7 +451,8 @@ def main() -> None:
     parser.add_argument("--data-dir", default=str(ROOT / "runs" / "countdown" / "data"))
     parser.add_argument("--sft", default=str(ROOT / "runs" / "countdown" / "sft"))
     parser.add_argument("--eval-only", action="store_true", help="score and report the runs under --out")
-    parser.add_argument("--no-log", action="store_true", help="do not append to benchmarks/log/vs_trl.md nor replace benchmarks/vs_trl.png (the plot goes under --out)")
+    parser.add_argument("--no-log", action="store_true",
+                        help="leave benchmarks/log/vs_trl.md and benchmarks/vs_trl.png alone (the plot goes under --out)")
     # the TRL child
     parser.add_argument("--child-trl", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
