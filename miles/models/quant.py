@@ -17,7 +17,18 @@ estimator: the gradient is the higher-precision gradient taken at the dequantize
 The engine runs the same module, so on the CPU its forward *is* the trainer's; on CUDA
 (no grad) it caches the quantized weight once per weight update (the parameter's
 ``_version`` moves on each in-place copy) and runs the low-precision GEMMs of
-``miles.kernels.lowp`` (FP8 ``torch._scaled_mm``, the Triton dequantizing INT4 GEMM).
+``miles.kernels.lowp`` (FP8 ``torch._scaled_mm``, the Triton dequantizing INT4 GEMM). After a
+weight update the engine's cache holds the trainer's own values and scales as the wire
+brought them (``refresh(model, exact)``), not a requantization of its bf16 parameters.
+
+Activation quantization turns any difference in a layer's input, however small, into whole
+FP8 steps for the elements it tips over a rounding boundary, so unified FP8's mismatch is only
+as small as the engine's and trainer's forwards are alike *before* each quantizer: with bf16
+engines against an autocast trainer (float32 residual stream, batch-dependent cuBLAS kernels)
+it is a large fraction of rollout-only FP8's. Under ``--true-on-policy`` (``invariant.on``)
+the CUDA forward takes the quantizer's own arithmetic instead of ``lowp``'s GEMMs (dequantized
+operands through the mode's batch-invariant GEMM), so the engine's forward is the trainer's
+bit for bit, quantizers included.
 
 Targets: the decoder layers' projections; never the embedding, the LM head or a router
 (``mlp.gate``, ``shared_expert_gate``), which stay in high precision as in the references.
@@ -53,6 +64,7 @@ from miles.kernels.quantize import (  # noqa: F401  (the quantizer's numerics, r
     pack_int4,
     unpack_int4,
 )
+from miles.models import invariant
 
 MODES = ("none", "fp8", "int4-qat")
 _EXPERT = re.compile(r"\.experts\.\d+\.")
@@ -164,6 +176,12 @@ class _FP8Linear(torch.autograd.Function):
         return gx, gw, gb, None, None
 
 
+def _kernels(t: Tensor) -> bool:
+    """Whether ``lowp``'s low-precision GEMMs serve ``t`` (CUDA, outside ``--true-on-policy``);
+    elsewhere the quantizer's arithmetic runs on dequantized operands."""
+    return t.is_cuda and not invariant.on(t)
+
+
 class QuantLinear(nn.Linear):
     """An ``nn.Linear`` whose forward is quantized by ``self.quant`` (set by
     ``apply_quantization``). Grad-free calls cache the quantized weight per weight version."""
@@ -174,7 +192,8 @@ class QuantLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         spec, w = self.quant, self.weight
         grad = torch.is_grad_enabled() and w.requires_grad
-        if grad and not (x.is_cuda and spec.kind == "fp8"):
+        kernels = _kernels(x)
+        if grad and not (kernels and spec.kind == "fp8"):
             xin = fake_quant_act(x) if spec.kind == "fp8" else x
             return F.linear(xin, fake_quant_weight(w, spec), self.bias)
         key = (w._version, w.data_ptr())
@@ -190,17 +209,24 @@ class QuantLinear(nn.Linear):
                 bias = self.bias
             with torch.autocast("cuda", enabled=False):
                 return _FP8Linear.apply(x, w, bias, stored, spec)
-        if x.is_cuda:
+        if kernels:
             from miles.kernels import lowp
 
             return lowp.linear(x, stored, spec, self.bias)
         xin = fp8_qdq_act(x) if spec.kind == "fp8" else x
         return F.linear(xin, stored[0], self.bias)
 
-    def _stored(self, w: Tensor) -> tuple[Tensor, ...]:
-        if w.is_cuda:
-            return quantize_weight(w, self.quant)
-        return (qdq_weight(w, self.quant),)  # the CPU's arithmetic: quantize–dequantize
+    def _stored(self, w: Tensor, exact: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, ...]:
+        """The cached form of ``w``: quantized for ``lowp``'s GEMMs, else quantized–dequantized
+        in ``w``'s dtype. ``exact``: the trainer's (values, scales) of ``w``, used as they are."""
+        if exact is None:
+            if _kernels(w):
+                return quantize_weight(w, self.quant)
+            return (qdq_weight(w, self.quant),)  # the quantizer's arithmetic: quantize–dequantize
+        q, scale = (t.to(w.device) for t in exact)
+        if _kernels(w):
+            return q, scale
+        return (dequantize_weight(q, scale, self.quant, w.dtype),)
 
 
 def apply_quantization(model: nn.Module, spec: QuantSpec | None) -> int:
@@ -241,12 +267,24 @@ def check_device(spec: QuantSpec | None, device: torch.device | str) -> str | No
 
 
 @torch.no_grad()
-def refresh(model: nn.Module) -> None:
+def refresh(model: nn.Module, exact: dict[str, tuple[Tensor, Tensor]] | None = None) -> None:
     """Re-quantize every cached weight after a weight update, into the same buffers (a CUDA
-    graph captured over them reads the new values; the engine calls it after each commit)."""
-    for module in model.modules():
-        if isinstance(module, QuantLinear) and module._cache is not None:
-            w = module.weight
-            for dst, src in zip(module._cache[1], module._stored(w)):
-                dst.copy_(src)
-            module._cache = ((w._version, w.data_ptr()), module._cache[1])
+    graph captured over them reads the new values; the engine calls it after each commit).
+    ``exact`` (``WireDecoder.take_exact``): per ``X.weight``, the trainer's stored form, which
+    that layer then serves as sent instead of a requantization of its parameter."""
+    exact = exact or {}
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantLinear):
+            continue
+        w, sent = module.weight, exact.get(f"{name}.weight")
+        if module._cache is None:
+            if sent is not None:
+                module._cache = ((w._version, w.data_ptr()), module._stored(w, sent))
+            continue
+        new = module._stored(w, sent)
+        for dst, src in zip(module._cache[1], new, strict=True):
+            if dst.shape != src.shape:
+                raise ValueError(f"{name}: the update's stored form {tuple(src.shape)} does not match "
+                                 f"the layer's {tuple(dst.shape)}")
+            dst.copy_(src)
+        module._cache = ((w._version, w.data_ptr()), module._cache[1])

@@ -168,3 +168,46 @@ def test_the_fp8_gemm_probe_refuses_a_form_that_reads_the_wrong_scales(monkeypat
     assert lowp._probe(torch.device("cpu"), torch.float32) == "right"
     assert set(lowp.FP8_ERRORS) == {"rows", "blocks"}
     assert all("relative error" in e for e in lowp.FP8_ERRORS.values())
+
+
+@pytest.mark.parametrize("spec", [FP8, INT4])
+def test_a_bf16_engine_serves_the_trainers_values_and_scales_as_sent(spec: QuantSpec) -> None:
+    """The engine dequantizes the wire into its bf16 parameters; requantizing those gives
+    back the values but moves the scales (a block's maximum ``448 · s`` rounds in bf16), and
+    FP8's activation quantizer downstream turns that into whole FP8 steps. ``refresh`` with
+    the decoder's stored forms makes the engine's layer the trainer's quantization exactly."""
+    torch.manual_seed(0)
+    cfg = tiny_config(hidden_size=96, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=24)
+    trainer = CausalLM(cfg)  # float32 master weights
+    apply_quantization(trainer, spec)
+    engine = CausalLM(cfg).to(torch.bfloat16)
+    apply_quantization(engine, spec)
+    decoder = WireDecoder(torch.bfloat16)
+    engine.load_state_dict(dict(decoder.decode(wire_tensors(trainer.state_dict().items(), spec))))
+    x = torch.randn(5, 96, dtype=torch.bfloat16)
+    name = "model.layers.1.mlp.up_proj"
+    layer, master = engine.get_submodule(name), trainer.get_submodule(name).weight.detach()
+    want = F.linear(quant.fp8_qdq_act(x) if spec.kind == "fp8" else x, quant.qdq_weight(master, spec).to(torch.bfloat16))
+    with torch.no_grad():
+        layer(x)  # caches a requantization of the bf16 parameter: the scales moved
+        assert not torch.equal(layer._cache[1][0], quant.qdq_weight(master, spec).to(torch.bfloat16))
+        quant.refresh(engine, decoder.take_exact())
+        assert not decoder.exact
+        assert torch.equal(layer(x), want)
+        fresh = CausalLM(cfg).to(torch.bfloat16)  # a layer that never ran takes the sent form too
+        apply_quantization(fresh, spec)
+        fresh.load_state_dict(engine.state_dict())
+        quant.refresh(fresh, {f"{name}.weight": quant.quantize_weight(master, spec)})
+        assert torch.equal(fresh.get_submodule(name)(x), want)
+
+
+def test_refresh_refuses_a_stored_form_of_another_shape() -> None:
+    model = CausalLM(tiny_config())
+    apply_quantization(model, FP8)
+    layer = model.model.layers[0].mlp.up_proj
+    with torch.no_grad():
+        layer(torch.randn(2, layer.in_features))
+        wrong = quant.quantize_weight(torch.randn(layer.out_features + 1, layer.in_features), FP8)
+        with pytest.raises(ValueError, match="does not match"):
+            quant.refresh(model, {"model.layers.0.mlp.up_proj.weight": wrong})
