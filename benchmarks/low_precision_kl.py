@@ -101,11 +101,12 @@ def measure(shape: str, device: str, dtype: torch.dtype, checkpoint: str | None,
                 engine = engine_logprobs(master, engine_spec, trainer_spec is not None, ids, dtype)
                 row[mode] = kl(engine, trainer_logprobs(master, trainer_spec, ids, dtype))
             row["fp8_paths"] = sorted(set(lowp.FP8_PATH.values()))
-        except ValueError as exc:  # a shape the mode's kernels refuse (head dim 24 under true-on-policy)
-            row["error"] = str(exc)
+        except Exception as exc:  # noqa: BLE001 - e.g. head dim 24, which the mode's attention kernel refuses
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         finally:
             if forward == "true-on-policy":
                 invariant.disable()
+        print(json.dumps(row), flush=True)  # each row as it comes: a timeout keeps the ones measured
         out.append(row)
     return out
 
