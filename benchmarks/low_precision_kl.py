@@ -16,7 +16,8 @@ The two sides differ as in ``miles train``, not as two calls of one model:
   unified ``fp8`` (``WireDecoder`` and ``quant.refresh``: the trainer's values and scales).
 
 Each pairing runs with the default kernels and under ``--true-on-policy``'s batch-invariant
-ones (``invariant.enable``). KL is over the whole vocabulary, averaged over tokens. Activation
+ones (``invariant.enable``). One more column sets the unified engine against itself run over
+the whole batch in one call: the part of the mismatch that the batch's shape alone makes. KL is over the whole vocabulary, averaged over tokens. Activation
 quantization turns whatever differs before a quantizer into whole FP8 steps, so unified FP8
 sits near bf16's mismatch only where the two forwards agree bit for bit up to each quantizer.
 """
@@ -65,7 +66,8 @@ def trainer_logprobs(master: CausalLM, spec: QuantSpec | None, ids: torch.Tensor
 
 
 def engine_logprobs(master: CausalLM, spec: QuantSpec | None, unified: bool, ids: torch.Tensor,
-                    dtype: torch.dtype) -> torch.Tensor:
+                    dtype: torch.dtype, rows: int = 1) -> torch.Tensor:
+    """The engine's log-probs, ``rows`` sequences a call (all of them: the batch dependence alone)."""
     model = copy.deepcopy(master).to(dtype).requires_grad_(False)
     apply_quantization(model, spec)
     if unified:  # the trainer's quantized export, decoded as the engine's weight update is
@@ -73,8 +75,8 @@ def engine_logprobs(master: CausalLM, spec: QuantSpec | None, unified: bool, ids
         model.load_state_dict(dict(decoder.decode(wire_tensors(master.state_dict().items(), spec))))
         refresh(model, decoder.take_exact())
     with torch.no_grad():
-        rows = [model(ids[i : i + 1]).logits.float() for i in range(ids.shape[0])]
-    return F.log_softmax(torch.cat(rows), -1)
+        out = [model(ids[i : i + rows]).logits.float() for i in range(0, ids.shape[0], rows)]
+    return F.log_softmax(torch.cat(out), -1)
 
 
 def kl(p: torch.Tensor, q: torch.Tensor) -> float:
@@ -100,6 +102,8 @@ def measure(shape: str, device: str, dtype: torch.dtype, checkpoint: str | None,
             for mode, (engine_spec, trainer_spec) in MODES.items():
                 engine = engine_logprobs(master, engine_spec, trainer_spec is not None, ids, dtype)
                 row[mode] = kl(engine, trainer_logprobs(master, trainer_spec, ids, dtype))
+            # the same engine over the whole batch in one call: what the batch's shape alone changes
+            row["fp8 engine vs itself"] = kl(engine, engine_logprobs(master, FP8, True, ids, dtype, rows=B))
             row["fp8_paths"] = sorted(set(lowp.FP8_PATH.values()))
         except Exception as exc:  # noqa: BLE001 - e.g. head dim 24, which the mode's attention kernel refuses
             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -114,15 +118,16 @@ def measure(shape: str, device: str, dtype: torch.dtype, checkpoint: str | None,
 def report(rows: list[dict], dtype: torch.dtype) -> list[str]:
     lines = [f"KL(engine ‖ trainer) per token, full vocabulary; engine {dtype} (one sequence a call), trainer "
              f"float32 master under autocast (whole batch, gradients on)", "",
-             "| shape | forward | tokens | bf16 | rollout-fp8 | unified fp8 | rollout ÷ unified | FP8 GEMMs |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| shape | forward | tokens | bf16 | rollout-fp8 | unified fp8 | rollout ÷ unified | "
+             "unified engine, 1 vs all sequences a call | FP8 GEMMs |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['forward']} | {r['tokens']} | refused: {r['error']} |||||")
+            lines.append(f"| {r['shape']} | {r['forward']} | {r['tokens']} | refused: {r['error']} ||||||")
             continue
         ratio = "∞ (unified exactly 0)" if r["fp8"] == 0 else f"{r['rollout-fp8'] / r['fp8']:.3g}×"
         lines.append(f"| {r['shape']} | {r['forward']} | {r['tokens']} | {r['bf16']:.3e} | {r['rollout-fp8']:.3e} | "
-                     f"{r['fp8']:.3e} | {ratio} | {', '.join(r['fp8_paths']) or '—'} |")
+                     f"{r['fp8']:.3e} | {ratio} | {r['fp8 engine vs itself']:.3e} | {', '.join(r['fp8_paths']) or '—'} |")
     return lines
 
 
