@@ -23,12 +23,13 @@ brought them (``refresh(model, exact)``), not a requantization of its bf16 param
 
 Activation quantization turns any difference in a layer's input, however small, into whole
 FP8 steps for the elements it tips over a rounding boundary, so unified FP8's mismatch is only
-as small as the engine's and trainer's forwards are alike *before* each quantizer: with bf16
-engines against an autocast trainer (float32 residual stream, batch-dependent cuBLAS kernels)
-it is a large fraction of rollout-only FP8's. Under ``--true-on-policy`` (``invariant.on``)
-the CUDA forward takes the quantizer's own arithmetic instead of ``lowp``'s GEMMs (dequantized
-operands through the mode's batch-invariant GEMM), so the engine's forward is the trainer's
-bit for bit, quantizers included.
+as small as the engine's and trainer's forwards are alike *before* each quantizer. So a
+quantized model under autocast (the trainer) keeps its residual stream in the autocast dtype,
+as the bf16 engine's is, instead of float32 (``_stream_in_compute_dtype``); what still differs
+on CUDA is the kernels' summation order, which depends on the batch's shape (cuBLAS, attention).
+Under ``--true-on-policy`` (``invariant.on``) the CUDA forward takes the quantizer's own
+arithmetic instead of ``lowp``'s GEMMs (dequantized operands through the mode's
+batch-invariant GEMM), so the engine's forward is the trainer's bit for bit, quantizers included.
 
 Targets: the decoder layers' projections; never the embedding, the LM head or a router
 (``mlp.gate``, ``shared_expert_gate``), which stay in high precision as in the references.
@@ -229,8 +230,21 @@ class QuantLinear(nn.Linear):
         return (dequantize_weight(q, scale, self.quant, w.dtype),)
 
 
+def _stream_in_compute_dtype(module: nn.Module, args: Any, out: Tensor) -> Tensor:
+    """Forward hook on a quantized model's embedding: under autocast, the residual stream in the
+    autocast dtype, as the engine's is (its weights' dtype). A float32 stream (the trainer's
+    float32 embedding) rounds differently at every residual add and norm, and each FP8
+    activation quantizer turns such differences into whole FP8 steps."""
+    dev = out.device.type
+    if out.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        return out.to(torch.get_autocast_dtype(dev))
+    return out
+
+
 def apply_quantization(model: nn.Module, spec: QuantSpec | None) -> int:
-    """Quantize the targeted linear layers' forward in place; returns how many. ``None``: no-op."""
+    """Quantize the targeted linear layers' forward in place; returns how many. ``None``: no-op.
+    Under autocast the model's residual stream then runs in the autocast dtype, as the
+    engine's does (``_stream_in_compute_dtype``): the trainer's forward is the engine's."""
     if spec is None:
         return 0
     n = 0
@@ -244,6 +258,9 @@ def apply_quantization(model: nn.Module, spec: QuantSpec | None) -> int:
     if n == 0:
         raise ValueError(f"--quantization/--rollout-quantization {spec.kind}: no layer of this model is a target"
                          + (" (a dense model: use --int4-targets all-linear)" if spec.kind == "int4" else ""))
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if embed is not None and spec_of(model) is None:
+        embed.register_forward_hook(_stream_in_compute_dtype)
     model.quant_spec = spec
     return n
 

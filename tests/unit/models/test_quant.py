@@ -211,3 +211,28 @@ def test_refresh_refuses_a_stored_form_of_another_shape() -> None:
         wrong = quant.quantize_weight(torch.randn(layer.out_features + 1, layer.in_features), FP8)
         with pytest.raises(ValueError, match="does not match"):
             quant.refresh(model, {"model.layers.0.mlp.up_proj.weight": wrong})
+
+
+@pytest.mark.parametrize("spec", [FP8, INT4])
+def test_an_autocast_trainer_forward_is_the_bf16_engines_bit_for_bit(spec: QuantSpec) -> None:
+    """A float32 master under bf16 autocast (the trainer on a GPU, here on the CPU) against a
+    bf16 engine fed its quantized export: the quantized model keeps its residual stream in the
+    autocast dtype, as the engine's is, so every quantizer sees the engine's inputs and the
+    logits agree bit for bit (a float32 stream tipped FP8 roundings: unified FP8's mismatch
+    was then most of rollout-only FP8's)."""
+    torch.manual_seed(0)
+    cfg = tiny_config(hidden_size=96, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=24, initializer_range=0.1)
+    trainer = CausalLM(cfg)
+    apply_quantization(trainer, spec)
+    engine = CausalLM(cfg).to(torch.bfloat16).requires_grad_(False)
+    apply_quantization(engine, spec)
+    decoder = WireDecoder(torch.bfloat16)
+    engine.load_state_dict(dict(decoder.decode(wire_tensors(trainer.state_dict().items(), spec))))
+    quant.refresh(engine, decoder.take_exact())
+    ids = torch.randint(3, cfg.vocab_size, (2, 24))
+    with torch.no_grad():
+        want = engine(ids).logits
+    with torch.autocast("cpu", torch.bfloat16):
+        got = trainer(ids).logits
+    assert got.requires_grad and torch.equal(got.detach(), want)
