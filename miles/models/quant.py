@@ -185,10 +185,13 @@ def _kernels(t: Tensor) -> bool:
 
 class QuantLinear(nn.Linear):
     """An ``nn.Linear`` whose forward is quantized by ``self.quant`` (set by
-    ``apply_quantization``). Grad-free calls cache the quantized weight per weight version."""
+    ``apply_quantization``). Grad-free calls cache the weight's stored form (values, scales)
+    per weight version, and where the quantizer's arithmetic runs instead of ``lowp``'s GEMMs
+    (the CPU, ``--true-on-policy``), its dequantized weight, derived from that form."""
 
     quant: QuantSpec
-    _cache: tuple[tuple[int, int], tuple[Tensor, ...]] | None = None
+    _cache: tuple[tuple[int, int], tuple[Tensor, Tensor]] | None = None  # (weight version, stored form)
+    _deq: Tensor | None = None  # the stored form dequantized into the weight's dtype
 
     def forward(self, x: Tensor) -> Tensor:
         spec, w = self.quant, self.weight
@@ -197,11 +200,7 @@ class QuantLinear(nn.Linear):
         if grad and not (kernels and spec.kind == "fp8"):
             xin = fake_quant_act(x) if spec.kind == "fp8" else x
             return F.linear(xin, fake_quant_weight(w, spec), self.bias)
-        key = (w._version, w.data_ptr())
-        if self._cache is None or self._cache[0] != key:
-            with torch.no_grad():
-                self._cache = (key, self._stored(w))
-        stored = self._cache[1]
+        stored = self._stored(w)
         if grad:  # FP8 on CUDA: the engine's forward, a straight-through backward
             if torch.is_autocast_enabled("cuda"):  # the GEMM's inputs in the dtype F.linear would take
                 dt = torch.get_autocast_dtype("cuda")
@@ -214,20 +213,19 @@ class QuantLinear(nn.Linear):
             from miles.kernels import lowp
 
             return lowp.linear(x, stored, spec, self.bias)
+        if self._deq is None:
+            with torch.no_grad():
+                self._deq = dequantize_weight(*stored, spec, w.dtype)
         xin = fp8_qdq_act(x) if spec.kind == "fp8" else x
-        return F.linear(xin, stored[0], self.bias)
+        return F.linear(xin, self._deq, self.bias)
 
-    def _stored(self, w: Tensor, exact: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, ...]:
-        """The cached form of ``w``: quantized for ``lowp``'s GEMMs, else quantized–dequantized
-        in ``w``'s dtype. ``exact``: the trainer's (values, scales) of ``w``, used as they are."""
-        if exact is None:
-            if _kernels(w):
-                return quantize_weight(w, self.quant)
-            return (qdq_weight(w, self.quant),)  # the quantizer's arithmetic: quantize–dequantize
-        q, scale = (t.to(w.device) for t in exact)
-        if _kernels(w):
-            return q, scale
-        return (dequantize_weight(q, scale, self.quant, w.dtype),)
+    def _stored(self, w: Tensor) -> tuple[Tensor, Tensor]:
+        """The stored form of this weight version, quantized once per version."""
+        key = (w._version, w.data_ptr())
+        if self._cache is None or self._cache[0] != key:
+            with torch.no_grad():
+                self._cache, self._deq = (key, quantize_weight(w, self.quant)), None
+        return self._cache[1]
 
 
 def _stream_in_compute_dtype(module: nn.Module, args: Any, out: Tensor) -> Tensor:
@@ -294,14 +292,18 @@ def refresh(model: nn.Module, exact: dict[str, tuple[Tensor, Tensor]] | None = N
         if not isinstance(module, QuantLinear):
             continue
         w, sent = module.weight, exact.get(f"{name}.weight")
-        if module._cache is None:
-            if sent is not None:
-                module._cache = ((w._version, w.data_ptr()), module._stored(w, sent))
+        if module._cache is None and sent is None:
             continue
-        new = module._stored(w, sent)
+        new = tuple(t.to(w.device) for t in sent) if sent is not None else quantize_weight(w, module.quant)
+        key = (w._version, w.data_ptr())
+        if module._cache is None:
+            module._cache, module._deq = (key, new), None
+            continue
         for dst, src in zip(module._cache[1], new, strict=True):
-            if dst.shape != src.shape:
-                raise ValueError(f"{name}: the update's stored form {tuple(src.shape)} does not match "
-                                 f"the layer's {tuple(dst.shape)}")
+            if dst.shape != src.shape or dst.dtype != src.dtype:
+                raise ValueError(f"{name}: the update's stored form {tuple(src.shape)} {src.dtype} does not match "
+                                 f"the layer's {tuple(dst.shape)} {dst.dtype}")
             dst.copy_(src)
-        module._cache = ((w._version, w.data_ptr()), module._cache[1])
+        module._cache = (key, module._cache[1])
+        if module._deq is not None:
+            module._deq.copy_(dequantize_weight(*module._cache[1], module.quant, module._deq.dtype))

@@ -190,8 +190,10 @@ def test_a_bf16_engine_serves_the_trainers_values_and_scales_as_sent(spec: Quant
     layer, master = engine.get_submodule(name), trainer.get_submodule(name).weight.detach()
     want = F.linear(quant.fp8_qdq_act(x) if spec.kind == "fp8" else x, quant.qdq_weight(master, spec).to(torch.bfloat16))
     with torch.no_grad():
-        layer(x)  # caches a requantization of the bf16 parameter: the scales moved
-        assert not torch.equal(layer._cache[1][0], quant.qdq_weight(master, spec).to(torch.bfloat16))
+        layer(x)  # caches a requantization of the bf16 parameter: the values come back, the scales moved
+        sent_q, sent_scale = quant.quantize_weight(master, spec)
+        assert torch.equal(layer._cache[1][0].view(torch.uint8), sent_q.view(torch.uint8))
+        assert not torch.equal(layer._cache[1][1], sent_scale)
         quant.refresh(engine, decoder.take_exact())
         assert not decoder.exact
         assert torch.equal(layer(x), want)
