@@ -326,10 +326,7 @@ class Driver:
         version = await a.trainer.get_version.remote()
         self.scheduler.on_version(version)
         await a.buffer.set_version.remote(version)
-        # resumed: workers loaded the base checkpoint, send them the weights; unified low
-        # precision: send version 0 too, so the engines serve the trainer's quantization of its
-        # master weights from the first rollout (theirs, of a bf16 copy, differs)
-        if version > 0 or self.cfg.quant.quantization != "none":
+        if version > 0:  # resumed: workers loaded the base checkpoint, send them the weights
             await a.trainer.publish.remote(a.broadcaster)
         if a.draft_trainer is not None:
             if await a.draft_trainer.get_version.remote() > 0:  # resumed: the trained draft too
