@@ -16,8 +16,9 @@ The two sides differ as in ``miles train``, not as two calls of one model:
   unified ``fp8`` (``WireDecoder`` and ``quant.refresh``: the trainer's values and scales).
 
 Each pairing runs with the default kernels and under ``--true-on-policy``'s batch-invariant
-ones (``invariant.enable``). One more column sets the unified engine against itself run over
-the whole batch in one call: the part of the mismatch that the batch's shape alone makes. KL is over the whole vocabulary, averaged over tokens. Activation
+ones (``invariant.enable``). Two more columns: unified FP8 at version 0 (the engine quantizes its
+own bf16 copy of the weights; no update has come through the wire yet), and the unified engine
+against itself run over the whole batch in one call (what the batch's shape alone changes). KL is over the whole vocabulary, averaged over tokens. Activation
 quantization turns whatever differs before a quantizer into whole FP8 steps, so unified FP8
 sits near bf16's mismatch only where the two forwards agree bit for bit up to each quantizer.
 """
@@ -53,7 +54,6 @@ SHAPES: dict[str, tuple[dict, tuple[int, int]]] = {
                    num_key_value_heads=8, head_dim=64, vocab_size=32768), (4, 256)),
 }
 FP8 = QuantSpec("fp8")
-MODES = {"bf16": (None, None), "rollout-fp8": (FP8, None), "fp8": (FP8, FP8)}  # (engine, trainer) spec
 
 
 def trainer_logprobs(master: CausalLM, spec: QuantSpec | None, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -99,9 +99,13 @@ def measure(shape: str, device: str, dtype: torch.dtype, checkpoint: str | None,
         lowp.FP8_PATH.clear()
         row = {"shape": shape, "forward": forward, "tokens": B * T}
         try:
-            for mode, (engine_spec, trainer_spec) in MODES.items():
-                engine = engine_logprobs(master, engine_spec, trainer_spec is not None, ids, dtype)
-                row[mode] = kl(engine, trainer_logprobs(master, trainer_spec, ids, dtype))
+            trainer = {None: trainer_logprobs(master, None, ids, dtype), FP8: trainer_logprobs(master, FP8, ids, dtype)}
+            own = engine_logprobs(master, FP8, False, ids, dtype)  # FP8 of its own copy of the weights
+            row["bf16"] = kl(engine_logprobs(master, None, False, ids, dtype), trainer[None])
+            row["rollout-fp8"] = kl(own, trainer[None])
+            engine = engine_logprobs(master, FP8, True, ids, dtype)
+            row["fp8"] = kl(engine, trainer[FP8])
+            row["fp8 version 0"] = kl(own, trainer[FP8])  # before the first update: no wire yet
             # the same engine over the whole batch in one call: what the batch's shape alone changes
             row["fp8 engine vs itself"] = kl(engine, engine_logprobs(master, FP8, True, ids, dtype, rows=B))
             row["fp8_paths"] = sorted(set(lowp.FP8_PATH.values()))
@@ -118,16 +122,16 @@ def measure(shape: str, device: str, dtype: torch.dtype, checkpoint: str | None,
 def report(rows: list[dict], dtype: torch.dtype) -> list[str]:
     lines = [f"KL(engine ‖ trainer) per token, full vocabulary; engine {dtype} (one sequence a call), trainer "
              f"float32 master under autocast (whole batch, gradients on)", "",
-             "| shape | forward | tokens | bf16 | rollout-fp8 | unified fp8 | rollout ÷ unified | "
+             "| shape | forward | tokens | bf16 | rollout-fp8 | unified fp8 | rollout ÷ unified | unified, version 0 | "
              "unified engine, 1 vs all sequences a call | FP8 GEMMs |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['forward']} | {r['tokens']} | refused: {r['error']} ||||||")
+            lines.append(f"| {r['shape']} | {r['forward']} | {r['tokens']} | refused: {r['error']} |||||||")
             continue
         ratio = "∞ (unified exactly 0)" if r["fp8"] == 0 else f"{r['rollout-fp8'] / r['fp8']:.3g}×"
         lines.append(f"| {r['shape']} | {r['forward']} | {r['tokens']} | {r['bf16']:.3e} | {r['rollout-fp8']:.3e} | "
-                     f"{r['fp8']:.3e} | {ratio} | {r['fp8 engine vs itself']:.3e} | {', '.join(r['fp8_paths']) or '—'} |")
+                     f"{r['fp8']:.3e} | {ratio} | {r['fp8 version 0']:.3e} | {r['fp8 engine vs itself']:.3e} | {', '.join(r['fp8_paths']) or '—'} |")
     return lines
 
 

@@ -9,6 +9,9 @@ Formats (the DeepSeek-V3 / Transformer Engine block-scaling recipe for FP8):
 - INT4 weights (W4A16): symmetric, one float32 scale per row and ``group_size`` inputs,
   ``scale = max|w| / 7``, values in [-7, 7]; stored two a byte (``pack_int4``: low nibble the
   even column, each nibble ``q + 8``). The group size must divide the input dimension.
+- Either quantizes a weight's bf16 rounding (``_source``), what a bf16 engine holds: the
+  trainer's float32 master weights and an engine's bf16 copy of the same checkpoint then give
+  one stored form, before the first weight update as after it.
 
 ``apply_quantization(model, spec)`` swaps the targeted ``nn.Linear`` modules' class to
 ``QuantLinear`` (names and ``state_dict`` unchanged: master weights stay in their own dtype).
@@ -108,11 +111,17 @@ class QuantSpec:
 
 
 # ---- one entry per spec ------------------------------------------------------------------------
+def _source(w: Tensor) -> Tensor:
+    """A weight as the quantizer reads it: rounded to bf16 (a float32 checkpoint that the engine
+    loads in bf16 quantized otherwise differently on the two sides until the first update)."""
+    return w.detach() if w.dtype == torch.bfloat16 else w.detach().to(torch.bfloat16)
+
+
 def quantize_weight(w: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
     """The stored form: (fp8 values, block scales) or (packed INT4 bytes, group scales)."""
     if spec.kind == "fp8":
-        return fp8_quantize_weight(w)
-    q, scale = int4_quantize(w, spec.group_size)
+        return fp8_quantize_weight(_source(w))
+    q, scale = int4_quantize(_source(w), spec.group_size)
     return pack_int4(q), scale
 
 
@@ -125,8 +134,8 @@ def dequantize_weight(q: Tensor, scale: Tensor, spec: QuantSpec, dtype: torch.dt
 def qdq_weight(w: Tensor, spec: QuantSpec) -> Tensor:
     """Quantize–dequantize, in ``w``'s dtype (no gradient)."""
     if spec.kind == "fp8":
-        return fp8_dequantize_weight(*fp8_quantize_weight(w), w.dtype)
-    return int4_dequantize(*int4_quantize(w, spec.group_size), w.dtype)
+        return fp8_dequantize_weight(*fp8_quantize_weight(_source(w)), w.dtype)
+    return int4_dequantize(*int4_quantize(_source(w), spec.group_size), w.dtype)
 
 
 class _STE(torch.autograd.Function):

@@ -7,9 +7,8 @@ packed INT4 ``[N, K/2]`` — plus ``X.weight_scale``, its float32 scales as an `
 The engine's ``WireDecoder`` pairs them (a bucket may split a pair), dequantizes into its
 parameters' dtype and keeps the pair itself (``take_exact``), which the engine's commit hands
 to ``quant.refresh``: the quantized layers then serve the trainer's values and scales as
-sent. Requantizing the dequantized parameters would give back the values but not the scales
-in bf16: a block's maximum ``448 · s`` rounded to bf16 moves ``s`` by up to 2^-8, and the
-activation quantizer downstream turns any such difference into whole FP8 steps. FP8 ships
+sent, not a requantization of the dequantized parameters (which gives them back only while
+every block's maximum survives the round trip through the parameters' dtype). FP8 ships
 about half the bytes of bf16, INT4 about 0.27×.
 
 **Disk** (``save_quantized``): an HF directory beside the bf16 one, with compressed-tensors'

@@ -172,10 +172,9 @@ def test_the_fp8_gemm_probe_refuses_a_form_that_reads_the_wrong_scales(monkeypat
 
 @pytest.mark.parametrize("spec", [FP8, INT4])
 def test_a_bf16_engine_serves_the_trainers_values_and_scales_as_sent(spec: QuantSpec) -> None:
-    """The engine dequantizes the wire into its bf16 parameters; requantizing those gives
-    back the values but moves the scales (a block's maximum ``448 · s`` rounds in bf16), and
-    FP8's activation quantizer downstream turns that into whole FP8 steps. ``refresh`` with
-    the decoder's stored forms makes the engine's layer the trainer's quantization exactly."""
+    """The engine dequantizes the wire into its bf16 parameters and ``refresh`` serves the
+    decoder's stored forms as sent: the engine's layer is the trainer's quantization exactly,
+    whether or not it ran before the update."""
     torch.manual_seed(0)
     cfg = tiny_config(hidden_size=96, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=24)
@@ -183,25 +182,42 @@ def test_a_bf16_engine_serves_the_trainers_values_and_scales_as_sent(spec: Quant
     apply_quantization(trainer, spec)
     engine = CausalLM(cfg).to(torch.bfloat16)
     apply_quantization(engine, spec)
-    decoder = WireDecoder(torch.bfloat16)
-    engine.load_state_dict(dict(decoder.decode(wire_tensors(trainer.state_dict().items(), spec))))
     x = torch.randn(5, 96, dtype=torch.bfloat16)
     name = "model.layers.1.mlp.up_proj"
     layer, master = engine.get_submodule(name), trainer.get_submodule(name).weight.detach()
-    want = F.linear(quant.fp8_qdq_act(x) if spec.kind == "fp8" else x, quant.qdq_weight(master, spec).to(torch.bfloat16))
     with torch.no_grad():
-        layer(x)  # caches a requantization of the bf16 parameter: the values come back, the scales moved
-        sent_q, sent_scale = quant.quantize_weight(master, spec)
-        assert torch.equal(layer._cache[1][0].view(torch.uint8), sent_q.view(torch.uint8))
-        assert not torch.equal(layer._cache[1][1], sent_scale)
+        layer(x)  # its own weights cached: the update replaces them in place
+    decoder = WireDecoder(torch.bfloat16)
+    engine.load_state_dict(dict(decoder.decode(wire_tensors(trainer.state_dict().items(), spec))))
+    want = F.linear(quant.fp8_qdq_act(x) if spec.kind == "fp8" else x, quant.qdq_weight(master, spec).to(torch.bfloat16))
+    sent_q, sent_scale = quant.quantize_weight(master, spec)
+    with torch.no_grad():
         quant.refresh(engine, decoder.take_exact())
         assert not decoder.exact
+        assert torch.equal(layer._cache[1][1], sent_scale)
+        assert torch.equal(layer._cache[1][0].view(torch.uint8), sent_q.view(torch.uint8))
         assert torch.equal(layer(x), want)
         fresh = CausalLM(cfg).to(torch.bfloat16)  # a layer that never ran takes the sent form too
         apply_quantization(fresh, spec)
         fresh.load_state_dict(engine.state_dict())
-        quant.refresh(fresh, {f"{name}.weight": quant.quantize_weight(master, spec)})
+        quant.refresh(fresh, {f"{name}.weight": (sent_q, sent_scale)})
         assert torch.equal(fresh.get_submodule(name)(x), want)
+
+
+@pytest.mark.parametrize("spec", [FP8, INT4])
+def test_a_float32_checkpoint_quantizes_alike_in_the_trainer_and_a_bf16_engine(spec: QuantSpec) -> None:
+    """Before the first update the engine quantizes its own bf16 copy of the checkpoint and the
+    trainer its float32 master weights: the quantizer reads both as bf16, so the stored forms
+    agree (a block's maximum is then a bf16 value, and ``448·s`` or ``7·s`` survive a bf16
+    round trip, so requantizing the dequantized weight gives the scales back too)."""
+    torch.manual_seed(0)
+    w = torch.randn(200, 256) * torch.logspace(-2, 0, 256)
+    q32, s32 = quant.quantize_weight(w, spec)
+    q16, s16 = quant.quantize_weight(w.to(torch.bfloat16), spec)
+    assert torch.equal(s32, s16) and torch.equal(q32.view(torch.uint8), q16.view(torch.uint8))
+    back = quant.dequantize_weight(q32, s32, spec, torch.bfloat16)
+    q2, s2 = quant.quantize_weight(back, spec)
+    assert torch.equal(s2, s32) and torch.equal(q2.view(torch.uint8), q32.view(torch.uint8))
 
 
 def test_refresh_refuses_a_stored_form_of_another_shape() -> None:
