@@ -10,9 +10,10 @@ Parts (each under its own time limit, ``--part-timeout``):
   (``torch._scaled_mm`` block-wise, activations quantized 1 × 128 in the step) and INT4
   (the Triton dequantizing GEMM), each step replayed as a CUDA graph. Attention is left
   out: it reads the KV cache, which is the same in every mode. tok/s = batch / step time.
-- ``kl``: on a small random decoder, the mismatch KL(engine ‖ trainer) per token between the
-  engine's FP8 forward (the FP8 GEMMs) and the trainer's: unified FP8 (the trainer's
-  fake-quantized forward) against bf16 training with FP8 rollouts (the trainer in bf16).
+- ``kl``: the mismatch KL(engine ‖ trainer) per token of unified FP8 against bf16 training
+  with FP8 rollouts, on random decoders of the countdown example's shape (hidden 96) and of
+  hidden 1024, the engine and the trainer paired as a run pairs them, with the default
+  kernels and under ``--true-on-policy`` (``benchmarks/low_precision_kl.py`` says how).
 - ``moe``: a Qwen3-30B-A3B shape (48 layers, 128 experts of 768, top-8, hidden 2048) with
   INT4 experts (random packed weights, group 128), decoding greedy tokens with a KV cache;
   the memory it holds, beside what its bf16 form would need.
@@ -318,35 +319,12 @@ def part_tune(s: dict, batches: list[int], out: dict, iters: int) -> list[str]:
 
 
 def part_kl(tiny: bool, out: dict) -> list[str]:
-    from miles.models import CausalLM, tiny_config
-    from miles.models.quant import apply_quantization
+    """benchmarks/low_precision_kl.py on the countdown, h96 and h1024 shapes (``tiny``: a small one)."""
+    from benchmarks.low_precision_kl import run
 
-    torch.manual_seed(0)
-    cfg = tiny_config(hidden_size=256 if tiny else 1024, intermediate_size=512 if tiny else 3072,
-                      num_hidden_layers=2 if tiny else 8, num_attention_heads=4 if tiny else 16,
-                      num_key_value_heads=2 if tiny else 8, head_dim=64 if tiny else 64,
-                      vocab_size=1024 if tiny else 32768, initializer_range=0.02)
-    bf16 = CausalLM(cfg).to(DEVICE, DTYPE)
-    fp8 = CausalLM(cfg).to(DEVICE, DTYPE)
-    fp8.load_state_dict(bf16.state_dict())
-    apply_quantization(fp8, FP8)
-    ids = torch.randint(3, cfg.vocab_size, (4, 64 if tiny else 256), device=DEVICE)
-    with torch.no_grad():
-        engine = F.log_softmax(fp8(ids).logits.float(), -1)  # the engine's path: FP8 GEMMs
-        train_bf16 = F.log_softmax(bf16(ids).logits.float(), -1)
-    fp8.requires_grad_(True)
-    with torch.enable_grad():  # the trainer's path: fake-quantized forward, straight-through
-        train_fp8 = F.log_softmax(fp8(ids).logits.float().detach(), -1)
-
-    def kl(p: torch.Tensor, q: torch.Tensor) -> float:
-        return float((p.exp() * (p - q)).sum(-1).mean())
-
-    unified, rollout_only = kl(engine, train_fp8), kl(engine, train_bf16)
-    out.update(kl_unified=unified, kl_rollout_only=rollout_only)
-    ratio = "exactly 0 unified" if unified == 0 else f"{rollout_only / unified:.0f}× lower unified"
-    return [f"decoder {cfg.num_hidden_layers}L h{cfg.hidden_size} V{cfg.vocab_size}, {tuple(ids.shape)} tokens, "
-            f"{DTYPE}: KL(engine fp8 ‖ trainer) per token: unified fp8 {unified:.3e}, "
-            f"bf16 train + fp8 rollout {rollout_only:.3e} ({ratio}; goal ≥ 10×); FP8 path {json.dumps(lowp.FP8_PATH)}"]
+    lines, rows = run(["tiny"] if tiny else ["countdown", "h96", "h1024"])
+    out["kl"] = rows
+    return lines
 
 
 def part_moe(s: dict, steps: int, batch: int, out: dict) -> list[str]:

@@ -591,8 +591,9 @@ class EmbeddedEngine:
                 self.offloader.reacquire()
                 woke = True
             self.stager.apply()  # waits for its copies on CUDA: the pause is all in here
+            exact = self.wire.take_exact()  # this update's quantized layers as the trainer stored them
             if self.quant is not None:
-                quant.refresh(self.model)  # in place: captured graphs keep reading the same buffers
+                quant.refresh(self.model, exact)  # in place: captured graphs keep reading the same buffers
         self.swap_pauses.append(time.perf_counter() - start)
         self.stepper.version = version
         self.stats_.counters["weight_updates"] += 1

@@ -9,6 +9,9 @@ Formats (the DeepSeek-V3 / Transformer Engine block-scaling recipe for FP8):
 - INT4 weights (W4A16): symmetric, one float32 scale per row and ``group_size`` inputs,
   ``scale = max|w| / 7``, values in [-7, 7]; stored two a byte (``pack_int4``: low nibble the
   even column, each nibble ``q + 8``). The group size must divide the input dimension.
+- Either quantizes a weight's bf16 rounding (``_source``), what a bf16 engine holds: the
+  trainer's float32 master weights and an engine's bf16 copy of the same checkpoint then give
+  one stored form, before the first weight update as after it.
 
 ``apply_quantization(model, spec)`` swaps the targeted ``nn.Linear`` modules' class to
 ``QuantLinear`` (names and ``state_dict`` unchanged: master weights stay in their own dtype).
@@ -17,7 +20,19 @@ estimator: the gradient is the higher-precision gradient taken at the dequantize
 The engine runs the same module, so on the CPU its forward *is* the trainer's; on CUDA
 (no grad) it caches the quantized weight once per weight update (the parameter's
 ``_version`` moves on each in-place copy) and runs the low-precision GEMMs of
-``miles.kernels.lowp`` (FP8 ``torch._scaled_mm``, the Triton dequantizing INT4 GEMM).
+``miles.kernels.lowp`` (FP8 ``torch._scaled_mm``, the Triton dequantizing INT4 GEMM). After a
+weight update the engine's cache holds the trainer's own values and scales as the wire
+brought them (``refresh(model, exact)``), not a requantization of its bf16 parameters.
+
+Activation quantization turns any difference in a layer's input, however small, into whole
+FP8 steps for the elements it tips over a rounding boundary, so unified FP8's mismatch is only
+as small as the engine's and trainer's forwards are alike *before* each quantizer. So a
+quantized model under autocast (the trainer) keeps its residual stream in the autocast dtype,
+as the bf16 engine's is, instead of float32 (``_stream_in_compute_dtype``); what still differs
+on CUDA is the kernels' summation order, which depends on the batch's shape (cuBLAS, attention).
+Under ``--true-on-policy`` (``invariant.on``) the CUDA forward takes the quantizer's own
+arithmetic instead of ``lowp``'s GEMMs (dequantized operands through the mode's
+batch-invariant GEMM), so the engine's forward is the trainer's bit for bit, quantizers included.
 
 Targets: the decoder layers' projections; never the embedding, the LM head or a router
 (``mlp.gate``, ``shared_expert_gate``), which stay in high precision as in the references.
@@ -53,6 +68,7 @@ from miles.kernels.quantize import (  # noqa: F401  (the quantizer's numerics, r
     pack_int4,
     unpack_int4,
 )
+from miles.models import invariant
 
 MODES = ("none", "fp8", "int4-qat")
 _EXPERT = re.compile(r"\.experts\.\d+\.")
@@ -95,11 +111,17 @@ class QuantSpec:
 
 
 # ---- one entry per spec ------------------------------------------------------------------------
+def _source(w: Tensor) -> Tensor:
+    """A weight as the quantizer reads it: rounded to bf16 (a float32 checkpoint that the engine
+    loads in bf16 quantized otherwise differently on the two sides until the first update)."""
+    return w.detach() if w.dtype == torch.bfloat16 else w.detach().to(torch.bfloat16)
+
+
 def quantize_weight(w: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
     """The stored form: (fp8 values, block scales) or (packed INT4 bytes, group scales)."""
     if spec.kind == "fp8":
-        return fp8_quantize_weight(w)
-    q, scale = int4_quantize(w, spec.group_size)
+        return fp8_quantize_weight(_source(w))
+    q, scale = int4_quantize(_source(w), spec.group_size)
     return pack_int4(q), scale
 
 
@@ -112,8 +134,8 @@ def dequantize_weight(q: Tensor, scale: Tensor, spec: QuantSpec, dtype: torch.dt
 def qdq_weight(w: Tensor, spec: QuantSpec) -> Tensor:
     """Quantize–dequantize, in ``w``'s dtype (no gradient)."""
     if spec.kind == "fp8":
-        return fp8_dequantize_weight(*fp8_quantize_weight(w), w.dtype)
-    return int4_dequantize(*int4_quantize(w, spec.group_size), w.dtype)
+        return fp8_dequantize_weight(*fp8_quantize_weight(_source(w)), w.dtype)
+    return int4_dequantize(*int4_quantize(_source(w), spec.group_size), w.dtype)
 
 
 class _STE(torch.autograd.Function):
@@ -164,24 +186,30 @@ class _FP8Linear(torch.autograd.Function):
         return gx, gw, gb, None, None
 
 
+def _kernels(t: Tensor) -> bool:
+    """Whether ``lowp``'s low-precision GEMMs serve ``t`` (CUDA, outside ``--true-on-policy``);
+    elsewhere the quantizer's arithmetic runs on dequantized operands."""
+    return t.is_cuda and not invariant.on(t)
+
+
 class QuantLinear(nn.Linear):
     """An ``nn.Linear`` whose forward is quantized by ``self.quant`` (set by
-    ``apply_quantization``). Grad-free calls cache the quantized weight per weight version."""
+    ``apply_quantization``). Grad-free calls cache the weight's stored form (values, scales)
+    per weight version, and where the quantizer's arithmetic runs instead of ``lowp``'s GEMMs
+    (the CPU, ``--true-on-policy``), its dequantized weight, derived from that form."""
 
     quant: QuantSpec
-    _cache: tuple[tuple[int, int], tuple[Tensor, ...]] | None = None
+    _cache: tuple[tuple[int, int], tuple[Tensor, Tensor]] | None = None  # (weight version, stored form)
+    _deq: Tensor | None = None  # the stored form dequantized into the weight's dtype
 
     def forward(self, x: Tensor) -> Tensor:
         spec, w = self.quant, self.weight
         grad = torch.is_grad_enabled() and w.requires_grad
-        if grad and not (x.is_cuda and spec.kind == "fp8"):
+        kernels = _kernels(x)
+        if grad and not (kernels and spec.kind == "fp8"):
             xin = fake_quant_act(x) if spec.kind == "fp8" else x
             return F.linear(xin, fake_quant_weight(w, spec), self.bias)
-        key = (w._version, w.data_ptr())
-        if self._cache is None or self._cache[0] != key:
-            with torch.no_grad():
-                self._cache = (key, self._stored(w))
-        stored = self._cache[1]
+        stored = self._stored(w)
         if grad:  # FP8 on CUDA: the engine's forward, a straight-through backward
             if torch.is_autocast_enabled("cuda"):  # the GEMM's inputs in the dtype F.linear would take
                 dt = torch.get_autocast_dtype("cuda")
@@ -190,21 +218,40 @@ class QuantLinear(nn.Linear):
                 bias = self.bias
             with torch.autocast("cuda", enabled=False):
                 return _FP8Linear.apply(x, w, bias, stored, spec)
-        if x.is_cuda:
+        if kernels:
             from miles.kernels import lowp
 
             return lowp.linear(x, stored, spec, self.bias)
+        if self._deq is None:
+            with torch.no_grad():
+                self._deq = dequantize_weight(*stored, spec, w.dtype)
         xin = fp8_qdq_act(x) if spec.kind == "fp8" else x
-        return F.linear(xin, stored[0], self.bias)
+        return F.linear(xin, self._deq, self.bias)
 
-    def _stored(self, w: Tensor) -> tuple[Tensor, ...]:
-        if w.is_cuda:
-            return quantize_weight(w, self.quant)
-        return (qdq_weight(w, self.quant),)  # the CPU's arithmetic: quantize–dequantize
+    def _stored(self, w: Tensor) -> tuple[Tensor, Tensor]:
+        """The stored form of this weight version, quantized once per version."""
+        key = (w._version, w.data_ptr())
+        if self._cache is None or self._cache[0] != key:
+            with torch.no_grad():
+                self._cache, self._deq = (key, quantize_weight(w, self.quant)), None
+        return self._cache[1]
+
+
+def _stream_in_compute_dtype(module: nn.Module, args: Any, out: Tensor) -> Tensor:
+    """Forward hook on a quantized model's embedding: under autocast, the residual stream in the
+    autocast dtype, as the engine's is (its weights' dtype). A float32 stream (the trainer's
+    float32 embedding) rounds differently at every residual add and norm, and each FP8
+    activation quantizer turns such differences into whole FP8 steps."""
+    dev = out.device.type
+    if out.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        return out.to(torch.get_autocast_dtype(dev))
+    return out
 
 
 def apply_quantization(model: nn.Module, spec: QuantSpec | None) -> int:
-    """Quantize the targeted linear layers' forward in place; returns how many. ``None``: no-op."""
+    """Quantize the targeted linear layers' forward in place; returns how many. ``None``: no-op.
+    Under autocast the model's residual stream then runs in the autocast dtype, as the
+    engine's does (``_stream_in_compute_dtype``): the trainer's forward is the engine's."""
     if spec is None:
         return 0
     n = 0
@@ -218,6 +265,9 @@ def apply_quantization(model: nn.Module, spec: QuantSpec | None) -> int:
     if n == 0:
         raise ValueError(f"--quantization/--rollout-quantization {spec.kind}: no layer of this model is a target"
                          + (" (a dense model: use --int4-targets all-linear)" if spec.kind == "int4" else ""))
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if embed is not None and spec_of(model) is None:
+        embed.register_forward_hook(_stream_in_compute_dtype)
     model.quant_spec = spec
     return n
 
@@ -241,12 +291,28 @@ def check_device(spec: QuantSpec | None, device: torch.device | str) -> str | No
 
 
 @torch.no_grad()
-def refresh(model: nn.Module) -> None:
+def refresh(model: nn.Module, exact: dict[str, tuple[Tensor, Tensor]] | None = None) -> None:
     """Re-quantize every cached weight after a weight update, into the same buffers (a CUDA
-    graph captured over them reads the new values; the engine calls it after each commit)."""
-    for module in model.modules():
-        if isinstance(module, QuantLinear) and module._cache is not None:
-            w = module.weight
-            for dst, src in zip(module._cache[1], module._stored(w)):
-                dst.copy_(src)
-            module._cache = ((w._version, w.data_ptr()), module._cache[1])
+    graph captured over them reads the new values; the engine calls it after each commit).
+    ``exact`` (``WireDecoder.take_exact``): per ``X.weight``, the trainer's stored form, which
+    that layer then serves as sent instead of a requantization of its parameter."""
+    exact = exact or {}
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantLinear):
+            continue
+        w, sent = module.weight, exact.get(f"{name}.weight")
+        if module._cache is None and sent is None:
+            continue
+        new = tuple(t.to(w.device) for t in sent) if sent is not None else quantize_weight(w, module.quant)
+        key = (w._version, w.data_ptr())
+        if module._cache is None:
+            module._cache, module._deq = (key, new), None
+            continue
+        for dst, src in zip(module._cache[1], new, strict=True):
+            if dst.shape != src.shape or dst.dtype != src.dtype:
+                raise ValueError(f"{name}: the update's stored form {tuple(src.shape)} {src.dtype} does not match "
+                                 f"the layer's {tuple(dst.shape)} {dst.dtype}")
+            dst.copy_(src)
+        module._cache = (key, module._cache[1])
+        if module._deq is not None:
+            module._deq.copy_(dequantize_weight(*module._cache[1], module.quant, module._deq.dtype))

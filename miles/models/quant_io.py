@@ -4,10 +4,12 @@
 ``X.weight`` travels as its stored form — FP8 e4m3 values as a ``uint8`` view ``[N, K]`` or
 packed INT4 ``[N, K/2]`` — plus ``X.weight_scale``, its float32 scales as an ``int32`` view
 (integer tensors are never cast by a transport's wire dtype, so the scales arrive bit-exact).
-The engine's ``WireDecoder`` pairs them (a bucket may split a pair) and dequantizes into its
-parameters' dtype; the engine's own quantizer then reproduces the same values (a block's
-maximum maps back onto 448 or 7 exactly), so the engine serves what the trainer trained.
-FP8 ships about half the bytes of bf16, INT4 about 0.27×.
+The engine's ``WireDecoder`` pairs them (a bucket may split a pair), dequantizes into its
+parameters' dtype and keeps the pair itself (``take_exact``), which the engine's commit hands
+to ``quant.refresh``: the quantized layers then serve the trainer's values and scales as
+sent, not a requantization of the dequantized parameters (which gives them back only while
+every block's maximum survives the round trip through the parameters' dtype). FP8 ships
+about half the bytes of bf16, INT4 about 0.27×.
 
 **Disk** (``save_quantized``): an HF directory beside the bf16 one, with compressed-tensors'
 names where they fit — FP8: ``X.weight`` (``F8_E4M3``) and ``X.weight_scale`` (float32,
@@ -49,12 +51,14 @@ def wire_tensors(named: Iterable[tuple[str, Tensor]], spec: QuantSpec,
 
 
 class WireDecoder:
-    """Pairs ``X.weight`` (uint8) with ``X.weight_scale`` across buckets and dequantizes."""
+    """Pairs ``X.weight`` (uint8) with ``X.weight_scale`` across buckets and dequantizes;
+    keeps each decoded pair, in its stored form, until ``take_exact``."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.values: dict[str, Tensor] = {}  # X.weight -> its wire values, waiting for the scale
         self.scales: dict[str, Tensor] = {}  # X.weight -> its scales, waiting for the values
+        self.exact: dict[str, tuple[Tensor, Tensor]] = {}  # X.weight -> (stored values, float32 scales) decoded
 
     def decode(self, named: Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
         out = []
@@ -73,20 +77,29 @@ class WireDecoder:
             else:
                 out.append((name, t))
                 continue
-            out.append((key, _dequantize_wire(q, scale.view(torch.float32), self.dtype)))
+            stored, spec = _stored_form(q, scale.view(torch.float32))
+            self.exact[key] = stored
+            out.append((key, dequantize_weight(*stored, spec, self.dtype)))
         return out
+
+    def take_exact(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """The stored forms decoded since the last call (for ``quant.refresh`` at the commit)."""
+        exact, self.exact = self.exact, {}
+        return exact
 
     def clear(self) -> None:
         self.values.clear()
         self.scales.clear()
+        self.exact.clear()
 
 
-def _dequantize_wire(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+def _stored_form(q: Tensor, scale: Tensor) -> tuple[tuple[Tensor, Tensor], QuantSpec]:
+    """The wire's (uint8 values, float32 scales) as the quantizer stores them, and its spec."""
     N, K = q.shape
     if tuple(scale.shape) == ((N + 127) // 128, (K + 127) // 128):  # FP8: 128 x 128 blocks
-        return dequantize_weight(q.view(torch.float8_e4m3fn), scale, QuantSpec("fp8"), dtype)
+        return (q.view(torch.float8_e4m3fn), scale), QuantSpec("fp8")
     group = K * 2 // scale.shape[1]  # INT4: [N, K/2] bytes, [N, K/group] scales
-    return dequantize_weight(q, scale, QuantSpec("int4", group), dtype)
+    return (q, scale), QuantSpec("int4", group)
 
 
 def wire_bytes(named: Iterable[tuple[str, Tensor]]) -> int:

@@ -168,3 +168,89 @@ def test_the_fp8_gemm_probe_refuses_a_form_that_reads_the_wrong_scales(monkeypat
     assert lowp._probe(torch.device("cpu"), torch.float32) == "right"
     assert set(lowp.FP8_ERRORS) == {"rows", "blocks"}
     assert all("relative error" in e for e in lowp.FP8_ERRORS.values())
+
+
+@pytest.mark.parametrize("spec", [FP8, INT4])
+def test_a_bf16_engine_serves_the_trainers_values_and_scales_as_sent(spec: QuantSpec) -> None:
+    """The engine dequantizes the wire into its bf16 parameters and ``refresh`` serves the
+    decoder's stored forms as sent: the engine's layer is the trainer's quantization exactly,
+    whether or not it ran before the update."""
+    torch.manual_seed(0)
+    cfg = tiny_config(hidden_size=96, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=24)
+    trainer = CausalLM(cfg)  # float32 master weights
+    apply_quantization(trainer, spec)
+    engine = CausalLM(cfg).to(torch.bfloat16)
+    apply_quantization(engine, spec)
+    x = torch.randn(5, 96, dtype=torch.bfloat16)
+    name = "model.layers.1.mlp.up_proj"
+    layer, master = engine.get_submodule(name), trainer.get_submodule(name).weight.detach()
+    with torch.no_grad():
+        layer(x)  # its own weights cached: the update replaces them in place
+    decoder = WireDecoder(torch.bfloat16)
+    engine.load_state_dict(dict(decoder.decode(wire_tensors(trainer.state_dict().items(), spec))))
+    want = F.linear(quant.fp8_qdq_act(x) if spec.kind == "fp8" else x, quant.qdq_weight(master, spec).to(torch.bfloat16))
+    sent_q, sent_scale = quant.quantize_weight(master, spec)
+    with torch.no_grad():
+        quant.refresh(engine, decoder.take_exact())
+        assert not decoder.exact
+        assert torch.equal(layer._cache[1][1], sent_scale)
+        assert torch.equal(layer._cache[1][0].view(torch.uint8), sent_q.view(torch.uint8))
+        assert torch.equal(layer(x), want)
+        fresh = CausalLM(cfg).to(torch.bfloat16)  # a layer that never ran takes the sent form too
+        apply_quantization(fresh, spec)
+        fresh.load_state_dict(engine.state_dict())
+        quant.refresh(fresh, {f"{name}.weight": (sent_q, sent_scale)})
+        assert torch.equal(fresh.get_submodule(name)(x), want)
+
+
+@pytest.mark.parametrize("spec", [FP8, INT4])
+def test_a_float32_checkpoint_quantizes_alike_in_the_trainer_and_a_bf16_engine(spec: QuantSpec) -> None:
+    """Before the first update the engine quantizes its own bf16 copy of the checkpoint and the
+    trainer its float32 master weights: the quantizer reads both as bf16, so the stored forms
+    agree (a block's maximum is then a bf16 value, and ``448·s`` or ``7·s`` survive a bf16
+    round trip, so requantizing the dequantized weight gives the scales back too)."""
+    torch.manual_seed(0)
+    w = torch.randn(200, 256) * torch.logspace(-2, 0, 256)
+    q32, s32 = quant.quantize_weight(w, spec)
+    q16, s16 = quant.quantize_weight(w.to(torch.bfloat16), spec)
+    assert torch.equal(s32, s16) and torch.equal(q32.view(torch.uint8), q16.view(torch.uint8))
+    back = quant.dequantize_weight(q32, s32, spec, torch.bfloat16)
+    q2, s2 = quant.quantize_weight(back, spec)
+    assert torch.equal(s2, s32) and torch.equal(q2.view(torch.uint8), q32.view(torch.uint8))
+
+
+def test_refresh_refuses_a_stored_form_of_another_shape() -> None:
+    model = CausalLM(tiny_config())
+    apply_quantization(model, FP8)
+    layer = model.model.layers[0].mlp.up_proj
+    with torch.no_grad():
+        layer(torch.randn(2, layer.in_features))
+        wrong = quant.quantize_weight(torch.randn(layer.out_features + 1, layer.in_features), FP8)
+        with pytest.raises(ValueError, match="does not match"):
+            quant.refresh(model, {"model.layers.0.mlp.up_proj.weight": wrong})
+
+
+@pytest.mark.parametrize("spec", [FP8, INT4])
+def test_an_autocast_trainer_forward_is_the_bf16_engines_bit_for_bit(spec: QuantSpec) -> None:
+    """A float32 master under bf16 autocast (the trainer on a GPU, here on the CPU) against a
+    bf16 engine fed its quantized export: the quantized model keeps its residual stream in the
+    autocast dtype, as the engine's is, so every quantizer sees the engine's inputs and the
+    logits agree bit for bit (a float32 stream tipped FP8 roundings: unified FP8's mismatch
+    was then most of rollout-only FP8's)."""
+    torch.manual_seed(0)
+    cfg = tiny_config(hidden_size=96, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=24, initializer_range=0.1)
+    trainer = CausalLM(cfg)
+    apply_quantization(trainer, spec)
+    engine = CausalLM(cfg).to(torch.bfloat16).requires_grad_(False)
+    apply_quantization(engine, spec)
+    decoder = WireDecoder(torch.bfloat16)
+    engine.load_state_dict(dict(decoder.decode(wire_tensors(trainer.state_dict().items(), spec))))
+    quant.refresh(engine, decoder.take_exact())
+    ids = torch.randint(3, cfg.vocab_size, (2, 24))
+    with torch.no_grad():
+        want = engine(ids).logits
+    with torch.autocast("cpu", torch.bfloat16):
+        got = trainer(ids).logits
+    assert got.requires_grad and torch.equal(got.detach(), want)
