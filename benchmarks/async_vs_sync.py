@@ -71,9 +71,10 @@ CONFIGS = [
 ]
 SWEEP_ETAS = ("0", "1", "2", "4", "8", "16", "inf")  # AReaL's table (η = 0 is sync)
 NO_KEEP = "no-keep-kv"  # the suffix of a sweep config run with --no-keep-kv-cache-on-update
-# The countdown warm start for a GPU: 24x the CPU model's width², trained on the card (sft.py;
-# cached under runs/countdown/sft-gpu), so the policy the sweep improves is a real one.
-GPU_SFT = ["--device", "cuda", "--hidden-size", "384", "--num-layers", "6", "--steps", "1500",
+# The countdown warm start for a GPU (sft.py on the card, cached under runs/countdown/sft-gpu):
+# 6 layers 512 wide, 14 M parameters, head_dim 128 (the engine's Triton decode attention wants a
+# power of two), against the CPU's 0.3 M.
+GPU_SFT = ["--device", "cuda", "--hidden-size", "512", "--num-layers", "6", "--steps", "1500",
            "--batch-tokens", "4096", "--lr", "1e-3"]
 QUICK_SFT = ["--steps", "20", "--hidden-size", "32", "--num-layers", "1"]
 
@@ -245,6 +246,32 @@ def held_out_reward(args: argparse.Namespace, eval_path: str, policy: Path | str
     p, n = m["reward_mean"], len(rows) * args.eval_samples
     return {"eval_reward": p, "eval_reward_se": (p * (1 - p) / n) ** 0.5, "eval_reward_long": m["reward_long"],
             "eval_s": time.monotonic() - t0}
+
+
+def countdown_workload(args: argparse.Namespace, work: Path) -> tuple[dict[str, str], int, dict[str, Any], str]:
+    """The countdown runs' inputs, steps, base flags and description. On CUDA: ``GPU_SFT``'s
+    warm start, 12 steps of B = 16 groups, colocated as the Zipf config (or disaggregated)."""
+    gpu = args.device == "cuda"
+    args.eval_prompts = args.eval_prompts or (4 if args.quick else 256)
+    args.eval_samples = args.eval_samples or (2 if args.quick else 4)
+    args.eval_max_new_tokens = 24 if args.quick else 420
+    inputs = countdown_inputs(args.quick, args.device, args.eval_prompts, work)
+    steps = args.steps or (3 if args.quick else 12 if gpu else 24)
+    groups = args.groups or (2 if args.quick else 16 if gpu else 8)
+    n = 2 if args.quick else 8
+    base = dict(hf_checkpoint=inputs["ckpt"], prompt_data=inputs["data"],
+                custom_rm_path=f"{ROOT / 'examples' / 'countdown' / 'reward.py'}:reward",
+                rollout_batch_size=groups, n_samples_per_prompt=n,
+                rollout_max_response_len=args.eval_max_new_tokens, lr=2e-4, use_tis=True)
+    if not gpu:
+        return inputs, steps, base, "countdown task from its SFT warm-up (tiny model, CPU)"
+    # uncompiled: a 14 M-parameter model's steps are launch-bound, and each config would pay the compile again
+    base.update(device="cuda", actor_num_gpus_per_node=1, colocate=not args.disaggregated,
+                rollout_num_gpus=1 if args.disaggregated else 0, compile=False,
+                max_batch_size=groups * n, max_inflight_per_worker=groups * n)
+    where = "trainer and engine on GPUs of their own" if args.disaggregated else "colocated on one GPU"
+    return inputs, steps, base, (f"countdown task from its SFT warm-up trained on the GPU ({' '.join(GPU_SFT[2:])}), "
+                                 f"RL in bf16, uncompiled, {where}")
 
 
 # ---- the comparison ---------------------------------------------------------------------------
@@ -448,26 +475,7 @@ def main() -> None:
         else:
             what = f"2-layer 64-wide random model, float32, CPU; Zipf lengths ≤ {args.max_len} (the GPU workload scaled down)"
     else:
-        args.eval_prompts = args.eval_prompts or (4 if args.quick else 256)
-        args.eval_samples = args.eval_samples or (2 if args.quick else 4)
-        inputs = countdown_inputs(args.quick, args.device, args.eval_prompts, work)
-        steps = args.steps or (3 if args.quick else 16 if gpu else 24)
-        groups = args.groups or (2 if args.quick else 16 if gpu else 8)
-        n = 2 if args.quick else 8
-        args.eval_max_new_tokens = 24 if args.quick else 420
-        base = dict(hf_checkpoint=inputs["ckpt"], prompt_data=inputs["data"],
-                    custom_rm_path=f"{ROOT / 'examples' / 'countdown' / 'reward.py'}:reward",
-                    rollout_batch_size=groups, n_samples_per_prompt=n,
-                    rollout_max_response_len=args.eval_max_new_tokens, lr=2e-4, use_tis=True)
-        what = "countdown task from its SFT warm-up (tiny model, CPU)"
-        if gpu:
-            # colocated as the Zipf config; uncompiled: a 12 M-parameter model's steps are launch-bound,
-            # and each config would pay the compile again
-            base.update(device="cuda", actor_num_gpus_per_node=1, colocate=not args.disaggregated,
-                        rollout_num_gpus=1 if args.disaggregated else 0, compile=False,
-                        max_batch_size=groups * n, max_inflight_per_worker=groups * n)
-            what = (f"countdown task from its SFT warm-up on the GPU ({' '.join(GPU_SFT[2:])}), float32 SFT, "
-                    f"bf16 RL, uncompiled, {'trainer and engine on GPUs of their own' if args.disaggregated else 'colocated on one GPU'}")
+        inputs, steps, base, what = countdown_workload(args, work)
     catalogue = sweep_configs(args.etas, args.no_keep_etas) if args.sweep else CONFIGS
     by_name = {key: c for c in catalogue for key in (c[0], slug(c[0]))}
     unknown = [name for name in args.only or () if name not in by_name]
