@@ -397,7 +397,8 @@ def main() -> None:
                         help="auto: the Zipf workload on CUDA, countdown on the CPU; zipf on the CPU runs the GPU "
                              "workload scaled down (2-layer 64-wide random model, --groups groups a step)")
     parser.add_argument("--groups", type=int, default=None,
-                        help="groups a step (B; default 32 on the GPU, 8 with --workload zipf on the CPU)")
+                        help="groups a step (B; default 32 for the Zipf workload on the GPU, 16 for countdown on the GPU, "
+                             "8 on the CPU)")
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
                         help="GPU: the trainer's --max-tokens-per-micro-batch (colocated, the engine's memory plan "
                              "reserves its activations; default 32768 on a card of 100 GiB or more, else 8192, "
