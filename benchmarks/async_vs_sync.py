@@ -1,7 +1,10 @@
-"""Sync vs one-step-off vs async (η = 1, 2, 4, 8), with and without partial rollouts.
+"""Sync vs one-step-off vs async (η = 1, 2, 4, 8), with and without partial rollouts; and
+AReaL's staleness sweep (``--sweep``: η = 0, 1, 2, 4, 8, 16, ∞ with and without partial
+rollouts, kept vs recomputed KV across updates, final reward on the held-out countdown set).
 
     python benchmarks/async_vs_sync.py [--quick] [--steps N]            # CPU: the countdown task
     python benchmarks/async_vs_sync.py --device cuda [--steps N]        # GPU: 0.5B Qwen3 shape, random weights
+    python benchmarks/async_vs_sync.py --device cuda --workload countdown --sweep   # GPU: the staleness sweep
     python benchmarks/async_vs_sync.py --device cuda --disaggregated    # trainer GPU 0, engine GPU 1 (NCCL)
     python benchmarks/async_vs_sync.py --device cuda --disaggregated --lanes 2   # 4 GPUs: two configs at a time
 
@@ -24,6 +27,17 @@ Throughput is measured from the end of step 1 to the end of the last step, so ac
 and the first weight load are excluded — and so is an async run's head start: trajectories
 finished before that span (while the first step waited or compiled) and trained in it are
 not credited to it (``measure``).
+
+The sweep (``--sweep``; ``--etas``, ``--no-keep-etas`` choose its rows): each η with and
+without ``--partial-rollout``, and at the ``--no-keep-etas`` the partial config once more with
+``--no-keep-kv-cache-on-update`` (rows recompute their cache after each update instead of
+decoding on KV an older policy wrote). On the countdown workload each config's final policy
+(``--save-hf``) is scored on a fixed held-out set by vs_trl's evaluator (examples/countdown/
+evaluate.py: the embedded engine, per-sample seeds, the same prompts and random numbers for
+every config), beside the SFT start; on CUDA the countdown model is a larger SFT warm start
+(``GPU_SFT``), trained once and cached. ``sweep_table`` lays the results out as AReaL's table:
+trained tokens/s relative to η = 0 with and without partial rollouts, samples/s beside it,
+held-out reward, mismatch KL and the mixed-version KV share.
 """
 
 from __future__ import annotations
@@ -55,11 +69,38 @@ CONFIGS = [
     *[(f"async η={eta}", dict(mode="async", max_staleness=eta)) for eta in (1, 2, 4, 8)],
     *[(f"async η={eta} +partial", dict(mode="async", max_staleness=eta, partial_rollout=True)) for eta in (1, 2, 4, 8)],
 ]
+SWEEP_ETAS = ("0", "1", "2", "4", "8", "16", "inf")  # AReaL's table (η = 0 is sync)
+NO_KEEP = "no-keep-kv"  # the suffix of a sweep config run with --no-keep-kv-cache-on-update
+# The countdown warm start for a GPU (sft.py on the card, cached under runs/countdown/sft-gpu):
+# 6 layers 512 wide, 14 M parameters, head_dim 128 (the engine's Triton decode attention wants a
+# power of two), against the CPU's 0.3 M.
+GPU_SFT = ["--device", "cuda", "--hidden-size", "512", "--num-layers", "6", "--steps", "1500",
+           "--batch-tokens", "4096", "--lr", "1e-3"]
+QUICK_SFT = ["--steps", "20", "--hidden-size", "32", "--num-layers", "1"]
+
+
+def eta_name(eta: int | float) -> str:
+    return "∞" if eta == float("inf") else str(eta)
+
+
+def sweep_configs(etas: list[int | float], no_keep_etas: list[int | float]) -> list[tuple[str, dict]]:
+    """The sweep's configs in table order: η = 0 is sync; each η > 0 without and with partial
+    rollouts, and at the ``no_keep_etas`` the partial one once more without keeping the KV."""
+    out: list[tuple[str, dict]] = []
+    for eta in etas:
+        if eta == 0:
+            out.append(("sync", dict(mode="sync")))
+            continue
+        name, flags = f"async η={eta_name(eta)}", dict(mode="async", max_staleness=eta)
+        out += [(name, flags), (f"{name} +partial", dict(flags, partial_rollout=True))]
+        if eta in no_keep_etas:
+            out.append((f"{name} +partial {NO_KEEP}", dict(flags, partial_rollout=True, keep_kv_cache_on_update=False)))
+    return out
 
 
 def slug(name: str) -> str:
     """A shell-friendly config name: 'async η=2 +partial' -> 'async_eta2_partial'."""
-    return name.replace("η=", "eta").replace(" +", "_").replace(" ", "_")
+    return name.replace("η=", "eta").replace("∞", "inf").replace(" +", "_").replace(" ", "_")
 
 
 # ---- GPU workload: long-tailed lengths from a random model -------------------------------
@@ -165,16 +206,72 @@ class GpuUtilization:
 
 
 def make_cpu_inputs(quick: bool) -> dict[str, str]:
-    out = ROOT / "runs" / ("countdown-smoke" if quick else "countdown")
-    py = sys.executable
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    data_args = ["--num-train", "64", "--num-eval", "4"] if quick else []
-    sft_args = ["--steps", "20", "--hidden-size", "32", "--num-layers", "1"] if quick else []
-    subprocess.run([py, "examples/countdown/task.py", "--out-dir", str(out / "data"), *data_args],
-                   cwd=ROOT, env=env, check=True)
-    subprocess.run([py, "examples/countdown/sft.py", "--data", str(out / "data" / "train.jsonl"),
-                    "--out", str(out / "sft"), *sft_args], cwd=ROOT, env=env, check=True)
-    return {"ckpt": str(out / "sft"), "data": str(out / "data" / "train.jsonl")}
+    """The countdown prompts and the CPU's SFT warm start (``countdown_inputs``)."""
+    return countdown_inputs(quick, "cpu", 8, ROOT / "runs" / "async_vs_sync")
+
+
+def countdown_inputs(quick: bool, device: str, eval_prompts: int, work: Path) -> dict[str, str]:
+    """The countdown prompts, the SFT warm start (cached: the CPU's tiny model, ``GPU_SFT``'s
+    on CUDA) and the fixed held-out set under ``work``, all from vs_trl's ``prepare``."""
+    from benchmarks.vs_trl import prepare
+
+    root = ROOT / "runs" / ("countdown-smoke" if quick else "countdown")
+    if quick and not (root / "data" / "train.jsonl").is_file():
+        subprocess.run([sys.executable, "examples/countdown/task.py", "--out-dir", str(root / "data"),
+                        "--num-train", "64", "--num-eval", "4"], cwd=ROOT, check=True)
+    gpu = device == "cuda" and not quick
+    where = argparse.Namespace(data_dir=str(root / "data"), sft=str(root / ("sft-gpu" if gpu else "sft")),
+                               out=str(work), eval_prompts=eval_prompts)
+    paths = prepare(where, QUICK_SFT if quick else GPU_SFT if gpu else [])
+    return {"ckpt": str(paths["sft"]), "data": str(paths["train"]), "eval": str(paths["eval"])}
+
+
+def held_out_reward(args: argparse.Namespace, eval_path: str, policy: Path | str, base: str) -> dict[str, float]:
+    """A policy's reward on the fixed held-out countdown set: vs_trl's evaluator (the embedded
+    engine on ``--device``, ``--eval-samples`` per prompt at T = 1, per-sample seeds), and the
+    evaluation's standard error (binary rewards, samples taken as independent)."""
+    import torch
+
+    if str(ROOT / "examples" / "countdown") not in sys.path:
+        sys.path.insert(0, str(ROOT / "examples" / "countdown"))
+    from evaluate import evaluate, load_policy, read_rows
+
+    model, tokenizer = load_policy(policy, base)
+    rows = read_rows(eval_path)
+    t0 = time.monotonic()
+    m = evaluate(model.eval(), tokenizer, rows, n=args.eval_samples, temperature=1.0,
+                 max_new_tokens=args.eval_max_new_tokens, seed=0, device=args.device)
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the next config's colocated memory plan sees the card as before
+    p, n = m["reward_mean"], len(rows) * args.eval_samples
+    return {"eval_reward": p, "eval_reward_se": (p * (1 - p) / n) ** 0.5, "eval_reward_long": m["reward_long"],
+            "eval_s": time.monotonic() - t0}
+
+
+def countdown_workload(args: argparse.Namespace, work: Path) -> tuple[dict[str, str], int, dict[str, Any], str]:
+    """The countdown runs' inputs, steps, base flags and description. On CUDA: ``GPU_SFT``'s
+    warm start, 12 steps of B = 16 groups, colocated as the Zipf config (or disaggregated)."""
+    gpu = args.device == "cuda"
+    args.eval_prompts = args.eval_prompts or (4 if args.quick else 256)
+    args.eval_samples = args.eval_samples or (2 if args.quick else 4)
+    args.eval_max_new_tokens = 24 if args.quick else 420
+    inputs = countdown_inputs(args.quick, args.device, args.eval_prompts, work)
+    steps = args.steps or (3 if args.quick else 12 if gpu else 24)
+    groups = args.groups or (2 if args.quick else 16 if gpu else 8)
+    n = 2 if args.quick else 8
+    base = dict(hf_checkpoint=inputs["ckpt"], prompt_data=inputs["data"],
+                custom_rm_path=f"{ROOT / 'examples' / 'countdown' / 'reward.py'}:reward",
+                rollout_batch_size=groups, n_samples_per_prompt=n,
+                rollout_max_response_len=args.eval_max_new_tokens, lr=2e-4, use_tis=True)
+    if not gpu:
+        return inputs, steps, base, "countdown task from its SFT warm-up (tiny model, CPU)"
+    # uncompiled: a 14 M-parameter model's steps are launch-bound, and each config would pay the compile again
+    base.update(device="cuda", actor_num_gpus_per_node=1, colocate=not args.disaggregated,
+                rollout_num_gpus=1 if args.disaggregated else 0, compile=False,
+                max_batch_size=groups * n, max_inflight_per_worker=groups * n)
+    where = "trainer and engine on GPUs of their own" if args.disaggregated else "colocated on one GPU"
+    return inputs, steps, base, (f"countdown task from its SFT warm-up trained on the GPU ({' '.join(GPU_SFT[2:])}), "
+                                 f"RL in bf16, uncompiled, {where}")
 
 
 # ---- the comparison ---------------------------------------------------------------------------
@@ -300,7 +397,8 @@ def main() -> None:
                         help="auto: the Zipf workload on CUDA, countdown on the CPU; zipf on the CPU runs the GPU "
                              "workload scaled down (2-layer 64-wide random model, --groups groups a step)")
     parser.add_argument("--groups", type=int, default=None,
-                        help="groups a step (B; default 32 on the GPU, 8 with --workload zipf on the CPU)")
+                        help="groups a step (B; default 32 for the Zipf workload on the GPU, 16 for countdown on the GPU, "
+                             "8 on the CPU)")
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
                         help="GPU: the trainer's --max-tokens-per-micro-batch (colocated, the engine's memory plan "
                              "reserves its activations; default 32768 on a card of 100 GiB or more, else 8192, "
@@ -310,6 +408,16 @@ def main() -> None:
                         help="runs per config (seeds 1..N); the table gives the median and the spread")
     parser.add_argument("--only", nargs="*", default=None,
                         help="configs to run, by name or slug (sync, one-step-off, async_eta2, async_eta2_partial; default all)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="AReaL's staleness sweep: η = --etas, each with and without partial rollouts (η = 0: sync), "
+                             "the partial ones at --no-keep-etas also without keeping the KV across updates")
+    parser.add_argument("--etas", nargs="+", default=list(SWEEP_ETAS), help="the sweep's η values (inf: unbounded)")
+    parser.add_argument("--no-keep-etas", nargs="*", default=["2", "4"],
+                        help="the sweep's η values whose partial config also runs with --no-keep-kv-cache-on-update")
+    parser.add_argument("--eval-prompts", type=int, default=None,
+                        help="countdown: held-out prompts the final policies are scored on (default 256, 4 with --quick)")
+    parser.add_argument("--eval-samples", type=int, default=None, help="countdown: samples per held-out prompt (default 4, 2 with --quick)")
+    parser.add_argument("--work", default=str(ROOT / "runs" / "async_vs_sync"), help="the runs' output directories go here")
     parser.add_argument("--compile", action="store_true",
                         help="the trainer's decoder layers under torch.compile in every config (--compile; "
                              "the engine compiles on CUDA either way)")
@@ -323,22 +431,27 @@ def main() -> None:
         parser.error(f"--lanes must be >= 1, got {args.lanes}")
     if args.lanes > 1 and args.device != "cuda":
         parser.error("--lanes needs --device cuda (lanes run on GPUs of their own)")
+    from miles.scheduler import check_staleness
+
+    try:
+        args.etas = [check_staleness(e) for e in args.etas]
+        args.no_keep_etas = [check_staleness(e) for e in args.no_keep_etas]
+    except ValueError as exc:
+        parser.error(f"--etas / --no-keep-etas: {exc}")
 
     from miles.config import resolve
     from miles.driver import train
     from miles.metrics import read_metrics
 
     gpu = args.device == "cuda"
-    zipf = gpu or args.workload == "zipf"
-    if gpu and args.workload == "countdown":
-        parser.error("--workload countdown runs on the CPU only")
+    zipf = args.workload == "zipf" or (args.workload == "auto" and gpu)
     args.max_len = args.max_len or (2048 if gpu else 256)
     if gpu and args.micro_batch_tokens is None:
         import torch
 
         big = torch.cuda.get_device_properties(0).total_memory >= 100 * 2**30
         args.micro_batch_tokens = 32768 if big else 8192
-    work = ROOT / "runs" / "async_vs_sync"
+    work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     if zipf:
         inputs = make_gpu_inputs(work, args.max_len, tiny=not gpu)
@@ -363,18 +476,21 @@ def main() -> None:
         else:
             what = f"2-layer 64-wide random model, float32, CPU; Zipf lengths ≤ {args.max_len} (the GPU workload scaled down)"
     else:
-        inputs = make_cpu_inputs(args.quick)
-        steps = args.steps or (3 if args.quick else 24)
-        base = dict(hf_checkpoint=inputs["ckpt"], prompt_data=inputs["data"],
-                    custom_rm_path="examples/countdown/reward.py:reward",
-                    rollout_batch_size=2 if args.quick else 8, n_samples_per_prompt=2 if args.quick else 8,
-                    rollout_max_response_len=24 if args.quick else 420, lr=2e-4, use_tis=True)
-        what = "countdown task from its SFT warm-up (tiny model, CPU)"
-    by_name = {key: c for c in CONFIGS for key in (c[0], slug(c[0]))}
+        inputs, steps, base, what = countdown_workload(args, work)
+    catalogue = sweep_configs(args.etas, args.no_keep_etas) if args.sweep else CONFIGS
+    by_name = {key: c for c in catalogue for key in (c[0], slug(c[0]))}
     unknown = [name for name in args.only or () if name not in by_name]
     if unknown:
-        parser.error(f"--only {unknown}: known configs are {[slug(c[0]) for c in CONFIGS]}")
-    configs = [by_name[name] for name in args.only] if args.only else CONFIGS  # in the order asked
+        parser.error(f"--only {unknown}: known configs are {[slug(c[0]) for c in catalogue]}")
+    configs = [by_name[name] for name in args.only] if args.only else catalogue  # in the order asked
+    evaluated = None if zipf else inputs["eval"]
+    if evaluated and args.json_out is None:  # the SFT start on the held-out set: every config's reference
+        t0 = time.monotonic()
+        args.sft_start = held_out_reward(args, evaluated, inputs["ckpt"], inputs["ckpt"])
+        what += (f"; held-out set: {args.eval_prompts} prompts × {args.eval_samples} samples, T = 1, "
+                 f"≤ {args.eval_max_new_tokens} tokens, scored on {args.device}")
+        print(f"SFT start: held-out reward {args.sft_start['eval_reward']:.4f} "
+              f"({time.monotonic() - t0:.0f} s with the data and the SFT)", flush=True)
     if args.lanes > 1:
         run_lanes(args, configs, steps, base, what, work)
         return
@@ -397,6 +513,8 @@ def main() -> None:
         flags = dict(base, output_dir=str(out), num_rollout=steps, progress=False, seed=seed, **extra)
         if args.compile:
             flags["compile"] = True
+        if evaluated:  # the final policy, for the held-out evaluation
+            flags["save_hf"] = str(out / "final")
         start = time.monotonic()
         (out / "metrics.jsonl").unlink(missing_ok=True)
         sampler = GpuUtilization(out / "metrics.jsonl", steps) if gpu else None
@@ -407,6 +525,10 @@ def main() -> None:
         for index, util in (sampler.stop() if sampler else {}).items():
             results[name][f"gpu{index}_util"] = util
         results[name]["wall_s"] = time.monotonic() - start
+        if evaluated:
+            results[name].update(held_out_reward(args, evaluated, out / "final", inputs["ckpt"]))
+        print(f"{name}: {results[name]['wall_s']:.0f} s run, {results[name].get('eval_s', 0.0):.0f} s evaluation",
+              flush=True)
         results[name]["ledger_ok"] = float(summary["ledger_ok"])
         for key, value in summary.get("startup", {}).items():  # where the time before step 1 went
             results[name][key] = value
@@ -447,8 +569,14 @@ def run_lanes(args: argparse.Namespace, configs: list, steps: int, base: dict[st
         out.unlink(missing_ok=True)
         gpus = ",".join(str(g) for g in range(i * per, (i + 1) * per))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--device", "cuda", "--steps", str(steps),
-               "--max-len", str(args.max_len), "--micro-batch-tokens", str(args.micro_batch_tokens), "--json-out", str(out), "--only", *[slug(n) for n, _ in lane]]
-        cmd += ["--disaggregated"] * args.disaggregated + ["--compile"] * args.compile
+               "--max-len", str(args.max_len), "--micro-batch-tokens", str(args.micro_batch_tokens), "--json-out", str(out),
+               "--workload", args.workload, "--work", str(work), "--only", *[slug(n) for n, _ in lane]]
+        cmd += ["--disaggregated"] * args.disaggregated + ["--compile"] * args.compile + ["--quick"] * args.quick
+        cmd += ["--groups", str(args.groups)] * (args.groups is not None)
+        if args.sweep:
+            cmd += ["--sweep", "--etas", *map(str, args.etas), "--no-keep-etas", *map(str, args.no_keep_etas)]
+        if args.eval_prompts:
+            cmd += ["--eval-prompts", str(args.eval_prompts), "--eval-samples", str(args.eval_samples)]
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpus)), out))
         plan.append(f"GPUs {gpus}: {', '.join(n for n, _ in lane)}")
 
@@ -490,6 +618,8 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
     gpu = args.device == "cuda"
     sync = results.get("sync") or results.get("sync s1")
     headline = headline_table(results)
+    if args.sweep:
+        headline = [*sweep_table(results, args.etas, args.no_keep_etas, getattr(args, "sft_start", None)), "", *headline]
     gpu_cols = sorted({k for r in results.values() for k in r if k.startswith("gpu")})
     lines = ["| config | trained samples/s | × sync | tokens/s | × sync | raw trained/s | stock drawn | final reward | "
              "wait for data | buffer busy | buffer CPU | buffer calls/traj | admission | max staleness | rollout tok/s | graph capture | engine compile | KV read useful | engine idle | engine prefill | prefill ms/fwd | rows/step | worker starved | loop lag |"
@@ -559,21 +689,71 @@ def report(results: dict[str, dict[str, float]], args: argparse.Namespace, steps
     return section
 
 
-def headline_table(results: dict[str, dict[str, float]]) -> list[str]:
-    """One row per config: the tokens/s ratio to sync first (median over seeds with the
-    spread), samples/s beside it, the prefill causes and the mixed-version KV share."""
-    by_config: dict[str, dict[str, dict[str, float]]] = {}
+def by_config(results: dict[str, dict[str, float]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per-run results ('async η=2 s1', or 'async η=2' with one seed) as config → seed → figures."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
     for name, r in results.items():
         config, _, seed = name.rpartition(" s")
         if not (config and seed.isdigit()):
             config, seed = name, "1"
-        by_config.setdefault(config, {})[seed] = r
-    sync = by_config.get("sync", {})
-    lines = ["| config | seeds | tokens/s × sync (median, range) | samples/s × sync | tokens/s | final reward | "
-             "engine prefill | prefill by cause (fresh/resumed/recompute) | wait for data | loop lag | mixed KV | mismatch KL |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        out.setdefault(config, {})[seed] = r
+    return out
+
+
+def sweep_table(results: dict[str, dict[str, float]], etas: list[int | float], no_keep_etas: list[int | float],
+                start: dict[str, float] | None = None) -> list[str]:
+    """AReaL's staleness table from the sweep's results: per η, trained tokens/s relative to
+    η = 0 (sync, the same seed's) without and with partial rollouts, samples/s beside it, the
+    held-out reward of the final policy, mismatch KL and the mixed-version KV share (medians
+    over seeds); then kept vs recomputed KV at ``no_keep_etas``. Configs not run show '–'."""
+    runs = by_config(results)
+    sync = runs.get("sync", {})
     med = statistics.median
-    for config, seeds in by_config.items():
+
+    def fig(config: str, key: str, fmt: str, ratio: bool = False) -> str:
+        seeds = runs.get(config, {})
+        if ratio:
+            vals = [r[key] / sync[s][key] for s, r in seeds.items() if s in sync and sync[s][key] > 0]
+        else:
+            vals = [r[key] for r in seeds.values() if key in r]
+        return format(med(vals), fmt) + ("×" if ratio else "") if vals else "–"
+
+    def name(eta: int | float, variant: str = "") -> str:
+        return "sync" if eta == 0 else f"async η={eta_name(eta)}{variant}"
+
+    lines = ["| η | tokens/s × η=0 | +partial | samples/s × η=0 | +partial | held-out reward | +partial | "
+             "mismatch KL | +partial | mixed KV +partial |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for eta in etas:
+        plain, part = name(eta), (name(eta, " +partial") if eta != 0 else "")
+        cells = [(fig(c, "tokens_per_s", ".2f", True), fig(c, "samples_per_s", ".2f", True), fig(c, "eval_reward", ".3f"),
+                  fig(c, "mismatch_kl", ".2e")) for c in (plain, part)]
+        mixed = fig(part, "mixed_version_kv_frac", ".1%")
+        lines.append(f"| {eta_name(eta)} | " + " | ".join(f"{a} | {b}" for a, b in zip(*cells)) + f" | {mixed} |")
+    if start:
+        lines += ["", f"SFT start on the same held-out set: {start['eval_reward']:.3f} "
+                      f"(one evaluation's standard error ≈ {start['eval_reward_se']:.3f})."]
+    kept = [eta for eta in no_keep_etas if name(eta, f" +partial {NO_KEEP}") in runs]
+    if kept:
+        lines += ["", "| config | KV across an update | tokens/s × η=0 | held-out reward | mismatch KL | mixed KV |",
+                  "|---|---|---|---|---|---|"]
+        for eta in kept:
+            for label, config in (("kept", name(eta, " +partial")), ("recomputed", name(eta, f" +partial {NO_KEEP}"))):
+                lines.append(f"| η={eta_name(eta)} +partial | {label} | {fig(config, 'tokens_per_s', '.2f', True)} | "
+                             f"{fig(config, 'eval_reward', '.3f')} | {fig(config, 'mismatch_kl', '.2e')} | "
+                             f"{fig(config, 'mixed_version_kv_frac', '.1%')} |")
+    return lines
+
+
+def headline_table(results: dict[str, dict[str, float]]) -> list[str]:
+    """One row per config: the tokens/s ratio to sync first (median over seeds with the
+    spread), samples/s beside it, the prefill causes and the mixed-version KV share."""
+    runs = by_config(results)
+    sync = runs.get("sync", {})
+    lines = ["| config | seeds | tokens/s × sync (median, range) | samples/s × sync | tokens/s | final reward | held-out reward | "
+             "engine prefill | prefill by cause (fresh/resumed/recompute) | wait for data | loop lag | mixed KV | mismatch KL |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    med = statistics.median
+    for config, seeds in runs.items():
         rs = list(seeds.values())
         tr = [r["tokens_per_s"] / sync[s]["tokens_per_s"] for s, r in seeds.items() if s in sync]
         sr = [r["samples_per_s"] / sync[s]["samples_per_s"] for s, r in seeds.items() if s in sync]
@@ -583,6 +763,7 @@ def headline_table(results: dict[str, dict[str, float]]) -> list[str]:
         lines.append(
             f"| {config} | {len(rs)} | {med(tr) if tr else float('nan'):.2f}×{rng} | {med(sr) if sr else float('nan'):.2f}× | "
             f"{med(r['tokens_per_s'] for r in rs):.0f} | {med(r['reward'] for r in rs):.3f} | "
+            f"{med(r.get('eval_reward', float('nan')) for r in rs):.3f} | "
             f"{100 * med(r.get('engine_prefill', float('nan')) for r in rs):.0f}% | {cause} | "
             f"{100 * med(r['wait_share'] for r in rs):.0f}% | {1e3 * med(r.get('loop_lag', float('nan')) for r in rs):.1f} ms/s | "
             f"{100 * med(r.get('mixed_version_kv_frac', float('nan')) for r in rs):.1f}% | "

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/RESULTS.md's H200 rows (raw sections: benchmarks/log/), one part per argument:
 #   bash benchmarks/gpu.sh tests engine trainer     (each part is one timed command; parts:
-#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing ontrue engine-matmul engine-attn engine-rollout profile engine engine-ab mlp attention long-tail trainer trainer-long-tail spec spec-overhead lowp first-step megatron weights memory memory-lora async async-x2 bg-start bg-wait)
+#   tests (both halves at once) tests-engine tests-trainer tests-one (TESTS, or the whole suite in one process) failing ontrue engine-matmul engine-attn engine-rollout profile engine engine-ab mlp attention long-tail trainer trainer-long-tail spec spec-overhead lowp first-step megatron weights memory memory-lora async async-x2 sweep bg-start bg-wait)
 # A run longer than one call: `BG_PARTS=async-x2 ... gpu.sh bg-start` in one call, then at once
 # `gpu.sh bg-wait [more parts]` in the next (the machine is given back ~30 s after a call).
 # On a machine without ray/msgspec/megatron-core, a .whl folder of their Python 3.12 wheels
 # (downloaded with pip where it works) is installed first. Env: TESTS (test paths), ATTN (engine-attn's --decode-attention values), TESTS_TIMEOUT (default 480: the trainer compiles on CUDA now), WEIGHTS_ARGS, WEIGHTS_TIMEOUT,
-# TLT_ARGS (trainer-long-tail, e.g. --compile; --profile), TRAINER_ARGS (trainer, e.g. --profile), ASYNC_ARGS / ASYNC_TIMEOUT (e.g. ASYNC_ARGS="--steps 8 --only sync async_eta2"; "--lanes 2" with async-x2 on nvidia-h200-x4: all ten configs in one call), SPEC_STEPS, SPEC_ARGS
+# TLT_ARGS (trainer-long-tail, e.g. --compile; --profile), SWEEP_ARGS / SWEEP_TIMEOUT (sweep: e.g. SWEEP_ARGS="--steps 12 --only sync async_eta2 ..."), TRAINER_ARGS (trainer, e.g. --profile), ASYNC_ARGS / ASYNC_TIMEOUT (e.g. ASYNC_ARGS="--steps 8 --only sync async_eta2"; "--lanes 2" with async-x2 on nvidia-h200-x4: all ten configs in one call), SPEC_STEPS, SPEC_ARGS
 # (e.g. "--batches 1 4 16 64 --repeats 1": the full sweep and 8 steps overran 300 s on the H200),
 # MEMORY_8B_ARGS / MEMORY_32B_ARGS / MEMORY_TIMEOUT (memory; e.g. MEMORY_32B_ARGS="--engine-weights keep"). Extra outputs go to $OUT (default: runs/gpu).
 set -uo pipefail
@@ -89,6 +89,10 @@ for part in "$@"; do
         weights)  timeout ${WEIGHTS_TIMEOUT:-300} python3 benchmarks/weight_sync.py --device cuda ${WEIGHTS_ARGS:-} ;;
         async)    timeout ${ASYNC_TIMEOUT:-540} python3 benchmarks/async_vs_sync.py --device cuda ${ASYNC_ARGS:-} ;;
         async-x2) timeout ${ASYNC_TIMEOUT:-540} python3 benchmarks/async_vs_sync.py --device cuda --disaggregated ${ASYNC_ARGS:-} ;;
+        sweep)    # #37's staleness sweep, colocated on one GPU: the countdown SFT warm start (trained here, cached),
+                  # η = 0..16, ∞ ± partial rollouts, kept vs recomputed KV; the raw section in $OUT/sweep.md
+                  timeout ${SWEEP_TIMEOUT:-540} python3 benchmarks/async_vs_sync.py --device cuda --workload countdown --sweep \
+                      --results "$OUT/sweep.md" ${SWEEP_ARGS:-} ;;
         bg-start) # BG_PARTS in a process session of their own, from a copy of the tree: they outlive
                   # this call while the machine stays held (call again within its idle release, ~30 s);
                   # the 10-config sweep needs ~11.5 min on 2×H200 (11:22 run of 2026-11-30)
@@ -110,7 +114,7 @@ for part in "$@"; do
         echo "=== the bg parts are still running; the parts after bg-wait are skipped"; break
     fi
     tar czf "$OUT/log.tgz" benchmarks/log  # after every part: a later timeout keeps what ran
-    case "$part" in async*) tar czf "$OUT/$part-metrics.tgz" runs/async_vs_sync/*/metrics.jsonl 2>/dev/null ;; esac
+    case "$part" in async*|sweep) tar czf "$OUT/$part-metrics.tgz" runs/async_vs_sync/*/metrics.jsonl 2>/dev/null ;; esac
 done
 # one line to read at the end of a log (a pipe into tee hides this script's status)
 if [ ${#failed[@]} -gt 0 ]; then echo "=== FAILED parts: ${failed[*]}"; exit 1; fi

@@ -45,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,15 +67,16 @@ MILES_MODE = {
 # ---- inputs ------------------------------------------------------------------------------
 
 
-def prepare(args: argparse.Namespace) -> dict[str, Path]:
-    """The example's prompt data and SFT warm-up (cached), and the fixed evaluation set."""
+def prepare(args: argparse.Namespace, sft_args: Sequence[str] = ()) -> dict[str, Path]:
+    """The example's prompt data and SFT warm-up (cached; ``sft_args``: more sft.py flags, a
+    larger model for a GPU), and the fixed evaluation set."""
     import task
 
     data = Path(args.data_dir)
     if not (data / "train.jsonl").is_file():
         subprocess.run([sys.executable, str(COUNTDOWN / "task.py"), "--out-dir", str(data)], check=True)
     subprocess.run([sys.executable, str(COUNTDOWN / "sft.py"), "--data", str(data / "train.jsonl"),
-                    "--out", args.sft], check=True)
+                    "--out", args.sft, *sft_args], check=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng, weights = random.Random(task.EVAL_SEED), task.distance_weights()

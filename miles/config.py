@@ -391,6 +391,13 @@ def resolve(values: dict[str, Any], *, check: bool = True) -> MilesConfig:
     if unknown:
         raise ConfigError(f"unknown option(s): {', '.join(_flag(k) for k in unknown)}")
     from miles.algorithms.config import AlgorithmConfigError, resolve_correction
+    from miles.scheduler.staleness import check_staleness
+
+    if isinstance(values.get("max_staleness"), str):  # a flag's text or a YAML word: "2", "inf", "unbounded"
+        try:
+            values = {**values, "max_staleness": check_staleness(values["max_staleness"])}
+        except ValueError as exc:
+            raise ConfigError(f"--max-staleness: {exc}") from None
 
     try:
         values = resolve_correction(values, str(values.get("mode", _default(table["mode"][0][1]))))

@@ -67,15 +67,17 @@ async def _sample_all(engine: Any, tokenizer: Any, rows: list[dict], n: int, tem
 
 
 def evaluate(model: Any, tokenizer: Any, rows: list[dict], *, n: int = 4, temperature: float = 1.0,
-             max_new_tokens: int = 420, seed: int = 0) -> dict[str, float]:
+             max_new_tokens: int = 420, seed: int = 0, device: str = "cpu") -> dict[str, float]:
     """Mean reward, pass@k (k = 1, 2, 4, … ≤ n), and the mean reward of short countdowns and of
-    the long tail, over ``n`` samples per row (sampled with per-sample seeds: reproducible)."""
+    the long tail, over ``n`` samples per row (sampled with per-sample seeds: reproducible).
+    ``device``: where the engine samples (it takes the model there; a one-off evaluation on
+    CUDA runs uncompiled, where a compile would cost more than it saves)."""
     from miles.engines import EmbeddedEngine
     from miles.engines.config import EngineConfig
     from miles.evaluation import pass_at_k
 
-    engine = EmbeddedEngine(model, config=EngineConfig(max_batch_size=64, max_seq_len=512, seed=seed),
-                            tokenizer=tokenizer)
+    engine = EmbeddedEngine(model, config=EngineConfig(max_batch_size=64, max_seq_len=512, seed=seed, device=device,
+                                                       compile=False), tokenizer=tokenizer)
 
     async def run() -> list[list[str]]:
         try:

@@ -12,7 +12,9 @@ training distribution (0.2 on the tail-heavy held-out set) and has the long tail
 The measured figures are in examples/README.md.
 
 Deterministic (seeded, one thread) and cached: when OUT already holds a checkpoint made
-with the same arguments, it is reused (``--force`` retrains).
+with the same arguments, it is reused (``--force`` retrains). ``--device cuda`` trains a larger
+warm start where a GPU makes it cheap (``benchmarks/async_vs_sync.py --workload countdown
+--device cuda`` asks for one; the checkpoint is written from the CPU either way).
 
     python examples/countdown/sft.py --data runs/countdown/data/train.jsonl --out runs/countdown/sft
 """
@@ -101,7 +103,8 @@ def train(args: argparse.Namespace) -> None:
 
     tokenizer = build_tiny_tokenizer()
     rows = [json.loads(line) for line in Path(args.data).read_text(encoding="utf-8").splitlines() if line.strip()]
-    model = build_model(args).train()
+    device = torch.device(args.device)
+    model = build_model(args).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     rng = random.Random(args.seed)
     start, step, seen = time.monotonic(), 0, 0
@@ -110,7 +113,7 @@ def train(args: argparse.Namespace) -> None:
         for idx in batches(examples, args.batch_tokens, rng):
             if step >= args.steps:
                 break
-            ids, mask, target_mask = collate(examples, idx, tokenizer.pad_token_id)
+            ids, mask, target_mask = (t.to(device) for t in collate(examples, idx, tokenizer.pad_token_id))
             lr = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -127,7 +130,7 @@ def train(args: argparse.Namespace) -> None:
             if step % args.log_every == 0 or step == args.steps:
                 print(f"sft step {step}/{args.steps} loss {loss.item():.4f} lr {lr:.2e} "
                       f"({seen} demos, {time.monotonic() - start:.0f}s)", flush=True)
-    save_pretrained(model.eval(), args.out, tokenizer=tokenizer)
+    save_pretrained(model.cpu().eval(), args.out, tokenizer=tokenizer)
     print(f"sft: saved {args.out} after {step} steps in {time.monotonic() - start:.0f}s", flush=True)
 
 
@@ -142,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden-size", type=int, default=96)
     parser.add_argument("--num-layers", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where to train (cpu, cuda)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for a model this small)")
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--force", action="store_true", help="retrain even if OUT holds this checkpoint")

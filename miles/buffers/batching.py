@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from miles.buffers.records import READY, Group
-from miles.scheduler.staleness import mask_stale, within_bound
+from miles.scheduler.staleness import mask_stale, staleness_keys, within_bound
 from miles.types import Trajectory
 
 if TYPE_CHECKING:  # core imports this module
@@ -49,7 +49,7 @@ def _train(buf: BufferCore, groups: list[Group], trainer_version: int) -> list[l
     """Hand the groups out: they leave the buffer as trained; record their staleness."""
     eta, mask = buf.config.max_staleness, buf.config.stale_policy == "mask"
     recs, ready, held = buf._recs, buf._ready, buf._groups
-    hist = dict.fromkeys(range(eta + 1), 0)
+    hist = dict.fromkeys(staleness_keys(eta), 0)
     n_tokens = stale_sum = worst_max = n_trajs = masked = 0
     batch = []
     for group in groups:

@@ -28,7 +28,7 @@ from miles.buffers.records import (
     IN_FLIGHT, PARTIAL, QUEUED, READY, STATE_NAMES, WAITING, Group, Record, reset, restore,
 )
 from miles.buffers.waiting import LeaseWaiters
-from miles.scheduler.staleness import is_doomed
+from miles.scheduler.staleness import check_staleness, is_doomed, staleness_keys
 from miles.types import LossStats, Status, Trajectory, VersionRuns
 
 STALE_POLICIES = ("drop", "recompute", "mask")
@@ -49,7 +49,7 @@ class BufferFull(RuntimeError):
 class BufferConfig(msgspec.Struct, kw_only=True):
     """Buffer knobs; field names are the CLI flags (``--max-staleness`` …)."""
 
-    max_staleness: int = 1  # η
+    max_staleness: int | float = 1  # η; inf (``UNBOUNDED``): no token is ever too old
     # "drop" | "recompute" | "mask", or "auto": the runtime picks mask with partial rollouts
     # (long trajectories span versions; dropping them would discard the long tail) and drop
     # otherwise. A buffer built directly treats "auto" as "drop".
@@ -59,8 +59,7 @@ class BufferConfig(msgspec.Struct, kw_only=True):
     n_samples_per_prompt: int = 1
 
     def __post_init__(self) -> None:
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        self.max_staleness = check_staleness(self.max_staleness)
         if self.stale_policy not in (*STALE_POLICIES, "auto"):
             raise ValueError(f"stale_policy must be one of {(*STALE_POLICIES, 'auto')}, got {self.stale_policy!r}")
         if self.capacity < 1:
@@ -130,8 +129,7 @@ class BufferCore:
         # failure's reason: a reward function or environment that always fails shows here.
         self.failed_streak = 0
         self.last_failure = ""
-        eta = self.config.max_staleness
-        self._last_batch = batch_stats(dict.fromkeys(range(eta + 1), 0), 0, 0, 0, 0)
+        self._last_batch = batch_stats(dict.fromkeys(staleness_keys(self.config.max_staleness), 0), 0, 0, 0, 0)
 
     def ledger(self) -> Ledger:
         c, ev = self._count, self._ev

@@ -5,9 +5,11 @@ The driver loop that uses it lives with the runtime; everything here is plain Py
 
 from miles.scheduler.staleness import (
     MODES,
+    UNBOUNDED,
     Scheduler,
     SchedulerConfig,
     admission,
+    check_staleness,
     is_doomed,
     mask_stale_tokens,
     mode_staleness,
@@ -17,9 +19,11 @@ from miles.types import loss_version_stats  # the token-level stats, beside Traj
 
 __all__ = [
     "MODES",
+    "UNBOUNDED",
     "Scheduler",
     "SchedulerConfig",
     "admission",
+    "check_staleness",
     "is_doomed",
     "loss_version_stats",
     "mask_stale_tokens",

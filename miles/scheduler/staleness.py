@@ -16,6 +16,12 @@ iteration calls ``scheduler.admit(buffer.ledger(), buffer.prompt_room())`` (``ob
 ``capacity``) to learn how many new prompts to admit. Nothing here knows about Ray or
 asyncio, so ``benchmarks/simulate.py`` runs the same decision in simulated time.
 
+Unbounded: ``--max-staleness inf`` (or ``unbounded``) sets η to :data:`UNBOUNDED`
+(``math.inf``): no token is ever too old, and admission is then held back only by the caps that
+stay finite, ``max_inflight`` (running groups) and the buffer's room (its ``capacity`` in live
+trajectories), which the driver always passes. :func:`check_staleness` is the one place a value
+of η is checked.
+
 Units: the scheduler counts **groups** (one prompt = one group of ``n_samples_per_prompt``
 trajectories), as AReaL counts rollouts and the trainer consumes ``rollout_batch_size``
 groups per step.
@@ -23,6 +29,7 @@ groups per step.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -36,17 +43,40 @@ if TYPE_CHECKING:  # the buffer imports this module; avoid the cycle at runtime
 
 Mode = Literal["sync", "one-step-off", "async"]
 MODES: tuple[str, ...] = ("sync", "one-step-off", "async")
+UNBOUNDED = math.inf  # η without a bound: every token may be trained, however old
+_UNBOUNDED_WORDS = ("inf", "infinity", "unbounded", "∞")
+
+
+def check_staleness(value: Any) -> int | float:
+    """η as the runtime holds it: a whole number ≥ 0, or :data:`UNBOUNDED`. Accepts the
+    words ``inf`` / ``unbounded`` (a flag or a YAML value), digits, and whole floats
+    (``2.0``); anything else is a ``ValueError`` that says what is allowed."""
+    eta = value
+    if isinstance(eta, str):
+        text = eta.strip().lower()
+        eta = UNBOUNDED if text in _UNBOUNDED_WORDS else int(text) if text.lstrip("-").isdigit() else None
+    elif isinstance(eta, float) and eta.is_integer():
+        eta = int(eta)
+    if eta == UNBOUNDED or (isinstance(eta, int) and not isinstance(eta, bool) and eta >= 0):
+        return eta
+    raise ValueError(f"max_staleness must be a whole number >= 0, or inf / unbounded for no bound; got {value!r}")
+
+
+def staleness_keys(max_staleness: int | float) -> range:
+    """The staleness values a batch's histogram always reports (``buffer/staleness_hist/<k>``):
+    0..η, or only 0 under an unbounded η (larger values appear as they are met)."""
+    return range(1 if max_staleness == UNBOUNDED else max_staleness + 1)
 
 
 # ---- token-level bound (used by the buffer) -----------------------------------------------
 
 
-def within_bound(oldest: int | None, trainer_version: int, max_staleness: int) -> bool:
+def within_bound(oldest: int | None, trainer_version: int, max_staleness: int | float) -> bool:
     """True when every loss token (the oldest decides) may be trained at ``trainer_version``."""
     return oldest is None or trainer_version - oldest <= max_staleness
 
 
-def is_doomed(oldest: int | None, current_version: int, max_staleness: int) -> bool:
+def is_doomed(oldest: int | None, current_version: int, max_staleness: int | float) -> bool:
     """True when a trajectory can never be trained within the bound any more.
 
     The trainer's version never goes below the newest published version, so once
@@ -56,7 +86,7 @@ def is_doomed(oldest: int | None, current_version: int, max_staleness: int) -> b
     return not within_bound(oldest, current_version, max_staleness)
 
 
-def mask_stale_tokens(traj: Trajectory, trainer_version: int, max_staleness: int) -> int:
+def mask_stale_tokens(traj: Trajectory, trainer_version: int, max_staleness: int | float) -> int:
     """Zero ``loss_mask`` on tokens older than the bound (the "mask" policy); return how many.
 
     Mirrors slime's ``--mask-offpolicy-in-partial-rollout``: the tokens stay in the
@@ -79,7 +109,7 @@ def mask_stale_tokens(traj: Trajectory, trainer_version: int, max_staleness: int
 
 
 def mask_stale(
-    traj: Trajectory, trainer_version: int, max_staleness: int, stats: LossStats,
+    traj: Trajectory, trainer_version: int, max_staleness: int | float, stats: LossStats,
     runs: VersionRuns | None = None,
 ) -> tuple[int, LossStats]:
     """``mask_stale_tokens``, and the loss tokens' stats after it (``loss_version_stats``),
@@ -121,7 +151,7 @@ def admission(
     *,
     version: int,
     batch_size: int,
-    max_staleness: int,
+    max_staleness: int | float,
     accepted: int,
     running: int,
     over_sampling_batch_size: int | None = None,
@@ -148,14 +178,18 @@ def admission(
       sync mode the next batch never starts on old weights.
     * ``max_inflight`` caps ``running`` (concurrency); ``room`` is the buffer's free room in
       prompts (``ReplayBuffer.prompt_room()``), so admission never overfills the buffer.
+
+    With ``max_staleness`` :data:`UNBOUNDED` the quota is infinite and these two caps are all
+    that hold admission back; without either the answer would be infinite, a ``ValueError``.
     """
     for name, value in (("version", version), ("accepted", accepted), ("running", running)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if max_staleness < 0:
-        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    check_staleness(max_staleness)
+    if max_staleness == UNBOUNDED and max_inflight is None and room is None:
+        raise ValueError("max_staleness is unbounded: admission needs max_inflight or room to stay finite")
     over = batch_size if over_sampling_batch_size is None else over_sampling_batch_size
     if over < batch_size:
         raise ValueError(f"over_sampling_batch_size {over} is smaller than batch_size {batch_size}")
@@ -167,19 +201,17 @@ def admission(
         capacity = min(capacity, max_inflight - running)
     if room is not None:
         capacity = min(capacity, room)
-    return max(0, capacity)
+    return int(max(0, capacity))
 
 
-def mode_staleness(mode: str, max_staleness: int) -> int:
+def mode_staleness(mode: str, max_staleness: int | float) -> int | float:
     """η for a mode: sync → 0, one-step-off → 1, async → ``max_staleness``."""
     if mode == "sync":
         return 0
     if mode == "one-step-off":
         return 1
     if mode == "async":
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
-        return max_staleness
+        return check_staleness(max_staleness)
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
@@ -187,13 +219,15 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     """Admission knobs; field names are the CLI flags (``--rollout-batch-size`` …)."""
 
     mode: str = "async"  # "sync" | "one-step-off" | "async"
-    max_staleness: int = 1  # η, read in "async" mode only (sync ⇒ 0, one-step-off ⇒ 1)
+    # η, read in "async" mode only (sync ⇒ 0, one-step-off ⇒ 1); inf or unbounded: no bound
+    max_staleness: int | float = 1
     rollout_batch_size: int = 32  # B: groups the trainer consumes per step
     over_sampling_batch_size: int | None = None  # O ≥ B, for dynamic-sampling filters
     max_inflight: int | None = None  # cap on running groups; None = only the budget
 
     def __post_init__(self) -> None:
-        mode_staleness(self.mode, self.max_staleness)  # validates mode and η
+        self.max_staleness = check_staleness(self.max_staleness)
+        mode_staleness(self.mode, self.max_staleness)  # validates the mode
         if self.rollout_batch_size < 1:
             raise ValueError(f"rollout_batch_size must be >= 1, got {self.rollout_batch_size}")
         over = self.over_sampling_batch_size
@@ -206,7 +240,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
 
     @property
-    def staleness(self) -> int:
+    def staleness(self) -> int | float:
         """The effective bound η for this mode (give it to ``BufferConfig.max_staleness``)."""
         return mode_staleness(self.mode, self.max_staleness)
 
@@ -226,9 +260,10 @@ class Scheduler:
         self.accepted = 0
         self.running = 0
         self.admitted = 0
+        self.room: int | None = None  # the buffer's room at the last ``admit``
 
     @property
-    def staleness(self) -> int:
+    def staleness(self) -> int | float:
         return self.config.staleness
 
     # ---- events --------------------------------------------------------------------
@@ -264,6 +299,7 @@ class Scheduler:
         """The driver's admission decision after a buffer state change: take the counts from
         the buffer's ledger, then return how many new prompts may start now."""
         self.observe(ledger)
+        self.room = room
         return self.capacity(room)
 
     def capacity(self, room: int | None = None) -> int:
@@ -285,8 +321,18 @@ class Scheduler:
             "scheduler/version": float(self.version),
             "scheduler/accepted": float(self.accepted),
             "scheduler/running": float(self.running),
-            "scheduler/capacity": float(self.capacity()),
+            "scheduler/capacity": float(self._reported_capacity()),
         }
+
+    def _reported_capacity(self) -> int | float:
+        """The budget as the stats report it: without the buffer's room (bounded η), as
+        before, or with the room of the last ``admit`` (unbounded η: else infinite)."""
+        cfg = self.config
+        if cfg.staleness != UNBOUNDED:
+            return self.capacity()
+        if cfg.max_inflight is None and self.room is None:
+            return UNBOUNDED
+        return self.capacity(self.room)
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": self.version, "accepted": self.accepted, "running": self.running,

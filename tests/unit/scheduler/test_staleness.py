@@ -6,9 +6,11 @@ import pytest
 
 from miles.buffers import BufferConfig, ReplayBuffer, drop_uniform_rewards
 from miles.scheduler import (
+    UNBOUNDED,
     Scheduler,
     SchedulerConfig,
     admission,
+    check_staleness,
     is_doomed,
     loss_version_stats,
     mask_stale_tokens,
@@ -212,3 +214,57 @@ def test_admit_is_observe_then_capacity() -> None:
     assert sched.admit(buf.ledger(), buf.prompt_room()) == 3
     assert (sched.running, sched.accepted, sched.admitted) == (5, 0, 5)
     assert sched.admit(buf.ledger(), 2) == 2
+
+
+# ---- unbounded η ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "eta"), [("inf", UNBOUNDED), ("Unbounded", UNBOUNDED), (float("inf"), UNBOUNDED),
+                                            ("2", 2), (2.0, 2), (0, 0), (16, 16)])
+def test_staleness_values(value, eta) -> None:
+    assert check_staleness(value) == eta and type(check_staleness(value)) is type(eta)
+
+
+@pytest.mark.parametrize("bad", [-1, "-1", 2.5, "2.5", "soon", True, None, float("nan"), -float("inf")])
+def test_bad_staleness_values_say_what_is_allowed(bad) -> None:
+    with pytest.raises(ValueError, match="whole number >= 0, or inf / unbounded"):
+        check_staleness(bad)
+    with pytest.raises(ValueError, match="whole number >= 0"):
+        SchedulerConfig(max_staleness=bad)
+    with pytest.raises(ValueError, match="whole number >= 0"):
+        BufferConfig(max_staleness=bad)
+
+
+def test_unbounded_staleness_from_the_flag_and_yaml(tmp_path) -> None:
+    from miles.config import ConfigError, build_parser, default_config, load_yaml, resolve
+
+    for word in ("inf", "unbounded"):
+        ns = build_parser().parse_args(["--max-staleness", word])
+        cfg = resolve({k: v for k, v in vars(ns).items() if k != "config"}, check=False)
+        assert cfg.scheduler.staleness == UNBOUNDED and cfg.buffer.max_staleness == UNBOUNDED
+    cfg.dump(tmp_path / "config.yaml")  # the resolved config reads back the same
+    assert resolve(load_yaml(tmp_path / "config.yaml"), check=False).scheduler.max_staleness == UNBOUNDED
+    assert default_config(max_staleness="3").scheduler.max_staleness == 3
+    with pytest.raises(ConfigError, match="--max-staleness: .*inf / unbounded"):
+        default_config(max_staleness="lots")
+
+
+def test_unbounded_admission_is_held_by_the_finite_caps() -> None:
+    kw = dict(version=0, batch_size=4, max_staleness=UNBOUNDED, accepted=10**6, running=3)
+    assert admission(**kw, room=7) == 7
+    assert admission(**kw, max_inflight=5, room=7) == 2
+    with pytest.raises(ValueError, match="stay finite"):
+        admission(**kw)
+    sched = Scheduler(SchedulerConfig(mode="async", max_staleness="unbounded", rollout_batch_size=4))
+    assert sched.stats()["scheduler/capacity"] == UNBOUNDED  # no room seen yet
+    buf = ReplayBuffer(BufferConfig(max_staleness=UNBOUNDED, capacity=40, n_samples_per_prompt=2))
+    assert sched.admit(buf.ledger(), buf.prompt_room()) == 20
+    assert sched.stats()["scheduler/capacity"] == 20
+
+
+def test_unbounded_run_trains_everything_however_old() -> None:
+    """A slow trainer under η = ∞: staleness grows past any small bound, nothing is dropped,
+    and the batches' histograms report the staleness values met."""
+    staleness, _, buf = _run("async", eta=UNBOUNDED, lag=3, steps=20)
+    assert max(staleness) > 4 and buf.ledger().dropped == {}
+    assert any(k.startswith("buffer/staleness_hist/") and k != "buffer/staleness_hist/0" for k in buf.stats())
