@@ -82,6 +82,8 @@ def run_once(args: argparse.Namespace, inputs: dict[str, str], name: str) -> dic
         time.sleep(0.05)
     reader.join(5)
     total = time.monotonic() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.log").write_text("".join(log))  # the run's own log lines (the engines' switch among them)
     if proc.returncode != 0:
         raise SystemExit(f"{name}: miles train failed (rc {proc.returncode}):\n" + "".join(log[-40:]))
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]

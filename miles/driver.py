@@ -356,6 +356,10 @@ class Driver:
                         "ray_init_s": self._ray_init_s, "actor_submit_s": self._launch_s,
                         "trainer_init_s": pongs["PolicyTrainer"].get("perf/trainer_init_s", 0.0),
                         "worker_init_s_max": max(workers, default=0.0)}
+        slowest = max((p for name, p in pongs.items() if name != "PolicyTrainer"),
+                      key=lambda p: p.get("rollout/init_s", 0.0), default={})
+        self.startup.update({f"worker_{k.removeprefix('engine/')}": v for k, v in slowest.items()
+                             if k.startswith("engine/init_")})  # where its engine's construction went
         if self.eval_data is not None and self.cfg.run.eval_interval and self.step == 0:
             self.eval_tasks.append(asyncio.create_task(self._evaluate(0)))  # the starting point
 

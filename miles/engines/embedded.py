@@ -90,7 +90,18 @@ class EmbeddedEngine:
             raise ValueError("an engine over a shared base runs dense, unquantized, non-speculative models only")
         config.validate(model.config.max_position_embeddings, model.config.head_dim)
         self.device, self.dtype = torch.device(config.device), config.torch_dtype()
+        # where construction's seconds go (``engine/init_<part>_s``; the worker's start-up)
+        self.init_parts: dict[str, float] = {}
+        mark = time.perf_counter()
+
+        def lap(part: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            self.init_parts[part] = self.init_parts.get(part, 0.0) + now - mark
+            mark = now
+
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        lap("to_device")
         self.quant = quant.spec_of(self.model)  # set by apply_quantization before the engine is built
         self.tokenizer = tokenizer
         spec_on = draft is not None and speculative is not None and speculative.enabled
@@ -102,6 +113,7 @@ class EmbeddedEngine:
             self.model.fuse_projections(compile_fast_path() if self.compile_inline else None)
         if self.compile_inline:
             compile_counter_uniform(self.device)  # seeded draws: one fused kernel on CUDA
+        lap("fuse_compile")
         self.memory_plan = None
         if (config.engine_mem_fraction is not None or colocated_trainer is not None) and self.device.type == "cuda":
             from miles.engines.memory import measure_plan
@@ -110,7 +122,9 @@ class EmbeddedEngine:
                                             trainer=colocated_trainer)
             log.warning("%s", self.memory_plan.describe())
             config = self.config = msgspec.structs.replace(config, max_batch_size=self.memory_plan.slots)
+        lap("memory_plan")
         self.runner = ModelRunner(self.model, config, headroom=MAX_STEPS + 2 if spec_on else 0)
+        lap("runner")  # the KV cache, graph buffers, the kernels' probe launches (their first compile)
         self.spec = self._build_spec(draft, speculative, draft_version) if spec_on else None
         self.shared = shared
         self.stager = WeightStager(self.model, self.device, self.dtype, shared=shared)
@@ -133,6 +147,7 @@ class EmbeddedEngine:
             stats=self.stats_, on_done=self._done, spec=self.spec,
         )
         self.stepper.version = version
+        lap("stepper")  # the fused sampler's probe draw
         self.oom = EngineOOM(config.max_batch_size, config.max_prefill_tokens, config.inject_oom_steps)
         self._cv = threading.Condition()  # guards queues and control flags
         self._stage_lock = threading.Lock()  # staging vs applying weights, not decoding
@@ -147,6 +162,7 @@ class EmbeddedEngine:
         self._thread: threading.Thread | None = None
         self.compile_stats: dict[str, float] = {}  # the switch's figures (``warmup``), once it happened
         self._compile = CompileSwitch(self) if background else None  # its child starts now
+        lap("rest")
 
     def _build_spec(self, draft: Any, cfg: SpeculativeConfig, draft_version: int) -> Any:
         from miles.engines.spec.decoder import SpecDecoder
@@ -394,6 +410,7 @@ class EmbeddedEngine:
             out.update({f"engine/{k}_s": v for k, v in st.phase_s.items()})
             out["engine/device_wait_s"] = st.device_wait_s
             out["engine/warm_compile_s"] = st.warm_s
+            out.update({f"engine/init_{part}_s": v for part, v in self.init_parts.items()})
             switch = self._compile
         # background compile (``warmup``): 0 while the eager step functions serve
         out.update(self.compile_stats or (switch.stats if switch is not None else {}))
