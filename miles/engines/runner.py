@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -327,7 +328,11 @@ def compile_seconds() -> float:
     new shape variant, generating and loading its kernels), cumulative; 0 when nothing
     compiled. A step that meets a variant for the first time is held for the compile, in the
     stepping thread and holding the GIL most of the time, so its seconds are no measure of
-    the step's phase: the stepper counts them apart (``engine/compile_s``)."""
+    the step's phase: the stepper counts them apart (``engine/compile_s``). Nothing has compiled
+    while dynamo is not imported, and this does not import it (seconds of the first step of an
+    engine that serves eagerly first: ``miles.engines.warmup``)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0.0
     try:
         from torch._dynamo.utils import compilation_time_metrics
     except ImportError:  # a torch without dynamo's timers
