@@ -539,8 +539,10 @@ class EmbeddedEngine:
                     self.stepper.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
 
     def _switch_waits(self) -> bool:
-        """An idle engine whose compile child is done: the switch is due (``warmup``)."""
-        return self._compile is not None and not self.offloader.released and self._compile.child.done()
+        """An idle engine (no row in it, its memory held) whose compile child is done: the
+        switch is due (``warmup``)."""
+        return (self._compile is not None and not self.offloader.released and not self.stepper.running
+                and self._compile.child.done())
 
     def _maybe_switch(self, committed: bool) -> None:
         """Switch to the compiled step functions where it costs least (``warmup``): with no

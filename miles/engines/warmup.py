@@ -124,7 +124,7 @@ class CompileSwitch:
             "engine/compile_child_ok": float(ok_child),
             "engine/eager_serve_s": start - self.started,  # engine built to the switch
             "engine/compiled_from_version": float(engine.version),
-            "engine/compiled_from_step": float(engine.stats_.counters["decode_steps"]),
+            "engine/compiled_after_decode_steps": float(engine.stats_.counters["decode_steps"]),
         }
         log.warning("engine switched to %s step functions after %.1f s eager (child %.1f s, %s): "
                     "%.1f s warm-up, %d graphs re-captured, %.1f s in all",

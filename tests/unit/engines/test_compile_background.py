@@ -104,7 +104,7 @@ def test_serves_eagerly_then_switches_when_idle(monkeypatch, compiled_calls) -> 
     assert at_switch > 0  # the switch's warm-up ran the compiled functions ...
     assert after["engine/compiled"] == 1.0
     assert after["engine/compile_child_s"] == 3.0 and after["engine/compile_child_ok"] == 1.0
-    assert after["engine/compiled_from_step"] == before["engine/decode_steps"]
+    assert after["engine/compiled_after_decode_steps"] == before["engine/decode_steps"]
     assert after["engine/eager_serve_s"] > 0 and after["engine/compile_switch_s"] >= after["engine/compile_switch_warm_s"]
     # ... and the steps after it serve through them, with the same greedy tokens
     assert [o.output_ids for o in second] == [o.output_ids for o in first] == _reference(ids)
@@ -134,7 +134,7 @@ def test_switch_at_a_commit_keeps_rows_in_flight(monkeypatch, compiled_calls) ->
 
     outs, stats = run(go)
     assert stats["engine/compiled"] == 1.0 and stats["engine/compiled_from_version"] == 1.0
-    assert 0 < stats["engine/compiled_from_step"] < SP.max_new_tokens
+    assert 0 < stats["engine/compiled_after_decode_steps"] < SP.max_new_tokens
     assert all(o.finish_reason == "length" for o in outs)
     assert [o.output_ids for o in outs] == _reference(ids)
     assert len(compiled_calls) > 0
