@@ -412,8 +412,9 @@ class EmbeddedEngine:
             out["engine/warm_compile_s"] = st.warm_s
             out.update({f"engine/init_{part}_s": v for part, v in self.init_parts.items()})
             switch = self._compile
-        # background compile (``warmup``): 0 while the eager step functions serve
-        out.update(self.compile_stats or (switch.stats if switch is not None else {}))
+        # whether the compiled step functions serve (``warmup``: 0 while the eager ones do), and the switch's figures
+        out.update(self.compile_stats or (switch.stats if switch is not None
+                                          else {"engine/compiled": float(self.compile_inline)}))
         occ = list(st.occupancy)
         out.update({
             "rollout/tokens_generated": float(st.counters["tokens_generated"]),
