@@ -451,7 +451,8 @@ def main() -> None:
     parser.add_argument("--data-dir", default=str(ROOT / "runs" / "countdown" / "data"))
     parser.add_argument("--sft", default=str(ROOT / "runs" / "countdown" / "sft"))
     parser.add_argument("--eval-only", action="store_true", help="score and report the runs under --out")
-    parser.add_argument("--no-log", action="store_true", help="do not append to benchmarks/log/vs_trl.md")
+    parser.add_argument("--no-log", action="store_true",
+                        help="leave benchmarks/log/vs_trl.md and benchmarks/vs_trl.png alone (the plot goes under --out)")
     # the TRL child
     parser.add_argument("--child-trl", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -477,7 +478,7 @@ def main() -> None:
     results, per = summarize(args, inputs, runs, base)
     text = report(args, results, per, base)
     print(text)
-    png = ROOT / "benchmarks" / "vs_trl.png"
+    png = out / "vs_trl.png" if args.no_log else ROOT / "benchmarks" / "vs_trl.png"  # a trial run keeps the repo's plot
     plot(results, per, png)
     (out / "results.json").write_text(json.dumps({"results": results, "per_config": per}, indent=1, default=str))
     if not args.no_log:

@@ -385,7 +385,7 @@ class Driver:
                         "engine/busy_s", "engine/prefill_s", "engine/decode_steps", "engine/decode_rows",
                         "rollout/starved_s", "rollout/loop_lag_s", "rollout/put_calls", "rollout/lease_calls",
                         "engine/prefill_tokens", "engine/prefill_tokens_fresh", "engine/prefill_tokens_resumed",
-                        "engine/prefill_tokens_recompute", "engine/prefill_forwards", "engine/compile_s", "engine/warm_compile_s",
+                        "engine/prefill_tokens_recompute", "engine/prefill_tokens_shared", "engine/prefill_forwards", "engine/compile_s", "engine/warm_compile_s",
                         "engine/capture_s", "mem/engine_oom_recovered", "mem/offload_rollout_s",
                         "mem/offload_rollout_bytes"):
                 totals[key] = totals.get(key, 0.0) + ws.get(key, 0.0)

@@ -60,7 +60,7 @@ class EngineStats:
     def __init__(self) -> None:
         self.counters = dict.fromkeys(
             ("tokens_generated", "decode_steps", "decode_rows", "prefill_tokens", "prefill_tokens_fresh",
-             "prefill_tokens_resumed", "prefill_tokens_recompute", "prefill_forwards", "weight_updates",
+             "prefill_tokens_resumed", "prefill_tokens_recompute", "prefill_tokens_shared", "prefill_forwards", "weight_updates",
              "requests_finished", "requests_aborted", "requests_failed", "spec_rounds",
              "draft_updates"), 0)
         self.occupancy: deque[float] = deque(maxlen=256)
@@ -147,34 +147,51 @@ class Stepper:
     def _prefill(self, rows: list[Request]) -> None:
         if self.spec is not None:
             return self._prefill_spec(rows)
-        if self.config.deterministic:
-            groups = [[i] for i in range(len(rows))]  # alone: its padded length never depends on its neighbours
-        else:  # resumed long contexts among fresh prompts: not all padded to one
-            groups = cut_by_length(range(len(rows)), [len(r.context) for r in rows], max_rows=None,
-                                   max_tokens=self.prefill_tokens, cost=PREFILL_COST)
-        for g in groups:
-            self._prefill_group([rows[i] for i in g])
-
-    def _prefill_group(self, rows: list[Request]) -> None:
         # A fresh request prefills its whole context and samples its first token; a
         # recomputed one re-prefills all but its pending last token and samples nothing.
         seqs = [r.context if r.kv_len == 0 else r.context[:-1] for r in rows]
-        fresh = [i for i, r in enumerate(rows) if r.kv_len == 0]
+        # Rows with the same tokens (a group's samples of one prompt, admitted together)
+        # prefill once: the others copy its K/V and sample from its logits.
+        first: dict[tuple[int, ...], int] = {}
+        source = [first.setdefault(tuple(s), i) for i, s in enumerate(seqs)]
+        unique = list(first.values())
+        copies: dict[int, list[int]] = {i: [] for i in unique}
+        for i, src in enumerate(source):
+            if src != i:
+                copies[src].append(i)
+        if self.config.deterministic:
+            groups = [[i] for i in unique]  # alone: its padded length never depends on its neighbours
+        else:  # resumed long contexts among fresh prompts: not all padded to one
+            groups = [[unique[j] for j in g]
+                      for g in cut_by_length(range(len(unique)), [len(seqs[i]) for i in unique], max_rows=None,
+                                             max_tokens=self.prefill_tokens, cost=PREFILL_COST)]
+        for g in groups:
+            self._prefill_group([rows[i] for i in g], [seqs[i] for i in g],
+                                [[rows[j] for j in copies[i]] for i in g])
+
+    def _prefill_group(self, rows: list[Request], seqs: list[list[int]], copies: list[list[Request]]) -> None:
+        """Prefill ``rows``; ``copies[i]`` are requests whose context is ``seqs[i]`` too: they
+        take row i's K/V (a slot copy) and, when fresh, sample from row i's logits."""
+        fresh = [(i, r) for i, r in enumerate(rows) if r.kv_len == 0]
+        fresh += [(i, c) for i, cs in enumerate(copies) for c in cs if c.kv_len == 0]
         out = self.runner.prefill([r.slot for r in rows], seqs, logits=bool(fresh),
-                                  hidden=any(r.hidden is not None for r in rows),
-                                  routing=any(r.routed is not None for r in rows))
-        self._count_prefill(rows, seqs)
+                                  hidden=any(r.hidden is not None for r in rows + sum(copies, [])),
+                                  routing=any(r.routed is not None for r in rows + sum(copies, [])))
+        self._count_prefill(rows, seqs, copies)
         for i, (r, seq) in enumerate(zip(rows, seqs)):
-            r.needs_prefill = False
-            r.kv_version = self.version
-            if r.kv_len == 0 and r.hidden is not None:
-                r.hidden.append(out.hidden[i, : len(seq)].clone())
-            r.kv_len = len(seq)
+            for c in copies[i]:
+                self.runner.cache.move_slot(r.slot, c.slot, len(seq))
+            for q in (r, *copies[i]):
+                q.needs_prefill = False
+                q.kv_version = self.version
+                if q.kv_len == 0 and q.hidden is not None:
+                    q.hidden.append(out.hidden[i, : len(seq)].clone())
+                q.kv_len = len(seq)
         if fresh:
-            idx = to_device(fresh, torch.long, self.device)
-            last = to_device([len(seqs[i]) - 1 for i in fresh], torch.long, self.device)
+            idx = to_device([i for i, _ in fresh], torch.long, self.device)
+            last = to_device([len(seqs[i]) - 1 for i, _ in fresh], torch.long, self.device)
             routing = None if out.routing is None else out.routing[idx, last]
-            self._process(self._launch_sample([rows[i] for i in fresh], StepOut(out.logits[idx], None, routing)))
+            self._process(self._launch_sample([r for _, r in fresh], StepOut(out.logits[idx], None, routing)))
 
     def _prefill_spec(self, rows: list[Request]) -> None:
         """With speculation every row prefills all but its last context token and samples
@@ -199,17 +216,21 @@ class Stepper:
             r.kv_len = len(r.context) - 1
             r.kv_version = self.version
 
-    def _count_prefill(self, rows: list[Request], seqs: list[list[int]]) -> None:
+    def _count_prefill(self, rows: list[Request], seqs: list[list[int]],
+                       copies: list[list[Request]] | None = None) -> None:
         """Prefill tokens by cause: a fresh prompt, a resumed partial rollout (its earlier
         response comes back as context), or a running row recomputing its cache after a
-        weight update that did not keep it."""
+        weight update that did not keep it; and the tokens that rows of the same context
+        took by a slot copy instead (``prefill_tokens_shared``, not in the total)."""
         c = self.stats.counters
         c["prefill_forwards"] += 1  # a prefill's cost is mostly per forward when its rows are short
-        for r, seq in zip(rows, seqs):
+        for i, (r, seq) in enumerate(zip(rows, seqs)):
             n = len(seq)
             c["prefill_tokens"] += n
             cause = "recompute" if r.kv_len else ("resumed" if r.req.num_prefix_tokens else "fresh")
             c[f"prefill_tokens_{cause}"] += n
+            if copies is not None:
+                c["prefill_tokens_shared"] += n * len(copies[i])
 
     # ---- decode ------------------------------------------------------------------------
     def decode(self) -> None:

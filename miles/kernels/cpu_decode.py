@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from miles.kernels.constants import GREEDY_EPS
+from miles.kernels.constants import GOLDEN, GREEDY_EPS, MIX1, MIX2, UNIFORM_BITS, UNIFORM_SHIFT
 from miles.utils import blas
 
 log = logging.getLogger(__name__)
@@ -157,6 +157,10 @@ def build(flags: tuple[str, ...]) -> ctypes.CDLL:
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.miles_sample.restype = None
     lib.miles_sample.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5
+    lib.miles_hashed_uniform.restype = None
+    lib.miles_hashed_uniform.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64,
+                                         ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64, ctypes.c_float,
+                                         ctypes.c_void_p]
     lib.miles_decode_workspace.restype = ctypes.c_int64
     lib.miles_decode_workspace.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     return lib
@@ -260,6 +264,14 @@ class CpuDecoder:
             raise ValueError(f"decode step refused: {_ERRORS.get(rc, f'error {rc}')}")
         return logits, hidden
 
+    def hashed_uniform(self, keys: list[int], V: int) -> Tensor:
+        """``sampling.counter_uniform`` of these row keys, bitwise, in one C pass."""
+        out = torch.empty(len(keys), V, dtype=torch.float32)
+        k = torch.tensor(keys, dtype=torch.int64)
+        self.lib.miles_hashed_uniform(len(keys), V, k.data_ptr(), GOLDEN, MIX1, MIX2, UNIFORM_SHIFT,
+                                      1.0 / (1 << UNIFORM_BITS), out.data_ptr())
+        return out
+
     def sample(self, logits: Tensor, batch: Any, generator: torch.Generator | None
                ) -> tuple[Tensor, Tensor] | None:
         """``sampling.sample`` plus the finite check in one call (``batch``: the engine's
@@ -274,7 +286,9 @@ class CpuDecoder:
         drawn = [i for i, t in enumerate(temps) if t > 0.0]
         noise = None
         if drawn:
-            u = batch.uniforms(drawn, V, logits.device, generator)
+            keys = [batch.keys[i] for i in drawn]
+            u = (self.hashed_uniform(keys, V) if all(k is not None for k in keys)
+                 else batch.uniforms(drawn, V, logits.device, generator))
             noise = torch.log(-torch.log(u))
         temperature = torch.tensor(temps, dtype=torch.float32)
         tokens = torch.empty(n, dtype=torch.int64)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
-from miles.rewards import RewardRunner, check_reward
+from miles.rewards import RewardRunner, _Threads, check_reward
 from miles.types import Status, Trajectory
 
 
@@ -105,3 +106,33 @@ def test_check_reward_takes_numpy_and_torch_scalars() -> None:
     assert check_reward({"a": np.int64(3)}) == {"a": 3.0}
     with pytest.raises(ValueError, match="not a number"):
         check_reward(np.bool_(True))
+
+
+def test_sync_calls_reuse_idle_threads_and_never_wait_for_a_busy_one() -> None:
+    """A call goes to an idle thread when there is one; while every thread is busy (one
+    blocked here) the next call gets a new thread instead of queueing."""
+    pool, seen, blocked, release = _Threads(), [], threading.Event(), threading.Event()
+
+    def wait_idle(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while len(pool._idle) != n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(pool._idle) == n
+
+    done = threading.Event()
+    pool.submit(lambda: (seen.append(threading.get_ident()), done.set()))
+    assert done.wait(10)
+    wait_idle(1)
+    done.clear()
+    pool.submit(lambda: (seen.append(threading.get_ident()), done.set()))
+    assert done.wait(10) and seen[0] == seen[1]  # the idle thread took it
+    wait_idle(1)
+    pool.submit(lambda: (seen.append(threading.get_ident()), blocked.set(), release.wait(10)))
+    assert blocked.wait(10)
+    done.clear()
+    pool.submit(lambda: (seen.append(threading.get_ident()), done.set()))
+    assert done.wait(10) and seen[3] != seen[2]  # not queued behind the blocked call
+    release.set()
+    wait_idle(2)
+    pool.close()
+    assert pool._idle == []

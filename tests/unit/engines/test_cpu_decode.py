@@ -225,6 +225,27 @@ def test_kernel_sampling_draws_what_torch_sampling_draws() -> None:
     assert kernel.sample(logits, truncating, g) is None  # top-k / top-p rows: torch ops
 
 
+def test_kernel_hashed_uniforms_are_torchs_bit_for_bit() -> None:
+    """The seeded draw's uniforms from the C pass equal ``counter_uniform``'s torch ops, for
+    keys over the whole int64 range (negative ones too: the arithmetic wraps), and a batch
+    of seeded rows samples the same tokens through either."""
+    from miles.engines.sampling import SamplingBatch, counter_uniform, row_key, sample
+
+    fast, _ = _runners(make_model(seed=7))
+    kernel = fast.cpu_kernel
+    g = torch.Generator().manual_seed(3)
+    keys = [row_key(s, p) for s, p in [(0, 0), (1, 5), (2**40 + 7, 3), (-5, 9)]]
+    keys += torch.randint(-2**63, 2**63 - 1, (12,), generator=g, dtype=torch.int64).tolist()
+    for V in (1, 7, 288, 5000):
+        got = kernel.hashed_uniform(keys, V)
+        want = counter_uniform(torch.tensor(keys, dtype=torch.int64), V)
+        assert got.dtype == want.dtype and torch.equal(got, want), V
+    batch = SamplingBatch.build([SamplingParams(temperature=1.0, seed=s) for s in range(5)], [1, 2, 3, 4, 5])
+    logits = torch.randn(5, 288, generator=g)
+    tokens, _ = kernel.sample(logits, batch, None)
+    assert tokens.equal(sample(logits, batch, None)[0])
+
+
 def test_an_unwritable_cache_falls_back_to_a_temp_folder(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     import tempfile
 
