@@ -125,17 +125,48 @@ def wants_shared_base(cfg: MilesConfig) -> bool:
             and cfg.quant.engine_spec() is None)
 
 
+COLOCATED_ACTIVATION_BUDGET = 24 * 2**30  # a colocated trainer's micro-batch activations when no limit is set
+COLOCATED_MAX_TOKENS = 32768  # and at most this many tokens a micro-batch
+
+
+def _colocated_embedded_cuda(cfg: MilesConfig) -> bool:
+    return cfg.run.colocate and cfg.run.train_backend == "embedded" and cfg.engine.device.startswith("cuda")
+
+
+def colocated_micro_batch_tokens(cfg: MilesConfig, model_config: Any) -> int | None:
+    """The token cap of a colocated embedded trainer's micro-batches where the user set neither
+    --micro-batch-size nor --max-tokens-per-micro-batch (None elsewhere). Without a cap a
+    step is one micro-batch, and the engine's memory plan, made before any step, would have
+    to keep a whole step's activations at the full context free (646 GiB for 256 rows of a
+    Qwen3-0.6B shape at 2,048 tokens): the engine got no KV cache at all. The cap is the
+    largest power of two of tokens whose activations fit ``COLOCATED_ACTIVATION_BUDGET``, at
+    most ``COLOCATED_MAX_TOKENS``, and at least one sequence of the full context. The plan
+    and the trainer both take it (``colocated_trainer_bytes``, ``build_policy_trainer``)."""
+    from miles.engines.memory import trainer_activation_bytes
+
+    t = cfg.trainer
+    if not _colocated_embedded_cuda(cfg) or t.micro_batch_size or t.max_tokens_per_micro_batch:
+        return None
+    dtype = torch.float32 if t.dtype == "float32" else torch.bfloat16
+    one, two = (trainer_activation_bytes(model_config, n, dtype, checkpointing=t.gradient_checkpointing)
+                for n in (1, 2))
+    fit = max(1, (COLOCATED_ACTIVATION_BUDGET - (2 * one - two)) // (two - one))
+    tokens = min(1 << (fit.bit_length() - 1), COLOCATED_MAX_TOKENS)
+    return max(tokens, min(cfg.engine.max_seq_len, model_config.max_position_embeddings))
+
+
 def colocated_trainer_bytes(cfg: MilesConfig, model_config: Any, num_params: int, *,
                             shared_base: bool = False) -> tuple[int, int] | None:
     """(resident state, micro-batch activation) bytes of the embedded trainer that shares the
     engine's GPU, for the engine's memory plan; None where no trainer does. The micro-batch
-    is --max-tokens-per-micro-batch, else its rows (--micro-batch-size, else a whole step's)
-    padded to the context. With --offload-rollout the engines release their KV cache while
-    the trainer runs, so only the state that stays between steps counts; a LoRA engine over
-    the trainer's base already holds that base (it is in the engine's weights)."""
+    is --max-tokens-per-micro-batch, else its rows (--micro-batch-size) padded to the
+    context, else ``colocated_micro_batch_tokens``. With --offload-rollout the engines
+    release their KV cache while the trainer runs, so only the state that stays between
+    steps counts; a LoRA engine over the trainer's base already holds that base (it is in
+    the engine's weights)."""
     from miles.engines.memory import trainer_activation_bytes, trainer_state_bytes
 
-    if not (cfg.run.colocate and cfg.run.train_backend == "embedded" and cfg.engine.device.startswith("cuda")):
+    if not _colocated_embedded_cuda(cfg):
         return None
     t = cfg.trainer
     lora = t.lora_rank > 0
@@ -143,8 +174,8 @@ def colocated_trainer_bytes(cfg: MilesConfig, model_config: Any, num_params: int
                                                       offload_train=t.offload_train, lora=lora)
     if cfg.engine.offload_rollout:
         return state, 0
-    rows = t.micro_batch_size or cfg.scheduler.rollout_batch_size * cfg.rollout.n_samples_per_prompt
-    tokens = t.max_tokens_per_micro_batch or rows * context_len(cfg)
+    tokens = (t.max_tokens_per_micro_batch or (t.micro_batch_size and t.micro_batch_size * context_len(cfg))
+              or colocated_micro_batch_tokens(cfg, model_config))
     dtype = torch.float32 if t.dtype == "float32" else torch.bfloat16
     return state, trainer_activation_bytes(model_config, tokens, dtype, checkpointing=t.gradient_checkpointing)
 
@@ -336,6 +367,12 @@ def build_policy_trainer(cfg: MilesConfig) -> Any:
     from miles.trainers import EmbeddedTrainer
 
     trainer_cfg = msgspec.structs.replace(cfg.trainer, seed=cfg.run.seed)
+    from miles.models import load_config
+
+    cap = colocated_micro_batch_tokens(cfg, load_config(cfg.rollout.hf_checkpoint))
+    if cap is not None:  # the engine's memory plan left room for micro-batches of this size
+        log.info("colocated trainer: micro-batches of at most %d tokens (--max-tokens-per-micro-batch sets it)", cap)
+        trainer_cfg = msgspec.structs.replace(trainer_cfg, max_tokens_per_micro_batch=cap)
     if cfg.run.true_on_policy:  # eager layers: the engine's rounding of each op (models.invariant)
         trainer_cfg = msgspec.structs.replace(trainer_cfg, compile=False)
     # A LoRA trainer keeps its frozen base in the compute dtype: loaded so, it never holds a float32 copy.

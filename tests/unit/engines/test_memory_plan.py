@@ -142,3 +142,30 @@ def test_the_colocated_trainer_the_engine_plans_for() -> None:
     assert of(colocate=True, max_tokens_per_micro_batch=4096)[1] < act
     assert of(colocate=True, max_tokens_per_micro_batch=8192, offload_rollout=True) == (state, 0)
     assert of(colocate=True, max_tokens_per_micro_batch=8192, offload_train=True)[0] == 4 * n
+
+
+def test_a_colocated_trainer_without_a_micro_batch_limit_gets_one_the_plan_shares() -> None:
+    """No --micro-batch-size nor --max-tokens-per-micro-batch: the plan once reserved a whole
+    step at the full context (hundreds of GiB) and left the engine no KV cache. Now the
+    plan and the trainer share a cap: a power of two whose activations fit the budget."""
+    from miles.actors.factory import (COLOCATED_ACTIVATION_BUDGET, COLOCATED_MAX_TOKENS, colocated_micro_batch_tokens,
+                                      colocated_trainer_bytes)
+    from miles.config import default_config
+    from miles.engines.memory import trainer_activation_bytes
+
+    cfg = tiny_config(**QWEN3_06B)
+
+    def run(**flags):
+        return default_config(colocate=True, **flags).replace(device="cuda")
+
+    cap = colocated_micro_batch_tokens(run(), cfg)
+    assert cap is not None and cap & (cap - 1) == 0 and cap <= COLOCATED_MAX_TOKENS
+    assert trainer_activation_bytes(cfg, cap, torch.bfloat16) <= COLOCATED_ACTIVATION_BUDGET
+    assert trainer_activation_bytes(cfg, 2 * cap, torch.bfloat16) > COLOCATED_ACTIVATION_BUDGET or cap == COLOCATED_MAX_TOKENS
+    assert colocated_trainer_bytes(run(), cfg, 600_000_000)[1] == trainer_activation_bytes(cfg, cap, torch.bfloat16)
+    assert colocated_micro_batch_tokens(run(max_tokens_per_micro_batch=4096), cfg) is None  # the user's
+    assert colocated_micro_batch_tokens(run(micro_batch_size=4), cfg) is None
+    assert colocated_micro_batch_tokens(default_config(colocate=False).replace(device="cuda"), cfg) is None
+    # a model whose one sequence outgrows the budget still trains one sequence a micro-batch
+    wide = tiny_config(**{**QWEN3_06B, "vocab_size": 4_000_000, "max_position_embeddings": 8192})
+    assert colocated_micro_batch_tokens(run(max_seq_len=4096), wide) == 4096
