@@ -79,8 +79,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # engine then switches between steps (when idle, else at a weight commit) by compiling from
     # those caches and re-capturing its graphs. "inline": compiled and warmed up before the engine
     # serves anything. "auto": background on CUDA; inline on the CPU, where the child would take
-    # the cores the eager steps need. Speculative engines compile inline. Shared with the trainer's
-    # field of the same name (one --dev compile_warmup sets both).
+    # the cores the eager steps need. Speculative engines and --deterministic compile inline.
+    # Shared with the trainer's field of the same name (one --dev compile_warmup sets both).
     compile_warmup: Literal["auto", "background", "inline"] = "auto"
     # The CPU decode step in one C call (miles.kernels.cpu_decode; built with the machine's C
     # compiler on first use; it reads each row's KV up to its own position). None = auto: on
@@ -157,8 +157,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         return self.compile
 
     def warm_in_background(self) -> bool:
-        """Whether the compiled step functions come from a background child (``compile_warmup``)."""
-        if not self.use_compile():
+        """Whether the compiled step functions come from a background child (``compile_warmup``).
+        Never in deterministic mode: the switch, whose step depends on the child's wall time,
+        would change the numerics at a step no seed fixes."""
+        if not self.use_compile() or self.deterministic:
             return False
         if self.compile_warmup == "auto":
             return torch.device(self.device).type == "cuda"

@@ -174,6 +174,7 @@ def test_auto_is_inline_on_the_cpu(monkeypatch) -> None:
     assert not cfg.warm_in_background() and EngineConfig(device="cuda").warm_in_background()
     assert not EngineConfig(device="cuda", compile_warmup="inline").warm_in_background()
     assert not EngineConfig(device="cuda", compile=False).warm_in_background()
+    assert not EngineConfig(device="cuda", deterministic=True).warm_in_background()  # a switch at no fixed step
     engine = make_engine(compile=False, compile_warmup="background")
     assert engine._compile is None and children == []
     engine = make_engine(model=make_model(), compile=True, compile_warmup="background", cpu_decode_kernel=False)
