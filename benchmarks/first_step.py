@@ -8,13 +8,18 @@ and in the background again with the second run's caches (a user's second run).
 
     python benchmarks/first_step.py --device cuda [--steps 20] [--runs inline background warm]
 
+``--dev compile_warmup=...`` sets the trainer's and the engines' mode together: in the
+background runs the engines also serve their first rollouts with eager step functions while a
+child compiles theirs (``miles.engines.warmup``), and switch when idle.
+
 Figures per run: seconds from the process's launch to the first line of ``metrics.jsonl`` (the
 first trained step); the median step time (gaps between consecutive ``wall_time`` values, what
-a user waits) of the eager steps (after the first, before the switch) and of the compiled ones
-(after the switch, from the third); and ``summary.json``'s ``startup``: actors built, trainer
-and worker init, the first batch and train call, the warm-up's seconds in-process and in the
-child, the step that first ran compiled. Goal (issue #37): ≤ 30 s to the first step, the
-compiled steps no slower than the inline run's.
+a user waits) of the eager steps (after the first, before the trainer's switch) and of the
+compiled ones (after both switches, from the third); and ``summary.json``'s ``startup``: actors
+built, trainer and worker init, the first batch and train call, the trainer's warm-up seconds
+in-process and in the child, the step that first ran compiled, and the engines' switch (its
+pause, the seconds served eagerly before it, the policy version it came at). Goal (issue #37):
+≤ 30 s to the first step, the compiled steps no slower than the inline run's.
 """
 
 from __future__ import annotations
@@ -77,23 +82,36 @@ def run_once(args: argparse.Namespace, inputs: dict[str, str], name: str) -> dic
         time.sleep(0.05)
     reader.join(5)
     total = time.monotonic() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.log").write_text("".join(log))  # the run's own log lines (the engines' switch among them)
     if proc.returncode != 0:
         raise SystemExit(f"{name}: miles train failed (rc {proc.returncode}):\n" + "".join(log[-40:]))
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     startup = summary.get("startup", {})
+    switched = [startup.get("compiled_from_step"), engine_switch_step(startup)]
     return {"name": name, "first_step_s": first, "total_s": total, "steps": len(rows), "startup": startup,
-            **step_times(rows, startup.get("compiled_from_step")), "load": os.getloadavg()[0]}
+            **step_times(rows, *switched), "load": os.getloadavg()[0]}
 
 
-def step_times(rows: list[dict[str, Any]], compiled_from: float | None) -> dict[str, float]:
+def engine_switch_step(startup: dict[str, float]) -> float | None:
+    """The first step trained on rollouts of the compiled engines: the one after the version
+    they switched at (a sync run trains version v's rollouts at step v + 1)."""
+    version = startup.get("engine_compiled_from_version")
+    return None if version is None else version + 1
+
+
+def step_times(rows: list[dict[str, Any]], compiled_from: float | None,
+               engine_from: float | None = None) -> dict[str, float]:
     """Median step times (gaps between consecutive wall times): eager steps (the second up to
-    the one before the switch) and compiled ones (after the switch step, from the third)."""
+    the one before the trainer's switch) and compiled ones (after the trainer's and the
+    engines' switch steps, from the third)."""
     nan = float("nan")
     gaps = {int(b["step"]): b["wall_time"] - a["wall_time"] for a, b in zip(rows, rows[1:])}
     switch = int(compiled_from) if compiled_from else None
+    last = max(switch or 0, int(engine_from or 0))
     eager = [g for s, g in gaps.items() if switch is None or s < switch]
-    compiled = [g for s, g in gaps.items() if switch is not None and s > switch and s >= 3]
+    compiled = [g for s, g in gaps.items() if switch is not None and s > last and s >= 3]
     return {"eager_step_s": statistics.median(eager) if eager else nan,
             "compiled_step_s": statistics.median(compiled) if compiled else nan}
 
@@ -115,7 +133,8 @@ def main() -> None:
     runs = [run_once(args, inputs, name) for name in args.runs]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     cols = ["first trained step s", "eager step s", "compiled step s", "compiled from step", "warm-up s in-process",
-            "child s", "actors built s", "trainer init s", "worker init s", "first batch s", "first train s", "load"]
+            "child s", "engine switch s", "engine eager s", "engine from v", "actors built s", "trainer init s",
+            "worker init s", "first batch s", "first train s", "load"]
     lines = ["| run | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
 
     def f(x: Any, digits: int = 1) -> str:
@@ -126,7 +145,8 @@ def main() -> None:
         lines.append(" | ".join([
             f"| {LABELS[r['name']]}", f(r["first_step_s"]), f(r["eager_step_s"], 2), f(r["compiled_step_s"], 2),
             f(s.get("compiled_from_step"), 0), f(s.get("compile_warmup_s")), f(s.get("compile_background_s")),
-            f(s.get("startup_s")), f(s.get("trainer_init_s")), f(s.get("worker_init_s_max")),
+            f(s.get("engine_compile_switch_s")), f(s.get("engine_eager_serve_s")),
+            f(s.get("engine_compiled_from_version"), 0), f(s.get("startup_s")), f(s.get("trainer_init_s")), f(s.get("worker_init_s_max")),
             f(s.get("first_batch_s")), f(s.get("first_train_s")), f(r["load"], 2)]) + " |")
     extra = f" {' '.join(args.extra)}" if args.extra else ""
     text = "\n".join([

@@ -48,6 +48,10 @@ from miles.utils.proc import process_start_monotonic, rss_mb
 # group rebuild) may take minutes on a loaded node: it has this long to answer its first
 # ping, where a running worker has only the health-ping timeout.
 STARTUP_DEADLINE_S = 600.0
+# An engine's switch to its compiled step functions (miles.engines.warmup): the switch's pause,
+# the eager serving before it, the compile child's wall time, the policy version it switched at.
+ENGINE_SWITCH_KEYS = ("engine/compile_switch_s", "engine/eager_serve_s", "engine/compile_child_s",
+                      "engine/compiled_from_version")
 
 
 def backoff_s(attempts: int) -> float:
@@ -183,6 +187,10 @@ class Driver:
         for key in ("compile_warmup_s", "compile_background_s", "compile_child_warmup_s", "compiled_from_step"):
             if f"perf/{key}" in metrics:
                 self.startup[key] = metrics[f"perf/{key}"]
+        # the engines' switch to compiled step functions (miles.engines.warmup), once it shows
+        if "engine/compile_switch_s" in metrics and "engine_compiled_from_step" not in self.startup:
+            self.startup.update({"engine_compiled_from_step": float(self.step),
+                                 **{f"engine_{k.removeprefix('engine/')}": metrics[k] for k in ENGINE_SWITCH_KEYS}})
 
     async def _admit(self) -> None:
         """Keep the buffer supplied with prompts, within the staleness budget."""
@@ -348,6 +356,10 @@ class Driver:
                         "ray_init_s": self._ray_init_s, "actor_submit_s": self._launch_s,
                         "trainer_init_s": pongs["PolicyTrainer"].get("perf/trainer_init_s", 0.0),
                         "worker_init_s_max": max(workers, default=0.0)}
+        slowest = max((p for name, p in pongs.items() if name != "PolicyTrainer"),
+                      key=lambda p: p.get("rollout/init_s", 0.0), default={})
+        self.startup.update({f"worker_{k.removeprefix('engine/')}": v for k, v in slowest.items()
+                             if k.startswith("engine/init_")})  # where its engine's construction went
         if self.eval_data is not None and self.cfg.run.eval_interval and self.step == 0:
             self.eval_tasks.append(asyncio.create_task(self._evaluate(0)))  # the starting point
 
@@ -385,7 +397,12 @@ class Driver:
         up = max((ws.get("rollout/uptime_s", 0.0) for ws in self.worker_stats.values()), default=0.0)
         if up:
             totals["rollout/tokens_per_s"] = totals.get("rollout/tokens", 0.0) / up
-        for key in ("engine/fused_draw_classes", "engine/cpu_decode_kernel", "engine/lora_shared_base"):
+        for key in ENGINE_SWITCH_KEYS:  # the slowest engine's switch to compiled step functions
+            vals = [ws[key] for ws in self.worker_stats.values() if key in ws]
+            if vals and len(vals) == len(self.worker_stats):  # every engine has switched
+                totals[key] = max(vals)
+        for key in ("engine/fused_draw_classes", "engine/cpu_decode_kernel", "engine/lora_shared_base",
+                    "engine/compiled"):
             vals = [ws[key] for ws in self.worker_stats.values() if key in ws]
             if vals:  # the worker that runs least of its step fused (seeded draws; the CPU kernel; one base copy)
                 totals[key] = min(vals)

@@ -13,6 +13,7 @@ import inspect
 import logging
 import os
 import random
+import time
 from typing import Any
 
 import msgspec
@@ -190,7 +191,9 @@ def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0, base
     from miles.engines import EmbeddedEngine
     from miles.models import load_pretrained
 
+    tok_start = time.perf_counter()
     tokenizer = load_tokenizer(cfg)
+    tokenizer_s = time.perf_counter() - tok_start
     engine_cfg = msgspec.structs.replace(cfg.engine, seed=cfg.run.seed + seed_offset, max_seq_len=context_len(cfg))
     if cfg.run.true_on_policy:  # the torch decode path, whose GEMMs and attention invariant.enable replaces
         # (eager: compiled layer functions would fuse RMSNorm, RoPE and SiLU·up in their own
@@ -215,7 +218,12 @@ def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0, base
             return engine
         log.warning("LoRA: the engine loads its own copy of the base and merges the adapters "
                     "(engine/lora_shared_base = 0): %s", why)
+    start = time.perf_counter()
+    if engine_cfg.device.startswith("cuda"):  # the process's CUDA start, timed apart from the load
+        torch.zeros(1, device=engine_cfg.device)
+    cuda_s = time.perf_counter() - start
     model = load_pretrained(cfg.rollout.hf_checkpoint, device=engine_cfg.device)
+    load_s = time.perf_counter() - start - cuda_s
     trainer = colocated_trainer_bytes(cfg, model.config, sum(p.numel() for p in model.parameters()))
     from miles.models.quant import apply_quantization
 
@@ -223,6 +231,7 @@ def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0, base
     draft = build_draft_model(cfg, model.config) if cfg.speculative.enabled else None
     engine = EmbeddedEngine(model, config=engine_cfg, tokenizer=tokenizer, draft=draft, speculative=cfg.speculative,
                             colocated_trainer=trainer)
+    engine.init_parts.update({"tokenizer": tokenizer_s, "cuda_start": cuda_s, "load_checkpoint": load_s})
     engine.start()
     return engine
 

@@ -4,6 +4,7 @@
   weight updates with per-token versions (the default backend, CPU and GPU)
 - ``config.py``   EngineConfig
 - ``runner.py``   device side: KV cache, prefill/decode forwards, CUDA graphs
+- ``warmup.py``   the compiled step functions readied by a child process while the eager ones serve
 - ``kv_cache.py`` slot KV cache and its prefill/decode attention backends
 - ``sampling.py`` batched sampling (temperature, top-k, top-p, seeded counter-based draws)
 - ``requests.py`` per-request state and stop rules

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 import torch
 
@@ -71,6 +73,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # torch.compile the layers' step functions (fuses RMSNorm/RoPE/SiLU/residual kernels).
     # None = auto: on for CUDA, off on the CPU (where it needs a C++ compiler and ~10 s).
     compile: bool | None = None
+    # When the compiled step functions get ready (miles.engines.warmup): "background": the engine
+    # serves at once with the eager step functions (CUDA graphs captured over them) while a child
+    # process compiles the same shapes on a one-layer model, filling torch's on-disk caches; the
+    # engine then switches between steps (when idle, else at a weight commit) by compiling from
+    # those caches and re-capturing its graphs. "inline": compiled and warmed up before the engine
+    # serves anything. "auto": background on CUDA; inline on the CPU, where the child would take
+    # the cores the eager steps need. Speculative engines and --deterministic compile inline.
+    # Shared with the trainer's field of the same name (one --dev compile_warmup sets both).
+    compile_warmup: Literal["auto", "background", "inline"] = "auto"
     # The CPU decode step in one C call (miles.kernels.cpu_decode; built with the machine's C
     # compiler on first use; it reads each row's KV up to its own position). None = auto: on
     # for dense float32 models on the CPU where it builds, unless a torch attention was asked
@@ -144,6 +155,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.compile is None:
             return torch.device(self.device).type == "cuda"
         return self.compile
+
+    def warm_in_background(self) -> bool:
+        """Whether the compiled step functions come from a background child (``compile_warmup``).
+        Never in deterministic mode: the switch, whose step depends on the child's wall time,
+        would change the numerics at a step no seed fixes."""
+        if not self.use_compile() or self.deterministic:
+            return False
+        if self.compile_warmup == "auto":
+            return torch.device(self.device).type == "cuda"
+        return self.compile_warmup == "background"
 
     def use_cpu_decode_kernel(self) -> bool:
         if self.deterministic:  # batch-invariant padded steps: the torch path

@@ -42,6 +42,7 @@ the policy version.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -60,6 +61,7 @@ from miles.engines.runner import GRAPH_CAPTURES, ModelRunner
 from miles.engines.sampling import compile_counter_uniform, fused_draw_classes
 from miles.engines.spec.config import MAX_STEPS, SpeculativeConfig
 from miles.engines.stepper import EngineStats, Stepper
+from miles.engines.warmup import POLL_S, CompileSwitch
 from miles.engines.weights import WeightError, WeightStager
 from miles.models import quant
 from miles.models.quant_io import WireDecoder
@@ -88,14 +90,30 @@ class EmbeddedEngine:
             raise ValueError("an engine over a shared base runs dense, unquantized, non-speculative models only")
         config.validate(model.config.max_position_embeddings, model.config.head_dim)
         self.device, self.dtype = torch.device(config.device), config.torch_dtype()
+        # where construction's seconds go (``engine/init_<part>_s``; the worker's start-up)
+        self.init_parts: dict[str, float] = {}
+        mark = time.perf_counter()
+
+        def lap(part: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            self.init_parts[part] = self.init_parts.get(part, 0.0) + now - mark
+            mark = now
+
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        lap("to_device")
         self.quant = quant.spec_of(self.model)  # set by apply_quantization before the engine is built
-        if self.quant is None:  # quantized layers run their own GEMMs: the fused fast path would bypass them
-            self.model.fuse_projections(compile_fast_path() if config.use_compile() else None)
-        if config.use_compile():
-            compile_counter_uniform(self.device)  # seeded draws: one fused kernel on CUDA
         self.tokenizer = tokenizer
         spec_on = draft is not None and speculative is not None and speculative.enabled
+        # the compiled step functions from a background child (``warmup``): a plain, unquantized
+        # policy whose fast path is the compiled layer functions alone
+        background = config.warm_in_background() and self.quant is None and not spec_on
+        self.compile_inline = config.use_compile() and not background  # warmed before serving
+        if self.quant is None:  # quantized layers run their own GEMMs: the fused fast path would bypass them
+            self.model.fuse_projections(compile_fast_path() if self.compile_inline else None)
+        if self.compile_inline:
+            compile_counter_uniform(self.device)  # seeded draws: one fused kernel on CUDA
+        lap("fuse_compile")
         self.memory_plan = None
         if (config.engine_mem_fraction is not None or colocated_trainer is not None) and self.device.type == "cuda":
             from miles.engines.memory import measure_plan
@@ -104,7 +122,9 @@ class EmbeddedEngine:
                                             trainer=colocated_trainer)
             log.warning("%s", self.memory_plan.describe())
             config = self.config = msgspec.structs.replace(config, max_batch_size=self.memory_plan.slots)
+        lap("memory_plan")
         self.runner = ModelRunner(self.model, config, headroom=MAX_STEPS + 2 if spec_on else 0)
+        lap("runner")  # the KV cache, graph buffers, the kernels' probe launches (their first compile)
         self.spec = self._build_spec(draft, speculative, draft_version) if spec_on else None
         self.shared = shared
         self.stager = WeightStager(self.model, self.device, self.dtype, shared=shared)
@@ -127,6 +147,7 @@ class EmbeddedEngine:
             stats=self.stats_, on_done=self._done, spec=self.spec,
         )
         self.stepper.version = version
+        lap("stepper")  # the fused sampler's probe draw
         self.oom = EngineOOM(config.max_batch_size, config.max_prefill_tokens, config.inject_oom_steps)
         self._cv = threading.Condition()  # guards queues and control flags
         self._stage_lock = threading.Lock()  # staging vs applying weights, not decoding
@@ -139,6 +160,9 @@ class EmbeddedEngine:
         self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._pause_requested = self._paused = self._closed = False
         self._thread: threading.Thread | None = None
+        self.compile_stats: dict[str, float] = {}  # the switch's figures (``warmup``), once it happened
+        self._compile = CompileSwitch(self) if background else None  # its child starts now
+        lap("rest")
 
     def _build_spec(self, draft: Any, cfg: SpeculativeConfig, draft_version: int) -> Any:
         from miles.engines.spec.decoder import SpecDecoder
@@ -386,6 +410,11 @@ class EmbeddedEngine:
             out.update({f"engine/{k}_s": v for k, v in st.phase_s.items()})
             out["engine/device_wait_s"] = st.device_wait_s
             out["engine/warm_compile_s"] = st.warm_s
+            out.update({f"engine/init_{part}_s": v for part, v in self.init_parts.items()})
+            switch = self._compile
+        # whether the compiled step functions serve (``warmup``: 0 while the eager ones do), and the switch's figures
+        out.update(self.compile_stats or (switch.stats if switch is not None
+                                          else {"engine/compiled": float(self.compile_inline)}))
         occ = list(st.occupancy)
         out.update({
             "rollout/tokens_generated": float(st.counters["tokens_generated"]),
@@ -436,6 +465,9 @@ class EmbeddedEngine:
             thread = self._thread
         if thread is not None:
             await asyncio.to_thread(thread.join)
+        switch, self._compile = self._compile, None
+        if switch is not None:
+            switch.stop()
 
     # ---- validation ------------------------------------------------------------------
     def _validate(self, request: GenerateRequest) -> str | None:
@@ -459,13 +491,8 @@ class EmbeddedEngine:
 
     # ---- stepping thread -------------------------------------------------------------
     def _run(self) -> None:
-        # On the CPU, inference_mode rather than no_grad: no version counters or view tracking
-        # on the stepping thread's tensors (13% of a tiny-model decode step). Tensors made here
-        # are then inference tensors; the ones handed out (hidden states) are cloned on the way
-        # out. CUDA keeps no_grad: its graphs and compiled steps were verified under it.
-        cpu = self.runner.device.type == "cpu"
-        with torch.inference_mode() if cpu else torch.no_grad():
-            if self.config.use_compile():  # before thread_start: start-up, not busy time
+        with step_mode(self.runner.device):
+            if self.compile_inline:  # before thread_start: start-up, not busy time
                 start = time.perf_counter()
                 self.runner.warm_compiled()
                 self.stats_.warm_s = time.perf_counter() - start
@@ -474,18 +501,23 @@ class EmbeddedEngine:
             st = self.stats_
             if st.thread_start is None:
                 st.thread_start = time.perf_counter()
+            committed = False
             while True:
+                if self._compile is not None:
+                    self._maybe_switch(committed)
                 with self._cv:
                     if not self._has_work():
                         st.idle_since = time.perf_counter()
-                        while not self._has_work():
-                            self._cv.wait()
+                        while not self._has_work() and not self._switch_waits():
+                            self._cv.wait(POLL_S if self._compile is not None else None)
                         st.idle_s += time.perf_counter() - st.idle_since
                         st.idle_since = None
+                        if not self._has_work():  # woken to switch to the compiled step functions
+                            continue
                     if self._closed and not self._waiting and not self.stepper.running:
                         self.stepper.drain()
                         return
-                self._control()
+                committed = self._control()
                 if self._paused:
                     continue
                 new: list[Request] = []
@@ -506,6 +538,31 @@ class EmbeddedEngine:
                 except Exception as exc:  # keep serving: fail what was in the step
                     log.exception("engine step failed")
                     self.stepper.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+
+    def _switch_waits(self) -> bool:
+        """An idle engine (no row in it, its memory held) whose compile child is done: the
+        switch is due (``warmup``)."""
+        return (self._compile is not None and not self.offloader.released and not self.stepper.running
+                and self._compile.child.done())
+
+    def _maybe_switch(self, committed: bool) -> None:
+        """Switch to the compiled step functions where it costs least (``warmup``): with no
+        request in the engine, at a weight commit, or after enough steps. Never while the
+        engine's memory is released (``offload``): the warm-up writes into the KV cache."""
+        switch = self._compile
+        assert switch is not None
+        if self.offloader.released:
+            return
+        with self._cv:
+            idle = not self.stepper.running and not self._waiting
+        if not switch.due(idle=idle, committed=committed):
+            return
+        self.stepper.drain()
+        start = time.perf_counter()
+        switch.switch()
+        self.stats_.phase_s["compile"] += time.perf_counter() - start
+        with self._cv:
+            self.compile_stats, self._compile = switch.stats, None
 
     def _out_of_memory(self, exc: BaseException, phase: str, new: list[Request]) -> None:
         """Park every row of the failed step as an abort (a PARTIAL trajectory for the
@@ -546,7 +603,8 @@ class EmbeddedEngine:
             return True
         return not self._paused and (bool(self._waiting) or self.stepper.busy)
 
-    def _control(self) -> None:
+    def _control(self) -> bool:
+        """Apply aborts, pauses and weight commits; returns whether a commit was applied."""
         with self._cv:
             aborts, abort_all = self._abort_rids, self._abort_all
             self._abort_rids, self._abort_all = set(), False
@@ -578,6 +636,7 @@ class EmbeddedEngine:
             if abort_all or r.rid in aborts:
                 r.aborted = True
                 self.stepper.release(r)
+        return bool(commits)
 
     def _commit(self, version: int, keep_kv_cache: bool) -> None:
         start = time.perf_counter()
@@ -655,6 +714,15 @@ class EmbeddedEngine:
             if hidden is not None:
                 self._hidden[req.rid] = hidden
         req.resolve()
+
+
+def step_mode(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """The autograd mode the stepping thread runs in. On the CPU, inference_mode rather than
+    no_grad: no version counters or view tracking on its tensors (13% of a tiny-model decode
+    step); tensors made there are then inference tensors, and the ones handed out (hidden
+    states) are cloned on the way out. CUDA keeps no_grad: its graphs and compiled steps were
+    verified under it. Compiled graphs depend on the mode, so a compile child warms under it too."""
+    return torch.inference_mode() if device.type == "cpu" else torch.no_grad()
 
 
 def _set_soon(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any) -> None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -178,19 +179,23 @@ class ModelRunner:
             )
         return StepOut(None if out.logits is None else out.logits[:, 0], out.hidden, out.routing)
 
-    def warm_compiled(self) -> None:
-        """Compile the layers' step functions for every shape class before serving.
+    def warm_compiled(self) -> bool:
+        """Compile the layers' step functions for every shape class before serving them.
 
         The compiled functions are dynamic in batch and length, but dynamo specializes a size
         of 1: a prefill of one prompt, or of one token, is a variant of its own, compiled the
         first time it is met — in the middle of a run, with the stepping thread held (and the
         GIL, so the worker's event loop lags) for the whole compile while every other row
         waits. An asynchronous run at a tight staleness bound admits prompts a few at a time,
-        so it met the one-row prefill inside its measured steps. Run here, at start, once
-        per shape class: prefills of 1 and 2 rows of 1 and 2 tokens, and decode steps of 1
-        and 2 rows (slots 0 and 1 are scratch until the first request takes them). Failures
-        are left to the serving path, which reports them where they matter."""
+        so it met the one-row prefill inside its measured steps. Run here once per shape
+        class: prefills of 1 and 2 rows of 1 and 2 tokens, and decode steps of 1 and 2 rows,
+        in slots 0 and 1 at positions 0 to 2. Those cache entries are put back afterwards, so
+        the warm-up may run while requests hold those slots (the switch from eager step
+        functions, ``miles.engines.warmup``). Returns whether every shape ran; failures are
+        logged and otherwise left to the serving path, which reports them where they matter."""
         rows = (1, 2) if self.config.max_batch_size >= 2 else (1,)
+        span = (slice(None), slice(0, len(rows)), slice(None), slice(0, 3))
+        saved = self.cache.k[span].clone(), self.cache.v[span].clone()
         try:
             for n in rows:
                 for T in (1, 2):
@@ -199,6 +204,11 @@ class ModelRunner:
                 self.decode_eager(self._tensor([0] * n), positions, self.read_length(3))
         except Exception:
             log.warning("warming the compiled step functions failed; they compile when first met", exc_info=True)
+            return False
+        finally:
+            self.cache.k[span].copy_(saved[0])
+            self.cache.v[span].copy_(saved[1])
+        return True
 
     # ---- decode ------------------------------------------------------------------------
     def decode(self, tokens: Tensor | list[int], positions: list[int], *, native_logits: bool = False) -> StepOut:
@@ -318,7 +328,11 @@ def compile_seconds() -> float:
     new shape variant, generating and loading its kernels), cumulative; 0 when nothing
     compiled. A step that meets a variant for the first time is held for the compile, in the
     stepping thread and holding the GIL most of the time, so its seconds are no measure of
-    the step's phase: the stepper counts them apart (``engine/compile_s``)."""
+    the step's phase: the stepper counts them apart (``engine/compile_s``). Nothing has compiled
+    while dynamo is not imported, and this does not import it (seconds of the first step of an
+    engine that serves eagerly first: ``miles.engines.warmup``)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0.0
     try:
         from torch._dynamo.utils import compilation_time_metrics
     except ImportError:  # a torch without dynamo's timers
@@ -448,13 +462,23 @@ class DecodeGraphs(GraphCache):
         if self.failed or not self.runner.length_aware or self.runner.config.deterministic:
             return 0
         L = self.runner.cache.length
+        # The captures run the step for token 0 at position 0 of every slot: that position's
+        # K/V is put back afterwards, so running requests (a re-capture in mid-run) keep theirs.
+        self.tokens.zero_()
+        self.positions.zero_()
+        cache = self.runner.cache
+        saved = cache.k[:, :, :, 0].clone(), cache.v[:, :, :, 0].clone()
         done = 0
-        for nb in self.buckets:
-            if (nb, L) in self.graphs:
-                continue
-            if self.graph((nb, L), lambda: self._step(nb, L)) is None:
-                return done
-            done += 1
+        try:
+            for nb in self.buckets:
+                if (nb, L) in self.graphs:
+                    continue
+                if self.graph((nb, L), lambda: self._step(nb, L)) is None:
+                    return done
+                done += 1
+        finally:
+            cache.k[:, :, :, 0].copy_(saved[0])
+            cache.v[:, :, :, 0].copy_(saved[1])
         return done
 
 

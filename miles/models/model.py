@@ -47,7 +47,13 @@ class _Backbone(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # On the meta device (a checkpoint's names and shapes: every actor's config check and
+        # load) the embedding skips its own init, whose meta normal_ imports torch._dynamo
+        # (about a second of each process's start); CausalLM.reset_parameters skips meta anyway.
+        # Elsewhere it keeps it: seeded models draw the same numbers as before.
+        meta = torch.get_default_device().type == "meta"
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size) if meta else None)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -19,97 +19,36 @@ its own layers and runs the warm-up again, which now hits the caches (seconds, n
 so the switch happens between steps, never inside one. A child that fails leaves the
 trainer to compile in-process at that point, as ``compile_warmup="inline"`` does at start.
 
-The child runs ``main([SPEC.json])``: the spec holds the model,
-trainer and algorithm configs; the child writes ``{"warmup_s": ...}`` to ``SPEC.json.out``.
+The child process itself (its spec, polling, failure report) is ``miles.utils.compile_child``,
+shared with the rollout engine's compile warm-up (``miles.engines.warmup``).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from miles.utils.compile_child import CHILD_VOCAB
+from miles.utils.compile_child import BackgroundCompile as _Child
+
 if TYPE_CHECKING:
     from miles.trainers.embedded import EmbeddedTrainer
 
-log = logging.getLogger(__name__)
 
-CHILD_VOCAB = 8192  # the child's vocabulary at most (its LM-head kernels then compile at the switch)
+def trainer_spec(trainer: EmbeddedTrainer) -> dict[str, Any]:
+    """What the child needs to rebuild a trainer's compiled shapes."""
+    return {"model": msgspec.to_builtins(trainer.model.config),
+            "trainer": msgspec.to_builtins(trainer.config),
+            "algo": msgspec.to_builtins(trainer.algo)}
 
 
-class BackgroundCompile:
+class BackgroundCompile(_Child):
     """The warm-up child of one trainer: started at construction, polled between steps."""
 
     def __init__(self, trainer: EmbeddedTrainer) -> None:
-        import miles
-
-        self.dir = Path(tempfile.mkdtemp(prefix="miles-compile-"))
-        spec = {"model": msgspec.to_builtins(trainer.model.config),
-                "trainer": msgspec.to_builtins(trainer.config),
-                "algo": msgspec.to_builtins(trainer.algo)}
-        self.spec = self.dir / "spec.json"
-        self.spec.write_text(json.dumps(spec))
-        self.log_path = self.dir / "warmup.log"
-        env = dict(os.environ)
-        root = str(Path(miles.__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # little memory beside an engine
-        self.started = time.monotonic()
-        with open(self.log_path, "wb") as out:
-            entry = "import sys; from miles.trainers.compile_cache import main; main(sys.argv[1:])"
-            self.proc = subprocess.Popen([sys.executable, "-c", entry, str(self.spec)],
-                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        self.seconds = 0.0  # the child's wall time, launch to exit
-        self.warmup_s = 0.0  # its warm-up alone (without imports and CUDA start)
-
-    def done(self) -> bool:
-        """Whether the child has exited (it never blocks)."""
-        if self.proc.poll() is None:
-            return False
-        if not self.seconds:
-            self.seconds = time.monotonic() - self.started
-        return True
-
-    def ok(self) -> bool:
-        """The child exited cleanly (call after ``done``); else its log's tail goes to the log."""
-        if self.proc.returncode == 0:
-            out = Path(f"{self.spec}.out")
-            if out.exists():
-                self.warmup_s = float(json.loads(out.read_text()).get("warmup_s", 0.0))
-            shutil.rmtree(self.dir, ignore_errors=True)  # a failed child's log stays for its user
-            return True
-        tail = self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
-        log.warning("background compile warm-up failed (rc %s); compiling in-process instead:\n%s",
-                    self.proc.returncode, tail)
-        return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _exit_with_parent() -> None:
-    """The child dies with its trainer (a killed Ray actor runs no atexit hooks)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True).start()
+        super().__init__(trainer_spec(trainer), entry="miles.trainers.compile_cache:warm_in_child")
 
 
 def warm_in_child(spec: dict[str, Any]) -> float:
@@ -136,12 +75,3 @@ def warm_in_child(spec: dict[str, Any]) -> float:
     start = time.monotonic()
     EmbeddedTrainer(model, config=trainer_cfg, algo=algo)  # compiles and warms up at construction
     return time.monotonic() - start
-
-
-def main(argv: list[str]) -> None:
-    _exit_with_parent()
-    os.nice(10)  # its compile workers inherit it: the engines' own first compiles and the eager steps come first
-    spec_path = Path(argv[0])
-    seconds = warm_in_child(json.loads(spec_path.read_text()))
-    Path(f"{spec_path}.out").write_text(json.dumps({"warmup_s": seconds}))
-

@@ -33,3 +33,14 @@ def check_gpu_run(out: Path, summary: dict, steps: int, transport: str) -> None:
     assert max(max(r["token_versions"]) for r in rows if r["token_versions"]) >= 1
     metrics = read_jsonl(out / "metrics.jsonl")
     assert all(m.get("weights/fallbacks", 0) == 0 for m in metrics), f"{transport} failed over to the object store"
+
+
+@pytest.fixture(autouse=True)
+def _engines_compile_inline(monkeypatch):
+    """Engines built in this process compile inline unless a test asks for the background child
+    (``compile_warmup="background"``): the tier checks the compiled serving path from the first
+    token, and does not start a compile child per engine. Whole runs (Ray actors) keep the default."""
+    from miles.engines import EngineConfig
+
+    monkeypatch.setattr(EngineConfig, "warm_in_background",
+                        lambda self: self.use_compile() and self.compile_warmup == "background")

@@ -206,3 +206,39 @@ def test_prefill_graphs_match_eager_and_pad_into_the_scratch_slot() -> None:
         assert runner.prefill([1], [ps[1]], logits=True, hidden=True).hidden is not None
     assert graphs.key(1, 300) is None and graphs.key(9, 8) is None  # longer than a bucket; more rows than slots
     asyncio.run(engine.close())
+
+
+def test_background_compile_serves_eagerly_then_switches() -> None:
+    """``compile_warmup="background"`` on CUDA (miles.engines.warmup): the first requests are
+    served with the eager step functions under CUDA graphs while the child compiles; once it is
+    done the idle engine switches (compiled functions, graphs re-captured) and serves the same
+    float32 log-probs as a full forward, before and after."""
+    import time
+
+    ref = _model(7)
+    engine = _engine(copy.deepcopy(ref), decode_attention="triton", compile_warmup="background")
+    child = engine._compile.child
+    ps = _prompts(6, seed=8)
+    sp = SamplingParams(max_new_tokens=40, seed=3, ignore_eos=True)
+
+    async def go():
+        first = await asyncio.gather(*(engine.generate(GenerateRequest(rid=f"a{i}", input_ids=p, sampling=sp))
+                                       for i, p in enumerate(ps)))
+        eager = engine.stats()
+        deadline = time.monotonic() + 300
+        while "engine/compile_switch_s" not in engine.stats():
+            assert time.monotonic() < deadline, "no switch"
+            await asyncio.sleep(0.2)
+        second = await asyncio.gather(*(engine.generate(GenerateRequest(rid=f"b{i}", input_ids=p, sampling=sp))
+                                        for i, p in enumerate(ps)))
+        stats = engine.stats()
+        await engine.close()
+        return first, second, eager, stats
+
+    first, second, eager, stats = asyncio.run(go())
+    assert eager["engine/compiled"] == 0.0 and eager["engine/graph_captures"] > 0
+    assert stats["engine/compiled"] == 1.0 and stats["engine/compile_child_ok"] == 1.0, child.log_path
+    assert stats["engine/compile_switch_graphs"] > 0 and not engine.runner.graphs.failed
+    for p, a, b in zip(ps, first, second):
+        for out in (a, b):
+            assert (_logprobs(ref, p, out) - torch.tensor(out.logprobs)).abs().max() < 1e-4

@@ -82,6 +82,10 @@ def test_modes_respect_bound_and_ledger(ray_cluster, tiny_ckpt, task, tmp_path, 
     # where the time before step 1 went: the actors' construction lies within the start-up
     up = saved["startup"]
     assert 0.0 < up["trainer_init_s"] < up["startup_s"] and 0.0 < up["worker_init_s_max"] < up["startup_s"]
+    # the slowest worker's engine construction, by part, within its init
+    parts = {k: v for k, v in up.items() if k.startswith("worker_init_") and k != "worker_init_s_max"}
+    assert {"worker_init_load_checkpoint_s", "worker_init_runner_s", "worker_init_to_device_s"} <= parts.keys()
+    assert 0.0 < sum(parts.values()) < up["worker_init_s_max"]
     # and the first step's parts: launch to its batch, its train call, launch to its end
     assert up["startup_s"] < up["first_batch_s"] < up["first_step_s"]
     assert 0.0 < up["first_train_s"] < up["first_step_s"] - up["first_batch_s"]

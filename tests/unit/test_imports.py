@@ -120,3 +120,31 @@ def test_core_does_not_import_the_http_server() -> None:
     graph = import_graph()
     importers = sorted(n for n, targets in graph.items() if "miles.serving" in targets)
     assert set(importers) <= {"miles.serve", "miles.cli"}, importers
+
+
+def test_an_eager_start_does_not_import_the_compiler() -> None:
+    """Checking a checkpoint's shapes (a meta model: every actor's config check and load) and
+    serving with an engine that compiles nothing leave torch's compiler unimported: its import
+    is about a second of each process's start, on the way to the first trained step."""
+    import subprocess
+    import sys
+
+    code = """
+import asyncio, sys
+import torch
+from miles.engines import EmbeddedEngine, EngineConfig
+from miles.models import CausalLM, tiny_config
+from miles.types import GenerateRequest, SamplingParams
+with torch.device("meta"):
+    CausalLM(tiny_config())
+engine = EmbeddedEngine(CausalLM(tiny_config()), config=EngineConfig(max_batch_size=2, max_seq_len=32))
+async def go():
+    await engine.generate(GenerateRequest(rid="a", input_ids=[5, 6], sampling=SamplingParams(max_new_tokens=3)))
+    await engine.close()
+asyncio.run(go())
+print(sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor")))[:3])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -89,7 +89,7 @@ def test_compiled_engine_warms_every_shape_class_before_serving(monkeypatch) -> 
     monkeypatch.setattr(runner_mod.ModelRunner, "prefill_eager", prefill)
     monkeypatch.setattr(runner_mod.ModelRunner, "decode_eager", decode)
     engine = make_engine(cpu_decode_kernel=False)
-    monkeypatch.setattr(type(engine.config), "use_compile", lambda self: True)
+    engine.compile_inline = True  # as compile=True, compile_warmup="inline" decides at construction
     sp = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
 
     async def go():
