@@ -7,8 +7,6 @@ CPU compile takes minutes), and so is the compiled FastPath: the same functions,
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import threading
 import time
 from typing import Any
@@ -19,6 +17,7 @@ import torch
 from miles.engines import EngineConfig, warmup
 from miles.models import fused
 from miles.types import GenerateRequest, SamplingParams
+from tests.marks import real_compile
 
 from .helpers import make_engine, make_model, paced, prompts, run
 
@@ -184,11 +183,7 @@ def test_auto_is_inline_on_the_cpu(monkeypatch) -> None:
     assert child.stopped  # a child still compiling dies with its engine
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("MILES_COMPILE_TESTS") != "1",
-                    reason="a real inductor compile on the CPU takes minutes: MILES_COMPILE_TESTS=1 runs it")
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                    reason="inductor on the CPU needs a C++ compiler")
+@real_compile
 def test_child_fills_the_caches_the_switch_reads(monkeypatch, tmp_path) -> None:
     """The real child process on the CPU, with fresh cache directories: the engine serves
     before it is done, and once it is, the switch's warm-up finds every inductor graph in the

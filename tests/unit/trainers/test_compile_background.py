@@ -4,14 +4,12 @@ and the in-process compile then finds the child's graphs in torch's on-disk cach
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 
 from miles.algorithms import AlgorithmConfig
 from miles.trainers import EmbeddedTrainer, TrainerConfig, compilation, embedded
+from tests.marks import real_compile
 from tests.unit.trainers.conftest import make_model, random_groups, set_behaviour
 
 
@@ -106,11 +104,7 @@ def test_a_failed_child_is_reported_with_its_log(caplog) -> None:
     assert not child.dir.exists()
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("MILES_COMPILE_TESTS") != "1",
-                    reason="a real inductor compile on the CPU takes minutes: MILES_COMPILE_TESTS=1 runs it")
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                    reason="inductor on the CPU needs a C++ compiler")
+@real_compile
 def test_child_fills_the_caches_the_switch_reads(monkeypatch, tmp_path) -> None:
     """The real child process on the CPU, with fresh cache directories: once it is done, the
     trainer's own compile finds every inductor graph in the FX graph cache (no miss), and
