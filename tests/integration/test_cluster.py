@@ -120,7 +120,13 @@ def test_a_rollout_node_removed_mid_run(cluster, tiny_ckpt, task, tmp_path) -> N
         while True:  # freeze the worker holding leases: what it holds is then what the node takes down
             await _until(leased, run, "lease taken by the worker on the second rollout node")
             os.kill(pid, signal.SIGSTOP)
-            if await leased():
+            # a put-and-lease call it sent just before the stop can still reach the buffer and
+            # change its leases: read them until two reads 0.2 s apart agree
+            before = None
+            while await leased() and held != before:
+                before = list(held)
+                await asyncio.sleep(0.2)
+            if held:
                 break
             os.kill(pid, signal.SIGCONT)  # it had just returned them all: again
         await asyncio.to_thread(c.remove_node, doomed)
