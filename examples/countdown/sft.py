@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     if not Path(args.data).is_file():
         raise SystemExit(f"sft: --data {args.data}: file not found (write it with examples/countdown/task.py)")
     out = Path(args.out)
-    recipe = {k: v for k, v in vars(args).items() if k not in ("out", "force", "log_every", "threads")}
+    # the data by content, not by path: a checkpoint copied with its data to another machine is reused
+    recipe = {k: v for k, v in vars(args).items() if k not in ("data", "out", "force", "log_every", "threads")}
     recipe["data_sha256"] = hashlib.sha256(Path(args.data).read_bytes()).hexdigest()
     stamp = out / "sft_args.json"
     if not args.force and stamp.is_file() and json.loads(stamp.read_text()) == recipe \

@@ -131,6 +131,13 @@ def test_sft_is_cached_by_its_arguments(tmp_path: Path, capsys: pytest.CaptureFi
     task.write_jsonl(data, task.train_starts(16, seed=2))  # so does different data
     sft.main(args[:-2] + ["--log-every", "2", "--seed", "3"])
     assert weights.stat().st_mtime_ns != stamp
+    stamp = weights.stat().st_mtime_ns
+    copy = tmp_path / "elsewhere" / "train.jsonl"  # the same data at another path (another machine): reused
+    copy.parent.mkdir()
+    copy.write_bytes(data.read_bytes())
+    capsys.readouterr()
+    sft.main(["--data", str(copy), *args[2:-2], "--log-every", "2", "--seed", "3"])
+    assert "reusing" in capsys.readouterr().out and weights.stat().st_mtime_ns == stamp
     with pytest.raises(SystemExit, match="not found"):
         sft.main(["--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")])
 
