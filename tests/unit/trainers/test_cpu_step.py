@@ -18,6 +18,17 @@ from miles.trainers.parallel import MicroBatchPool
 from tests.unit.trainers.conftest import make_model, random_groups, set_behaviour
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """A CPU trainer's ops run on one thread in its actor process (``configure_process``), and
+    the pool is used only then (``cpu_helpers``): with two intra-op threads the serial loop's
+    reductions take another order on some CPUs, and neither comparison is bitwise."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _ragged_batch():
     trajs = [t for g in random_groups(num_groups=4, size=4, seed=3) for t in g]
     for i, t in enumerate(trajs):  # prompts of different lengths too
@@ -42,8 +53,8 @@ def test_unpadded_forward_matches_the_padded_one(monkeypatch: pytest.MonkeyPatch
     assert torch.equal(lp0, lp1)
     if entropy == "metric":
         assert torch.equal(e0, e1)
-    for a, b in zip(g0, g1):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for a, b in zip(g0, g1):  # round-off of sums taken in another order, relative to the tensor's scale
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * a.abs().max().item())
 
 
 def test_unpadded_path_is_the_cpu_default() -> None:
