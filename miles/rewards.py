@@ -118,8 +118,7 @@ class _Threads:
     """Daemon threads for sync calls, each running one call at a time: a call goes to an
     idle thread, or to a new one when none is idle, so it never waits behind a running (or
     hung) call. Reusing threads matters on a busy worker: starting one per call waits for
-    the new thread to be scheduled while the engine's stepping thread holds the GIL (7% of
-    a CPU rollout worker's samples at 128 rewards a step)."""
+    the new thread to be scheduled while the engine's stepping thread holds the GIL."""
 
     KEEP = 64  # idle threads kept for the next calls; more end
 

@@ -142,14 +142,10 @@ def colocated_micro_batch_tokens(cfg: MilesConfig, model_config: Any) -> int | N
     largest power of two of tokens whose activations fit ``COLOCATED_ACTIVATION_BUDGET``, at
     most ``COLOCATED_MAX_TOKENS``, and at least one sequence of the full context. The plan
     and the trainer both take it (``colocated_trainer_bytes``, ``build_policy_trainer``)."""
-    from miles.engines.memory import trainer_activation_bytes
-
     t = cfg.trainer
     if not _colocated_embedded_cuda(cfg) or t.micro_batch_size or t.max_tokens_per_micro_batch:
         return None
-    dtype = torch.float32 if t.dtype == "float32" else torch.bfloat16
-    one, two = (trainer_activation_bytes(model_config, n, dtype, checkpointing=t.gradient_checkpointing)
-                for n in (1, 2))
+    one, two = (_activation_bytes(cfg, model_config, n) for n in (1, 2))
     fit = max(1, (COLOCATED_ACTIVATION_BUDGET - (2 * one - two)) // (two - one))
     tokens = min(1 << (fit.bit_length() - 1), COLOCATED_MAX_TOKENS)
     return max(tokens, min(cfg.engine.max_seq_len, model_config.max_position_embeddings))
@@ -164,7 +160,7 @@ def colocated_trainer_bytes(cfg: MilesConfig, model_config: Any, num_params: int
     release their KV cache while the trainer runs, so only the state that stays between
     steps counts; a LoRA engine over the trainer's base already holds that base (it is in
     the engine's weights)."""
-    from miles.engines.memory import trainer_activation_bytes, trainer_state_bytes
+    from miles.engines.memory import trainer_state_bytes
 
     if not _colocated_embedded_cuda(cfg):
         return None
@@ -176,8 +172,16 @@ def colocated_trainer_bytes(cfg: MilesConfig, model_config: Any, num_params: int
         return state, 0
     tokens = (t.max_tokens_per_micro_batch or (t.micro_batch_size and t.micro_batch_size * context_len(cfg))
               or colocated_micro_batch_tokens(cfg, model_config))
+    return state, _activation_bytes(cfg, model_config, tokens)
+
+
+def _activation_bytes(cfg: MilesConfig, model_config: Any, tokens: int) -> int:
+    """``trainer_activation_bytes`` of a micro-batch of ``tokens`` in the trainer's compute dtype."""
+    from miles.engines.memory import trainer_activation_bytes
+
+    t = cfg.trainer
     dtype = torch.float32 if t.dtype == "float32" else torch.bfloat16
-    return state, trainer_activation_bytes(model_config, tokens, dtype, checkpointing=t.gradient_checkpointing)
+    return trainer_activation_bytes(model_config, tokens, dtype, checkpointing=t.gradient_checkpointing)
 
 
 def build_engine(cfg: MilesConfig, *, seed_offset: int = 0, index: int = 0, base_offer: Any = None) -> Any:

@@ -172,11 +172,11 @@ class Stepper:
     def _prefill_group(self, rows: list[Request], seqs: list[list[int]], copies: list[list[Request]]) -> None:
         """Prefill ``rows``; ``copies[i]`` are requests whose context is ``seqs[i]`` too: they
         take row i's K/V (a slot copy) and, when fresh, sample from row i's logits."""
-        fresh = [(i, r) for i, r in enumerate(rows) if r.kv_len == 0]
-        fresh += [(i, c) for i, cs in enumerate(copies) for c in cs if c.kv_len == 0]
+        everyone = [*enumerate(rows), *((i, c) for i, cs in enumerate(copies) for c in cs)]
+        fresh = [(i, q) for i, q in everyone if q.kv_len == 0]
         out = self.runner.prefill([r.slot for r in rows], seqs, logits=bool(fresh),
-                                  hidden=any(r.hidden is not None for r in rows + sum(copies, [])),
-                                  routing=any(r.routed is not None for r in rows + sum(copies, [])))
+                                  hidden=any(q.hidden is not None for _, q in everyone),
+                                  routing=any(q.routed is not None for _, q in everyone))
         self._count_prefill(rows, seqs, copies)
         for i, (r, seq) in enumerate(zip(rows, seqs)):
             for c in copies[i]:
