@@ -17,6 +17,7 @@ import torch
 from miles.engines import EngineConfig, warmup
 from miles.models import fused
 from miles.types import GenerateRequest, SamplingParams
+from tests.compile_child import expect_failed_child_reported
 from tests.marks import real_compile
 
 from .helpers import make_engine, make_model, paced, prompts, run
@@ -238,12 +239,5 @@ def test_a_failed_child_is_reported_with_its_log(caplog) -> None:
     engine = make_engine()
     spec = warmup.child_spec(engine)
     spec["engine"]["device"] = "cuda"
-    child = BackgroundCompile(spec, warmup.ENTRY)
-    _wait(child.done, "the child did not exit", timeout=120)
-    assert child.seconds > 0
-    with caplog.at_level("WARNING"):
-        assert not child.ok()
-    assert "compiling in-process instead" in caplog.text and "CUDA" in caplog.text
-    child.stop()
-    assert not child.dir.exists()
+    expect_failed_child_reported(BackgroundCompile(spec, warmup.ENTRY), caplog)
     run(engine.close)

@@ -9,6 +9,7 @@ import torch
 
 from miles.algorithms import AlgorithmConfig
 from miles.trainers import EmbeddedTrainer, TrainerConfig, compilation, embedded
+from tests.compile_child import expect_failed_child_reported
 from tests.marks import real_compile
 from tests.unit.trainers.conftest import make_model, random_groups, set_behaviour
 
@@ -84,24 +85,13 @@ def test_a_failed_child_is_reported_with_its_log(caplog) -> None:
     """The child process as the trainer starts it (its spec, its imports); one that fails (a
     CUDA trainer on a machine without CUDA) is reported with the tail of its log, and the
     trainer then compiles in-process."""
-    import time
     from types import SimpleNamespace
 
     from miles.trainers.compile_cache import BackgroundCompile
 
     owner = SimpleNamespace(model=make_model(), config=TrainerConfig(device="cuda", compile=True),
                             algo=AlgorithmConfig())
-    child = BackgroundCompile(owner)  # type: ignore[arg-type]
-    deadline = time.monotonic() + 120
-    while not child.done():
-        assert time.monotonic() < deadline, "the child did not exit"
-        time.sleep(0.2)
-    assert child.seconds > 0
-    with caplog.at_level("WARNING"):
-        assert not child.ok()
-    assert "compiling in-process instead" in caplog.text and "CUDA" in caplog.text
-    child.stop()
-    assert not child.dir.exists()
+    expect_failed_child_reported(BackgroundCompile(owner), caplog)  # type: ignore[arg-type]
 
 
 @real_compile
