@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.async_vs_sync_report import sweep_table
 from miles.config import default_config
 from miles.scheduler import UNBOUNDED
 
@@ -69,7 +70,7 @@ def test_the_sweep_table_follows_the_figures(avs):
         "async η=2 +partial s1": fig(400, 40, 0.70, 5e-4, 0.25),
         "async η=2 +partial no-keep-kv s1": fig(350, 35, 0.65, 6e-4, 0.0),
     }
-    lines = avs.sweep_table(results, [0, 2, UNBOUNDED], [2], start={"eval_reward": 0.45, "eval_reward_se": 0.01})
+    lines = sweep_table(results, [0, 2, UNBOUNDED], [2], start={"eval_reward": 0.45, "eval_reward_se": 0.01})
     rows = cells(lines)
     assert rows["0"] == ["1.00×", "–", "1.00×", "–", "0.510", "–", "2.00e-04", "–", "–"]
     assert rows["2"] == ["2.75×", "4.00×", "2.50×", "4.00×", "0.610", "0.700", "3.00e-04", "5.00e-04", "25.0%"]
