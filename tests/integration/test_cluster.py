@@ -120,10 +120,14 @@ def test_a_rollout_node_removed_mid_run(cluster, tiny_ckpt, task, tmp_path) -> N
         while True:  # freeze the worker holding leases: what it holds is then what the node takes down
             await _until(leased, run, "lease taken by the worker on the second rollout node")
             os.kill(pid, signal.SIGSTOP)
-            # a put-and-lease call it sent just before the stop can still reach the buffer and
-            # change its leases: read them until two reads 0.2 s apart agree
+            # the frozen worker's waiting lease would still be granted work when the next prompts
+            # arrive, and a put-and-lease call it sent just before the stop can still reach the
+            # buffer: end its wait until none is left and two reads 0.2 s apart agree
             before = None
-            while await leased() and held != before:
+            while True:
+                waiting = await a.buffer.cancel_wait.remote(victim_id)
+                if not await leased() or (held == before and not waiting):
+                    break
                 before = list(held)
                 await asyncio.sleep(0.2)
             if held:
