@@ -56,12 +56,27 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 CONFIGS = ("trl", "sync", "async")
-LABELS = {"trl": "TRL GRPOTrainer", "sync": "miles sync", "async": "miles async η=2 + partial"}
 MILES_MODE = {
     "sync": ["--mode", "sync", "--no-partial-rollout"],
     # The stale-mode default correction (MIS) is left on: it is what a user gets.
     "async": ["--mode", "async", "--max-staleness", "2", "--partial-rollout"],
 }
+
+
+def labels(miles_args: str) -> dict[str, str]:
+    """Each config's name in the report and plot: the async one with the η and partial
+    setting its runs used (the last of its own flags and --miles-args wins, as in argparse)."""
+    flags = [*MILES_MODE["async"], *shlex.split(miles_args)]
+    eta, partial = "", True
+    for i, flag in enumerate(flags):
+        if flag == "--max-staleness" and i + 1 < len(flags):
+            eta = flags[i + 1]
+        elif flag.startswith("--max-staleness="):
+            eta = flag.split("=", 1)[1]
+        elif flag in ("--partial-rollout", "--no-partial-rollout"):
+            partial = flag == "--partial-rollout"
+    return {"trl": "TRL GRPOTrainer", "sync": "miles sync",
+            "async": f"miles async η={eta}" + (" + partial" if partial else "")}
 
 
 # ---- inputs ------------------------------------------------------------------------------
@@ -376,6 +391,7 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def report(args: argparse.Namespace, results: list[dict[str, Any]], per: dict[str, dict[str, Any]], base: float) -> str:
+    names = labels(args.miles_args)
     thr = next(iter(per.values()))["threshold"]
     lines = [f"fixed eval: {args.eval_prompts} held-out prompts × {args.eval_samples} samples, T=1, "
              f"{args.max_new_tokens} new tokens; SFT start {base:.4f}; threshold {thr:.4f}", "",
@@ -384,13 +400,13 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], per: dict[st
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         tt = f"{r['time_to_threshold_s']:.1f}" if r["time_to_threshold_s"] is not None else "not reached"
-        lines.append(f"| {LABELS[r['config']]} | {r['seed']} | {r['steps']} | {r['train_s']:.1f} | {r['startup_s']:.1f} | "
+        lines.append(f"| {names[r['config']]} | {r['seed']} | {r['steps']} | {r['train_s']:.1f} | {r['startup_s']:.1f} | "
                      f"{r['step_s_median']:.3f} | {r['completions_per_s']:.1f} | {r['tokens_per_s']:.0f} | {tt} | "
                      f"{r['final_reward']:.4f} | {r['excluded_save_s']:.2f} |")
     lines += ["", "| config | completions/s | gen tok/s | s to threshold | final reward | seeds |", "|---|---|---|---|---|---|"]
     for config, p in per.items():
         tt = f"{p['time_to_threshold_s']:.1f}" if p["time_to_threshold_s"] is not None else "not reached (all seeds)"
-        lines.append(f"| {LABELS[config]} | {p['completions_per_s']:.1f} | {p['tokens_per_s']:.0f} | {tt} | "
+        lines.append(f"| {names[config]} | {p['completions_per_s']:.1f} | {p['tokens_per_s']:.0f} | {tt} | "
                      f"{p['final_reward']:.4f} | {p['seeds']} |")
     g = {c: per.get(c, {}) for c in CONFIGS}
     lines += ["", "ratios (medians over seeds):",
@@ -399,9 +415,15 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], per: dict[st
               f"- completions/s, miles async / TRL: {ratio(g['async'].get('completions_per_s'), g['trl'].get('completions_per_s'))} (goal ≥ 3×)",
               f"- completions/s, miles sync / TRL: {ratio(g['sync'].get('completions_per_s'), g['trl'].get('completions_per_s'))}",
               f"- final reward, async − sync: {g['async'].get('final_reward', float('nan')) - g['sync'].get('final_reward', float('nan')):+.4f} (goal ≥ 0)"]
+    tts = {(r["config"], r["seed"]): r["time_to_threshold_s"] for r in results}
+    paired = [tts["sync", s] / tts["async", s] for s in sorted({r["seed"] for r in results})
+              if tts.get(("sync", s)) and tts.get(("async", s))]
+    if paired:  # the spread the ratio of medians hides
+        lines.append(f"- time to threshold, miles sync / miles async, per seed: {', '.join(f'{x:.2f}×' for x in paired)} "
+                     f"(median {statistics.median(paired):.2f}×)")
     lines.append("")
     for r in results:
-        lines.append(f"- {LABELS[r['config']]} seed {r['seed']}: process {r['process_s']:.1f} s = start-up "
+        lines.append(f"- {names[r['config']]} seed {r['seed']}: process {r['process_s']:.1f} s = start-up "
                      f"{r['startup_s']:.1f} + training {r['train_s']:.1f} + the rest (imports before the clock, shutdown)")
         if r["startup"]:
             lines.append("  - start-up: " + ", ".join(f"{k} {v:.2f}" for k, v in r["startup"].items()))
@@ -410,7 +432,7 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], per: dict[st
     return "\n".join(lines)
 
 
-def plot(results: list[dict[str, Any]], per: dict[str, dict[str, Any]], path: Path) -> None:
+def plot(results: list[dict[str, Any]], per: dict[str, dict[str, Any]], path: Path, names: dict[str, str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -421,7 +443,7 @@ def plot(results: list[dict[str, Any]], per: dict[str, dict[str, Any]], path: Pa
     seen = set()
     for r in results:
         xs, ys = zip(*r["curve"])
-        label = LABELS[r["config"]] if r["config"] not in seen else None
+        label = names[r["config"]] if r["config"] not in seen else None
         seen.add(r["config"])
         ax.plot(xs, ys, marker="o", ms=3, color=colors[r["config"]], alpha=0.8, label=label)
     ax.axhline(next(iter(per.values()))["threshold"], color="grey", ls="--", lw=1, label="threshold")
@@ -469,7 +491,7 @@ def main() -> None:
     runs = [(c, s, out / f"{c}_seed{s}") for s in args.seeds for c in args.only]
     if not args.eval_only:
         for config, seed, run_dir in runs:
-            print(f"[vs_trl] {LABELS[config]}, seed {seed} -> {run_dir}", flush=True)
+            print(f"[vs_trl] {labels(args.miles_args)[config]}, seed {seed} -> {run_dir}", flush=True)
             if run_dir.exists():
                 subprocess.run(["rm", "-rf", str(run_dir)], check=True)
             t0 = time.monotonic()
@@ -481,7 +503,7 @@ def main() -> None:
     text = report(args, results, per, base)
     print(text)
     png = out / "vs_trl.png" if args.no_log else ROOT / "benchmarks" / "vs_trl.png"  # a trial run keeps the repo's plot
-    plot(results, per, png)
+    plot(results, per, png, labels(args.miles_args))
     (out / "results.json").write_text(json.dumps({"results": results, "per_config": per}, indent=1, default=str))
     if not args.no_log:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
