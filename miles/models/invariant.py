@@ -106,7 +106,12 @@ _DEVICE = "cuda"  # the device type the kernels serve (the CPU only under triton
 
 def on(x: Tensor) -> bool:
     """Whether the mode's kernels serve ``x``'s device."""
-    return KERNELS and x.device.type == _DEVICE
+    return serves(x.device)
+
+
+def serves(device: torch.device) -> bool:
+    """Whether the mode's kernels serve ``device``."""
+    return KERNELS and device.type == _DEVICE
 
 
 def _sdpa(keys: int):

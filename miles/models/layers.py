@@ -186,23 +186,24 @@ class FullAttention:
 
 class UnpaddedAttention:
     """Causal attention for a forward over packed tokens: ``input_ids`` [1, N] holds the real
-    tokens of B right-padded rows back to back (``position_ids`` restarting at 0 per row).
-    Everything but attention works per token, so it runs on the N real tokens only; this
-    backend copies q/k/v into the padded [B, T] grid for the plain causal (flash) kernel and
-    takes the real tokens' outputs back. ``index`` [N] is each packed token's place in the
-    flattened grid (row · T + position). The outputs at real tokens are those of
-    ``FullAttention(None)`` on the padded batch: under causal attention a real token never
-    sees the pads after it."""
+    tokens of B right-padded rows back to back (``position_ids`` restarting at 0 per row), a
+    prompt that several rows share packed once (``TokenBatch.packed_positions``).
+    Everything but attention works per token, so it runs on the N packed tokens only; this
+    backend gathers q/k/v into the padded [B, T] grid for the plain causal (flash) kernel
+    and takes the packed tokens' outputs back. ``grid`` [B · T] is the packed token of each
+    grid cell (N for a pad, which reads zeros); ``index`` [N] is each packed token's cell
+    (row · T + position). The outputs at real tokens are those of ``FullAttention(None)`` on
+    the padded batch: under causal attention a real token never sees the pads after it."""
 
-    def __init__(self, index: Tensor, batch: int, length: int) -> None:
-        self.index, self.batch, self.length = index, batch, length
+    def __init__(self, index: Tensor, grid: Tensor, batch: int, length: int) -> None:
+        self.index, self.grid, self.batch, self.length = index, grid, batch, length
         self.full = FullAttention(None)
 
     def _grid(self, x: Tensor) -> Tensor:
         """[1, heads, N, D] packed → [B, heads, T, D] (a view of a token-major tensor), 0 on pads."""
         tokens = x[0].transpose(0, 1)  # [N, heads, D]
-        grid = tokens.new_zeros(self.batch * self.length, *tokens.shape[1:]).index_copy(0, self.index, tokens)
-        return grid.view(self.batch, self.length, *tokens.shape[1:]).transpose(1, 2)
+        cells = torch.cat([tokens, tokens.new_zeros(1, *tokens.shape[1:])]).index_select(0, self.grid)
+        return cells.view(self.batch, self.length, *tokens.shape[1:]).transpose(1, 2)
 
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = self.full(layer_idx, self._grid(q), self._grid(k), self._grid(v)).transpose(1, 2)  # [B, T, H, D]

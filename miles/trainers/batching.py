@@ -47,6 +47,7 @@ class TokenBatch:
     seq_lens: list[int]  # host copies for planning, and so a step needs no device reads
     resp_lens: list[int]
     loss_tokens: list[int]  # each row's loss-carrying tokens (loss mask > 0)
+    prompt_class: list[int] | None = None  # rows with the same prompt tokens share a class (its first row's index)
 
     @property
     def size(self) -> int:
@@ -68,12 +69,17 @@ class TokenBatch:
                 elif v.ndim >= 2:
                     v = v[:, :R]
             out[f.name] = v
-        out.update(seq_lens=seq, resp_lens=resp, loss_tokens=[self.loss_tokens[r] for r in rows])
+        out.update(seq_lens=seq, resp_lens=resp, loss_tokens=[self.loss_tokens[r] for r in rows],
+                   prompt_class=None if self.prompt_class is None else [self.prompt_class[r] for r in rows])
         return TokenBatch(**out)
 
     def plan(self, rows: Sequence[int], config: TrainerConfig) -> list[list[int]]:
         """``rows`` cut into micro-batches under the trainer's limits, at the per-micro-batch
-        cost of the batch's device (``plan_micro_batches``, ``micro_batch_cost``)."""
+        cost of the batch's device (``plan_micro_batches``, ``micro_batch_cost``). Rows of
+        one length keep their prompts together (the cut is stable), so that more of a
+        micro-batch's prompts are shared (``packed_positions``)."""
+        if self.prompt_class is not None:
+            rows = sorted(rows, key=lambda r: self.prompt_class[r])
         return plan_micro_batches(rows, self.seq_lens, micro_batch_size=config.micro_batch_size,
                                   max_tokens=config.max_tokens_per_micro_batch,
                                   cost=micro_batch_cost(self.input_ids.device))
@@ -95,20 +101,42 @@ class TokenBatch:
         dev = self.response_ids.device
         return (to_device(rows, torch.long, dev), to_device(cols, torch.long, dev), to_device(pos, torch.long, dev))
 
-    def packed_positions(self) -> tuple[Tensor, Tensor, Tensor]:
+    def packed_positions(self, share_prompts: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """For a forward over the real tokens only, back to back (``miles.models.layers.
-        UnpaddedAttention``): the index [Σ seq_lens] of every real input token in the flattened
-        [n, L] grid (row · L + position), its position, and the packed index of each real
-        response token's predicting position, in ``response_positions`` order. From the host
-        lengths."""
+        UnpaddedAttention``): the index of every packed token in the flattened [n, L] grid
+        (row · L + position), its position, the packed index of each real response token's
+        predicting position (in ``response_positions`` order), and for every grid cell the
+        packed token it holds (the packed count for a pad). From the host lengths.
+
+        ``share_prompts``: a row whose prompt an earlier row of the batch has (its
+        ``prompt_class``; the samples of a GRPO group) packs its response tokens only and
+        reads the prompt's from that row. Under causal attention a prompt token sees only
+        the prompt, so its hidden states are the same in every such row: the prompt runs
+        through the layers once, and its gradient is the sum over the rows that read it."""
         seq = np.asarray(self.seq_lens, dtype=np.int64)
         resp = np.asarray(self.resp_lens, dtype=np.int64)
-        cols = _arange_within(seq)
-        index = np.repeat(np.arange(len(seq)) * self.input_ids.shape[1], seq) + cols
-        start = np.cumsum(seq) - seq  # each row's first packed token
-        pred = np.repeat(start + seq - resp - 1, resp) + _arange_within(resp)
+        n, L = len(seq), self.input_ids.shape[1]
+        owner = np.arange(n)  # the row whose packed tokens hold each row's prompt
+        if share_prompts and self.prompt_class is not None:
+            first: dict[int, int] = {}
+            owner = np.array([first.setdefault(c, r) for r, c in enumerate(self.prompt_class)], dtype=np.int64)
+        skip = np.where(owner == np.arange(n), 0, seq - resp)  # leading positions a row does not pack
+        count = seq - skip
+        start = np.cumsum(count) - count  # each row's first packed token
+
+        def packed(rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+            src = np.where(positions < skip[rows], owner[rows], rows)
+            return start[src] + positions - skip[src]
+
+        cols = _arange_within(count) + np.repeat(skip, count)
+        index = np.repeat(np.arange(n) * L, count) + cols
+        grid_rows = np.repeat(np.arange(n), seq)
+        grid_cols = _arange_within(seq)
+        grid = np.full(n * L, int(count.sum()), dtype=np.int64)
+        grid[grid_rows * L + grid_cols] = packed(grid_rows, grid_cols)
+        pred = packed(np.repeat(np.arange(n), resp), np.repeat(seq - resp - 1, resp) + _arange_within(resp))
         dev = self.input_ids.device
-        return (to_device(index, torch.long, dev), to_device(cols, torch.long, dev), to_device(pred, torch.long, dev))
+        return tuple(to_device(a, torch.long, dev) for a in (index, cols, pred, grid))  # type: ignore[return-value]
 
 
 def _arange_within(lens: np.ndarray) -> np.ndarray:
@@ -154,8 +182,11 @@ def build_batch(
     vocab_size: int,
     routing_shape: tuple[int, int] | None = None,
     current_version: int | None = None,
+    share_prompts: bool = False,
 ) -> TokenBatch:
     """Validate ``trajs`` and pad them into a TokenBatch (see the module docstring).
+    ``share_prompts``: record each row's prompt class, for a forward that packs a prompt
+    once per micro-batch (``TokenBatch.packed_positions``).
 
     ``routing_shape`` = (moe layers, top-k) asks for replayed routing, which every
     trajectory must then carry. Raises TrajectoryError / ValueError naming the trajectory.
@@ -210,7 +241,15 @@ def build_batch(
         seq_lens=seq_lens,
         resp_lens=resp_lens,
         loss_tokens=[t.loss_mask.count(1) for t in trajs],  # validated: 0 or 1
+        prompt_class=prompt_classes(trajs) if share_prompts else None,
     )
+
+
+def prompt_classes(trajs: Sequence[Trajectory]) -> list[int]:
+    """Each trajectory's prompt class: the index of the first trajectory with the same
+    prompt tokens."""
+    first: dict[tuple[int, ...], int] = {}
+    return [first.setdefault(tuple(t.prompt_tokens), i) for i, t in enumerate(trajs)]
 
 
 # What one more micro-batch costs, in padded tokens' worth: its fixed work (a forward and a

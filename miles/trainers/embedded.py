@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from miles.algorithms import AlgorithmConfig
 from miles.algorithms.masked import deferred_finite_checks
-from miles.models import quant
+from miles.models import invariant, quant
 from miles.models.quant_io import wire_tensors
 from miles.trainers import compilation, lora
 from miles.trainers.compile_cache import BackgroundCompile
@@ -289,6 +289,9 @@ class EmbeddedTrainer(RLStep):
             trajs, device=self.device, vocab_size=cfg.vocab_size,
             routing_shape=(len(cfg.moe_layers), cfg.num_experts_per_tok) if replay else None,
             current_version=self._version if check_versions else None,
+            # where the forward runs on the packed tokens (``logprobs.unpads``): a group's prompt once
+            share_prompts=(self.device.type == "cpu" and not replay and not self.compiled
+                           and not invariant.serves(self.device)),
         )
 
     def _logprobs(self, batch: TokenBatch, *, reference: bool = False) -> Tensor | None:

@@ -258,13 +258,13 @@ def response_logprobs(
     autocast = torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32)
     rows, cols, pos = mb.response_positions()
     if unpads(mb, routing, compiled):
-        index, positions, pred = mb.packed_positions()
+        index, positions, pred, grid = mb.packed_positions(share_prompts=True)
         B, L = mb.input_ids.shape
         if L > model.rotary.length:  # as the model's own forward grows it for a full pass
             model.rotary.reserve(L, device)
         with autocast:
             out = model(mb.input_ids.reshape(-1).index_select(0, index)[None], positions[None],
-                        kv_cache=UnpaddedAttention(index, B, L), return_logits=False,
+                        kv_cache=UnpaddedAttention(index, grid, B, L), return_logits=False,
                         return_hidden=True, check_inputs=False)
         h = out.hidden[0, pred]
     else:

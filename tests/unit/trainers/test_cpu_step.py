@@ -64,15 +64,50 @@ def test_unpadded_path_is_the_cpu_default() -> None:
     assert not logprobs.unpads(mb, torch.zeros(1), compiled=False)  # replayed routing keeps its layout
 
 
-def test_packed_positions() -> None:
-    batch = _ragged_batch()
-    index, positions, pred = batch.packed_positions()
-    L = batch.input_ids.shape[1]
-    assert torch.equal(batch.input_ids.reshape(-1)[index], torch.cat(
-        [batch.input_ids[n, :s] for n, s in enumerate(batch.seq_lens)]))
+def _shared_batch():
+    """GRPO groups (a prompt per group; within a group, responses of different lengths) and
+    one row alone with a group's prompt plus a token."""
+    groups = random_groups(num_groups=3, size=4, seed=5)
+    groups[2][3].prompt_tokens = groups[2][3].prompt_tokens + [7]
+    return build_batch([t for g in groups for t in g], device="cpu", vocab_size=288, share_prompts=True)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_packed_positions(share: bool) -> None:
+    batch = _shared_batch() if share else _ragged_batch()
+    index, positions, pred, grid = batch.packed_positions(share_prompts=share)
+    flat, L = batch.input_ids.reshape(-1), batch.input_ids.shape[1]
+    prompts = {tuple(batch.input_ids[n, : s - r].tolist()) for n, (s, r) in enumerate(zip(batch.seq_lens, batch.resp_lens))}
+    packed = sum(batch.resp_lens) + (sum(len(p) for p in prompts) if share else sum(batch.seq_lens) - sum(batch.resp_lens))
+    assert index.numel() == packed and (not share or packed < sum(batch.seq_lens))  # each prompt packed once
     assert torch.equal(positions, index % L)
+    for n, s in enumerate(batch.seq_lens):  # every real cell holds its own token, a pad the zero row
+        cells = grid[n * L : n * L + L]
+        assert torch.equal(flat[index[cells[:s]]], batch.input_ids[n, :s])
+        assert torch.equal(positions[cells[:s]], torch.arange(s))
+        assert bool((cells[s:] == packed).all())
+    assert torch.equal(index[grid[index]], index)  # a packed token's own cell reads it back
     rows, _, pos = batch.response_positions()
-    assert torch.equal(index[pred], rows * L + pos)  # the same predicting positions, packed
+    assert torch.equal(pred, grid[rows * L + pos])  # the same predicting positions, packed
+
+
+@pytest.mark.parametrize("entropy", ["none", "metric"])
+def test_shared_prompts_give_the_padded_forward_and_its_gradients(monkeypatch: pytest.MonkeyPatch, entropy: str) -> None:
+    mb = _shared_batch()
+    model = make_model()
+    out = {}
+    for unpad in (False, True):
+        monkeypatch.setattr(logprobs, "unpads", lambda *a, u=unpad: u)
+        model.zero_grad()
+        logp, ent = logprobs.response_logprobs(model, mb, temperature=0.7, dtype=torch.float32, entropy=entropy)
+        (logp * mb.loss_mask).sum().backward()
+        out[unpad] = logp.detach(), ent, [p.grad.clone() for p in model.parameters()]
+    (lp0, e0, g0), (lp1, e1, g1) = out[False], out[True]
+    torch.testing.assert_close(lp0, lp1, rtol=0, atol=1e-6)
+    if entropy == "metric":
+        torch.testing.assert_close(e0, e1, rtol=0, atol=1e-6)
+    for a, b in zip(g0, g1):  # the shared prompt's gradient summed over its rows in another order
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * a.abs().max().item())
 
 
 def _train(monkeypatch: pytest.MonkeyPatch, helpers: int, steps: int = 3) -> tuple[EmbeddedTrainer, list[dict]]:
