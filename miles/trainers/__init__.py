@@ -7,7 +7,7 @@
 - ``config``: ``TrainerConfig`` (optimizer, LR schedule, batching, precision flags).
 - ``batching``: trajectories → padded token tensors; micro-batch planning.
 - ``logprobs``: response-token log-probs with a memory-lean fused LM head + log-softmax
-  (on the CPU, a forward over the real tokens only: ``unpads``).
+  (on the CPU, a forward over the real tokens only, a shared prompt once: ``unpads``).
 - ``parallel``: a CPU trainer's micro-batches side by side on idle cores.
 - ``state``: weight export and checkpoint state (tensors + plain values, no pickle).
 - ``metrics``: folds micro-batch metrics into one dict per step.

@@ -7,7 +7,8 @@ backward over micro-batches, global grad-norm clipping, AdamW and the LR schedul
 out-of-memory error in a step restarts it with micro-batches half as big (``oom``), and
 with ``offload_train`` the AdamW moments wait in host memory between steps (``offload``). On
 the CPU the micro-batches run side by side on the cores the process would leave idle
-(``parallel``) and the forward skips the padding (``logprobs.unpads``).
+(``parallel``) and the forward skips the padding and runs a prompt that several rows of a
+micro-batch share (a GRPO group's) once (``logprobs.unpads``, ``TokenBatch.packed_positions``).
 
 With ``lora_rank`` > 0 it trains LoRA adapters over frozen base weights (``lora``): the
 optimizer, the checkpoint state and every weight update hold the adapters only.

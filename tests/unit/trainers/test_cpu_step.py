@@ -1,7 +1,8 @@
 """The CPU trainer's two shortcuts leave what is learned unchanged.
 
 - The unpadded forward (``UnpaddedAttention``, ``response_logprobs`` on the real tokens only)
-  gives the padded forward's log-probs bit for bit and its gradients to float32 round-off.
+  gives the padded forward's log-probs bit for bit and its gradients to float32 round-off;
+  with a prompt that several rows share packed once, both to float32 round-off.
 - Micro-batches run side by side (``parallel.MicroBatchPool``) train the serial loop's
   weights and report its metrics, bit for bit.
 """
@@ -15,7 +16,7 @@ from miles.algorithms import AlgorithmConfig
 from miles.trainers import EmbeddedTrainer, TrainerConfig, embedded, logprobs
 from miles.trainers.batching import build_batch
 from miles.trainers.parallel import MicroBatchPool
-from tests.unit.trainers.conftest import make_model, random_groups, set_behaviour
+from tests.unit.trainers.conftest import make_model, make_traj, random_groups, set_behaviour
 
 
 @pytest.fixture(autouse=True)
@@ -150,3 +151,18 @@ def test_pool_raises_a_micro_batch_error_and_stays_usable() -> None:
     pool.run(3, lambda i: (w * (i + 1)).sum(), [w], torch.enable_grad)
     assert torch.equal(w.grad, torch.full((3,), 6.0))
     pool.close()
+
+
+def test_a_cpu_trainer_shares_prompts_and_plans_a_prompt_s_rows_together() -> None:
+    trainer = EmbeddedTrainer(make_model(), config=TrainerConfig(lr=1e-2, max_tokens_per_micro_batch=40),
+                              algo=AlgorithmConfig())
+    groups = [[make_traj(f"t{g}_{j}", g, [10 + g] * 3, [20 + j] * 3, 1.0) for j in range(4)]
+              for g in range(4)]  # rows of one length: the plan's cut is by prompt alone
+    batch = trainer._batch([t for g in groups for t in g])
+    assert batch.prompt_class is not None
+    order = [13, 2, 7, 0, 15, 4, 9, 11, 1, 6, 3, 14, 5, 8, 10, 12]  # a step's shuffled rows
+    for mb in batch.plan(order, trainer.config):
+        classes = [batch.prompt_class[r] for r in mb]
+        assert classes == sorted(classes)  # each prompt's rows back to back, so a cut splits few
+        packed = batch.select(mb).packed_positions(share_prompts=True)[0].numel()
+        assert packed == 3 * len(mb) + 3 * len(set(classes))  # its responses, each prompt once
