@@ -101,23 +101,24 @@ class TokenBatch:
         dev = self.response_ids.device
         return (to_device(rows, torch.long, dev), to_device(cols, torch.long, dev), to_device(pos, torch.long, dev))
 
-    def packed_positions(self, share_prompts: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def packed_positions(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """For a forward over the real tokens only, back to back (``miles.models.layers.
         UnpaddedAttention``): the index of every packed token in the flattened [n, L] grid
         (row · L + position), its position, the packed index of each real response token's
         predicting position (in ``response_positions`` order), and for every grid cell the
         packed token it holds (the packed count for a pad). From the host lengths.
 
-        ``share_prompts``: a row whose prompt an earlier row of the batch has (its
-        ``prompt_class``; the samples of a GRPO group) packs its response tokens only and
-        reads the prompt's from that row. Under causal attention a prompt token sees only
-        the prompt, so its hidden states are the same in every such row: the prompt runs
-        through the layers once, and its gradient is the sum over the rows that read it."""
+        When the batch records prompt classes (``build_batch(share_prompts=True)``), a row
+        whose prompt an earlier row of the batch has (the samples of a GRPO group) packs its
+        response tokens only and reads the prompt's from that row. Under causal attention a
+        prompt token sees only the prompt, so its hidden states are the same in every such
+        row: the prompt runs through the layers once, and its gradient is the sum over the
+        rows that read it."""
         seq = np.asarray(self.seq_lens, dtype=np.int64)
         resp = np.asarray(self.resp_lens, dtype=np.int64)
         n, L = len(seq), self.input_ids.shape[1]
         owner = np.arange(n)  # the row whose packed tokens hold each row's prompt
-        if share_prompts and self.prompt_class is not None:
+        if self.prompt_class is not None:
             first: dict[int, int] = {}
             owner = np.array([first.setdefault(c, r) for r, c in enumerate(self.prompt_class)], dtype=np.int64)
         skip = np.where(owner == np.arange(n), 0, seq - resp)  # leading positions a row does not pack

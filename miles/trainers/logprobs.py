@@ -258,7 +258,7 @@ def response_logprobs(
     autocast = torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32)
     rows, cols, pos = mb.response_positions()
     if unpads(mb, routing, compiled):
-        index, positions, pred, grid = mb.packed_positions(share_prompts=True)
+        index, positions, pred, grid = mb.packed_positions()
         B, L = mb.input_ids.shape
         if L > model.rotary.length:  # as the model's own forward grows it for a full pass
             model.rotary.reserve(L, device)

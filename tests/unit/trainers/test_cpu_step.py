@@ -78,7 +78,7 @@ def _shared_batch():
 @pytest.mark.parametrize("share", [False, True])
 def test_packed_positions(share: bool) -> None:
     batch = _shared_batch() if share else _ragged_batch()
-    index, positions, pred, grid = batch.packed_positions(share_prompts=share)
+    index, positions, pred, grid = batch.packed_positions()
     flat, L = batch.input_ids.reshape(-1), batch.input_ids.shape[1]
     prompts = {tuple(batch.input_ids[n, : s - r].tolist()) for n, (s, r) in enumerate(zip(batch.seq_lens, batch.resp_lens))}
     packed = sum(batch.resp_lens) + (sum(len(p) for p in prompts) if share else sum(batch.seq_lens) - sum(batch.resp_lens))
@@ -147,5 +147,5 @@ def test_a_cpu_trainer_shares_prompts_and_plans_a_prompt_s_rows_together() -> No
     for mb in batch.plan(order, trainer.config):
         classes = [batch.prompt_class[r] for r in mb]
         assert classes == sorted(classes)  # each prompt's rows back to back, so a cut splits few
-        packed = batch.select(mb).packed_positions(share_prompts=True)[0].numel()
+        packed = batch.select(mb).packed_positions()[0].numel()
         assert packed == 3 * len(mb) + 3 * len(set(classes))  # its responses, each prompt once
