@@ -404,7 +404,7 @@ class Driver:
         for key in ("engine/fused_draw_classes", "engine/cpu_decode_kernel", "engine/lora_shared_base",
                     "engine/compiled"):
             vals = [ws[key] for ws in self.worker_stats.values() if key in ws]
-            if vals:  # the worker that runs least of its step fused (seeded draws; the CPU kernel; one base copy)
+            if vals:  # the worker that runs least of its step fused (seeded draws; the CPU kernel; one base copy; compiled steps)
                 totals[key] = min(vals)
         limits = [ws["engine/batch_limit"] for ws in self.worker_stats.values() if "engine/batch_limit" in ws]
         if limits:  # the smallest admission cap an engine's OOMs left it with
