@@ -303,25 +303,42 @@ class EmbeddedTrainer(RLStep):
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    @property
+    def runs_gradless_rows(self) -> bool:  # type: ignore[override]
+        """Eager layers only: a compiled layer would compile its no-grad form mid-run."""
+        return not self.compiled and self._background is None
+
     def _forward_backward(self, batch: TokenBatch, rows: list[int], loss: MicroLoss, limits: TrainerConfig) -> None:
         entropy_mode = self._entropy_mode()
+        live = [r for r in rows if r not in loss.gradless]
+        idle = [r for r in rows if r in loss.gradless]
         if self._pool is not None:
-            limits = finer_limits(limits, sum(batch.seq_lens[r] for r in rows), self._pool.threads)
-        plan = [mb_rows for mb_rows in batch.plan(rows, limits) if any(batch.loss_tokens[r] for r in mb_rows)]
+            limits = finer_limits(limits, sum(batch.seq_lens[r] for r in live or idle), self._pool.threads)
+        plan = [(mb_rows, grad) for part, grad in ((live, True), (idle, False)) for mb_rows in batch.plan(part, limits)
+                if any(batch.loss_tokens[r] for r in mb_rows)]
         if self._pool is not None and len(plan) > 1:
             self._parallel_forward_backward(batch, plan, loss, entropy_mode)
-            return
-        for mb_rows in plan:
-            self.oom.check(mb_rows)
-            mb = batch.select(mb_rows)
-            logp, entropy = self._forward(self.model, mb, entropy_mode)
-            loss(mb, mb_rows, logp, entropy).backward()
+        else:
+            for mb_rows, grad in plan:
+                self.oom.check(mb_rows)
+                mb = batch.select(mb_rows)
+                with torch.set_grad_enabled(grad):
+                    logp, entropy = self._forward(self.model, mb, entropy_mode)
+                    value = loss(mb, mb_rows, logp, entropy)
+                if grad:
+                    value.backward()
+        if idle:
+            # What the rows run forward only would have added: zeros. A parameter no other row
+            # reached still takes its optimizer step (moments, weight decay) as before.
+            for p in self.model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
 
-    def _parallel_forward_backward(self, batch: TokenBatch, plan: list[list[int]], loss: MicroLoss,
+    def _parallel_forward_backward(self, batch: TokenBatch, plan: list[tuple[list[int], bool]], loss: MicroLoss,
                                    entropy_mode: str) -> None:
         """The loop above on the CPU's idle cores too (``parallel``). The loss records each
         micro-batch's metrics in plan order, as the loop does."""
-        for mb_rows in plan:
+        for mb_rows, _ in plan:
             self.oom.check(mb_rows)
         rotary = getattr(self.model, "rotary", None)
         if rotary is not None and max(batch.seq_lens) > rotary.length:  # grown once, before the threads
@@ -329,14 +346,16 @@ class EmbeddedTrainer(RLStep):
         lock = threading.Lock()
         recorded: list[Any] = [None] * len(plan)
 
-        def work(i: int) -> Tensor:
-            mb = batch.select(plan[i])
-            logp, entropy = self._forward(self.model, mb, entropy_mode)
-            with lock:
-                before = len(loss.pending)
-                value = loss(mb, plan[i], logp, entropy)
-                recorded[i] = loss.pending.pop() if len(loss.pending) > before else None
-            return value
+        def work(i: int) -> Tensor | None:
+            rows, grad = plan[i]
+            mb = batch.select(rows)
+            with torch.set_grad_enabled(grad):
+                logp, entropy = self._forward(self.model, mb, entropy_mode)
+                with lock:
+                    before = len(loss.pending)
+                    value = loss(mb, rows, logp, entropy)
+                    recorded[i] = loss.pending.pop() if len(loss.pending) > before else None
+            return value if grad else None
 
         params = [p for p in self.model.parameters() if p.requires_grad]
         self._pool.run(len(plan), work, params, deferred_finite_checks)

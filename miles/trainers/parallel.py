@@ -30,7 +30,7 @@ from torch import Tensor
 
 from miles.trainers.config import TrainerConfig
 
-Work = Callable[[int], Tensor]  # micro-batch i → its loss (the forward and loss run inside)
+Work = Callable[[int], Tensor | None]  # micro-batch i → its loss (the forward and loss run inside); None: no gradient
 
 
 def cpu_helpers(device: torch.device) -> int:
@@ -96,7 +96,8 @@ class MicroBatchPool:
     def run(self, n: int, work: Work, params: Sequence[Tensor], context: Callable[[], Any]) -> None:
         """Run ``work(i)`` for i < n on the caller and the helpers, each micro-batch's backward
         on the thread that ran its forward, and add the gradients to ``params``' ``.grad`` in
-        order i = 0, 1, … . ``context()`` is entered around each micro-batch on its thread
+        order i = 0, 1, … (a ``work`` that returns None ran without autograd: it adds nothing).
+        ``context()`` is entered around each micro-batch on its thread
         (thread-local state, such as ``deferred_finite_checks``). The first error raised by a
         micro-batch is raised here, after every running one has finished."""
         grads: list[tuple[Tensor | None, ...] | None] = [None] * n
@@ -113,7 +114,8 @@ class MicroBatchPool:
             while (i := take()) is not None:
                 try:
                     with context():
-                        grads[i] = torch.autograd.grad(work(i), params, allow_unused=True)
+                        value = work(i)
+                        grads[i] = None if value is None else torch.autograd.grad(value, params, allow_unused=True)
                 except BaseException as exc:  # noqa: BLE001 (re-raised by the caller below)
                     with lock:
                         errors.append(exc)

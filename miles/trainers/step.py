@@ -69,6 +69,9 @@ class MicroLoss:
         self.algo, self.device = trainer.algo, trainer.device
         self.advantages, self.logp_prox, self.logp_ref, self.den = advantages, logp_prox, logp_ref, den
         self.reference, self.trained_version = reference, trained_version
+        # Rows whose gradient is exactly 0 (``RLStep._gradless_rows``): a backend that can runs
+        # their forward without autograd, for their metrics and finiteness, and no backward.
+        self.gradless: frozenset[int] = frozenset()
         self.reset()
 
     def reset(self) -> None:
@@ -112,6 +115,8 @@ class RLStep:
     algo: AlgorithmConfig
     device: torch.device
     oom: OOMGuard | None = None  # micro-batch halving on an out-of-memory error, where the backend allows it
+    # Whether ``_forward_backward`` honours ``MicroLoss.gradless`` (runs those rows forward only).
+    runs_gradless_rows: bool = False
 
     def __init__(self, *, config: TrainerConfig, algo: AlgorithmConfig, version: int = 0) -> None:
         self.config, self.algo = config, algo
@@ -178,6 +183,8 @@ class RLStep:
         steps = self.config.num_steps_per_rollout
         logp_prox = self._logprobs(batch) if self.algo.prox_logp == "recompute" and steps > 1 else None
 
+        gradless = self._gradless_rows(advantages)
+
         order = torch.randperm(batch.size, generator=self._shuffle).tolist()
         acc = MetricAccumulator()
         skipped, tokens = 0, 0.0
@@ -191,6 +198,7 @@ class RLStep:
             reference = logp_prox if logp_prox is not None else (None if i else "forward")
             loss = MicroLoss(self, advantages, logp_prox, logp_ref, batch.denominators(rows), reference,
                              trained_version)
+            loss.gradless = gradless
             if self._update(batch, rows, loss, acc):
                 tokens += loss.tokens
             else:
@@ -207,6 +215,7 @@ class RLStep:
             "train/optimizer_steps": float(self.optimizer_steps),
             "train/lr": lr_at(max(self.optimizer_steps - 1, 0), self.config),
             "train/version": float(self._version),
+            "train/gradless_token_frac": sum(batch.loss_tokens[r] for r in gradless) / max(1, sum(batch.loss_tokens)),
             "mem/oom_recovered": float(self.oom.recovered if self.oom is not None else 0),
         })
         metrics.update(self._backend_metrics())
@@ -239,6 +248,18 @@ class RLStep:
         if adv.ndim == 1:
             adv = adv[:, None].expand_as(batch.loss_mask)
         return adv * batch.loss_mask
+
+    def _gradless_rows(self, advantages: Tensor) -> frozenset[int]:
+        """The rows whose gradient is exactly 0: every advantage 0 (a GRPO group whose samples
+        all got one reward: in RLVR with a pass/fail reward, the groups all right or all wrong,
+        often half the batch) in a loss with no term besides the policy gradient's, which is
+        the advantage times a finite factor (no entropy bonus, no KL loss). Dense models only:
+        an expert that only such rows reach would get a zero gradient where it now gets none.
+        Empty where the backend runs every row the same way."""
+        if (not self.runs_gradless_rows or self.algo.entropy_coef > 0 or self.algo.kl_coef > 0
+                or getattr(self, "is_moe", False)):
+            return frozenset()
+        return frozenset((advantages == 0).all(dim=1).nonzero().flatten().tolist())
 
     def _update(self, batch: TokenBatch, rows: list[int], loss: MicroLoss, acc: MetricAccumulator) -> bool:
         """One optimizer step over the mini-batch ``rows``. Returns False if it was skipped as

@@ -5,6 +5,8 @@
   with a prompt that several rows share packed once, both to float32 round-off.
 - Micro-batches run side by side (``parallel.MicroBatchPool``) train the serial loop's
   weights and report its metrics, bit for bit.
+- Rows whose advantages are all 0 run forward only (``RLStep._gradless_rows``): the weights
+  and metrics of running them with autograd, to float32 round-off.
 """
 
 from __future__ import annotations
@@ -149,3 +151,51 @@ def test_a_cpu_trainer_shares_prompts_and_plans_a_prompt_s_rows_together() -> No
         assert classes == sorted(classes)  # each prompt's rows back to back, so a cut splits few
         packed = batch.select(mb).packed_positions()[0].numel()
         assert packed == 3 * len(mb) + 3 * len(set(classes))  # its responses, each prompt once
+
+
+def _train_uniform(monkeypatch: pytest.MonkeyPatch, helpers: int, gradless: bool) -> tuple[EmbeddedTrainer, list[dict]]:
+    """Steps with some groups of one reward (advantage 0), then a step where every group has
+    one: its gradient is all zeros, and AdamW still steps (moments, weight decay)."""
+    monkeypatch.setattr(embedded, "cpu_helpers", lambda device: helpers)
+    monkeypatch.setattr(EmbeddedTrainer, "runs_gradless_rows", property(lambda self: gradless))
+    config = TrainerConfig(lr=1e-2, seed=0, weight_decay=0.1, max_tokens_per_micro_batch=12)
+    trainer = EmbeddedTrainer(make_model(), config=config, algo=AlgorithmConfig(use_tis=True))
+    metrics = []
+    for s in range(4):
+        groups = random_groups(num_groups=4, size=4, seed=s)
+        for gi, g in enumerate(groups):
+            for t in g:
+                t.versions = [trainer.version] * len(t.response_tokens)
+                if s == 3 or gi % 2:
+                    t.reward = float(gi % 3 == 0)  # one reward for the whole group
+        set_behaviour(trainer, groups, shift=0.05)
+        metrics.append(trainer.train_step(groups))
+    return trainer, metrics
+
+
+@pytest.mark.parametrize("helpers", [0, 2])
+def test_rows_of_zero_advantage_run_forward_only_and_train_the_same(monkeypatch: pytest.MonkeyPatch,
+                                                                     helpers: int) -> None:
+    full, m_full = _train_uniform(monkeypatch, helpers, gradless=False)
+    fast, m_fast = _train_uniform(monkeypatch, helpers, gradless=True)
+    assert [m["train/gradless_token_frac"] for m in m_full] == [0.0] * 4
+    fracs = [m["train/gradless_token_frac"] for m in m_fast]
+    assert all(0.0 < f < 1.0 for f in fracs[:3]) and fracs[3] == 1.0
+    for a, b in zip(full.model.parameters(), fast.model.parameters()):
+        # AdamW's normalised steps (lr 1e-2) carry the gradients' round-off at elements whose
+        # gradient is near 0; a row's lost gradient or a skipped step would move them by ~lr
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    for a, b in zip(m_full, m_fast):
+        for key in a:
+            if key.startswith("train/") and key not in ("train/step_time_s", "train/tokens_per_s",
+                                                        "train/gradless_token_frac"):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_rows_of_zero_advantage_keep_their_gradient_under_an_entropy_bonus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(embedded, "cpu_helpers", lambda device: 0)
+    trainer = EmbeddedTrainer(make_model(), config=TrainerConfig(lr=1e-2), algo=AlgorithmConfig(entropy_coef=0.01))
+    assert trainer.runs_gradless_rows
+    assert trainer._gradless_rows(torch.zeros(4, 3)) == frozenset()
+    trainer.algo = AlgorithmConfig()
+    assert trainer._gradless_rows(torch.tensor([[0.0, 0.0], [0.0, 0.5], [0.0, 0.0]])) == frozenset({0, 2})
