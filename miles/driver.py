@@ -88,6 +88,9 @@ class Driver:
         self.eval_tasks: list[asyncio.Task[None]] = []
         self.draft_run: Any = None
         self.step = 0
+        self.trained_version = 0  # the trainer's version after the last train call (ahead of the
+        # scheduler's until that step's publish answers)
+        self._recording: asyncio.Future[None] | None = None  # an overlapped step's record
         self.saved_step = -1  # the step of the last checkpoint this run wrote
         self.admit_s = 0.0
         self.trainer_rss_mb = 0.0
@@ -108,8 +111,14 @@ class Driver:
             while self.step < self.cfg.run.num_rollout and not self.stop.is_set():
                 try:
                     await self._train_step()
+                    if self._recording is not None and self._recording.done():
+                        await self._drain_record()  # a failed record stops the run here
                 except ray.exceptions.RayActorError as exc:  # trainer or buffer: fatal
                     self._fail(f"{_actor_name(exc)} died ({_root_cause(exc)}){self._checkpoint_note()}")
+            try:
+                await self._drain_record()
+            except ray.exceptions.RayActorError as exc:
+                self._fail(f"{_actor_name(exc)} died ({_root_cause(exc)}){self._checkpoint_note()}")
             if self.stop.is_set():
                 status = "failed" if self.failure else "interrupted"
             for task in background:
@@ -126,7 +135,7 @@ class Driver:
 
     async def _train_step(self) -> None:
         cfg, a = self.cfg, self.actors
-        version = self.scheduler.version
+        version = max(self.scheduler.version, self.trained_version)
         t0 = time.monotonic()
         self.out.metrics.start_train_clock()  # train_time: from the first step's request for data
         batch_ref = a.buffer.get_batch_async.remote(cfg.scheduler.rollout_batch_size, version)
@@ -148,15 +157,52 @@ class Driver:
         train_s = time.monotonic() - t1
         # The buffer learns the new version before any worker can hold its weights: a put
         # with tokens of a version the buffer does not know yet is refused as invalid.
-        await a.buffer.set_version.remote(await a.trainer.get_version.remote())
-        new_version = await a.trainer.publish.remote(a.broadcaster)
+        trained = metrics.get("train/version")  # RLStep reports it; another backend is asked
+        self.trained_version = int(trained) if trained is not None else await a.trainer.get_version.remote()
+        await a.buffer.set_version.remote(self.trained_version)
+        publish = a.trainer.publish.remote(a.broadcaster)
+        # Submitted before the next step's get_batch: the buffer answers in submission order,
+        # so the record reads the buffer as this step left it.
+        buffer_stats = a.buffer.stats.remote()
+        self.step += 1
+        record = self._record(self.step, version, groups, metrics, publish, buffer_stats,
+                              t0, wait_s, train_s, self._recording)
+        if self._overlaps(self.step):
+            self._recording = asyncio.ensure_future(record)
+        else:
+            self._recording = None
+            await record
+
+    def _overlaps(self, step: int) -> bool:
+        """Whether this step's record (the publish's answer, the stats, the log line) runs
+        beside the next step's train call. Async runs only: there the next step does not wait
+        for the workers to hold the new weights, and the trainer takes the next call after the
+        publish (one caller's calls to an actor start in submission order; both hold the
+        trainer's weights lock). The trainer would otherwise idle through these round trips,
+        on a small machine a tenth of the step. Inline: sync runs (the next batch needs the
+        weights applied), colocated offloading, the first step (start-up figures), and a step
+        with a checkpoint or an evaluation due (both need the step's version in place)."""
+        cfg = self.cfg
+        due = lambda every: bool(every) and step % every == 0  # noqa: E731
+        return (cfg.scheduler.mode != "sync" and not cfg.engine.offload_rollout and step > 1
+                and step < cfg.run.num_rollout and not (self.ckpt is not None and due(cfg.run.save_interval))
+                and not (self.eval_data is not None and due(cfg.run.eval_interval)))
+
+    async def _record(self, step: int, version: int, groups: list[list[Any]], metrics: dict[str, Any],
+                      publish: Any, buffer_stats: Any, t0: float, wait_s: float, train_s: float,
+                      previous: asyncio.Future[None] | None) -> None:
+        """The rest of a step after its train call: the publish's answer (and in sync runs the
+        workers' acknowledgement), the version for admission, the step's metrics row, and an
+        evaluation or checkpoint when due. Rows are logged in step order."""
+        cfg, a = self.cfg, self.actors
+        end = time.monotonic()  # overlapped: the next step starts now
+        new_version = await publish
         if cfg.scheduler.mode == "sync":
             await a.broadcaster.wait_applied.remote(new_version)
         self.scheduler.on_version(new_version)
-        self.step += 1
-        step_s = time.monotonic() - t0
+        step_s = (end if self._overlaps(step) else time.monotonic()) - t0
         metrics.update(batch_metrics(groups, version, cfg.rollout.reward_key))
-        metrics.update(await self._rollout_and_buffer_stats())
+        metrics.update(await self._rollout_and_buffer_stats(buffer_stats))
         # OOMs turned into a slowdown, the trainer's (smaller micro-batches) and the engines' (parked rows)
         metrics["mem/train_oom_recovered"] = metrics.get("mem/oom_recovered", 0.0)
         metrics["mem/oom_recovered"] = metrics["mem/train_oom_recovered"] + metrics.get("mem/engine_oom_recovered", 0.0)
@@ -168,18 +214,26 @@ class Driver:
             "perf/admission_s": self.admit_s,
         })
         self.admit_s = 0.0
-        self._note_startup(metrics, t0, wait_s, train_s)
-        self.out.log_step(self.step, metrics)
-        if self.eval_data is not None and cfg.run.eval_interval and self.step % cfg.run.eval_interval == 0:
-            self.eval_tasks.append(asyncio.create_task(self._evaluate(self.step)))
-        if self.ckpt is not None and cfg.run.save_interval and self.step % cfg.run.save_interval == 0:
+        if previous is not None:
+            await previous
+        self._note_startup(metrics, step, t0, wait_s, train_s)
+        self.out.log_step(step, metrics, at=t0 + step_s)
+        if self.eval_data is not None and cfg.run.eval_interval and step % cfg.run.eval_interval == 0:
+            self.eval_tasks.append(asyncio.create_task(self._evaluate(step)))
+        if self.ckpt is not None and cfg.run.save_interval and step % cfg.run.save_interval == 0:
             await self._save()
 
-    def _note_startup(self, metrics: dict[str, float], t0: float, wait_s: float, train_s: float) -> None:
+    async def _drain_record(self) -> None:
+        """Wait for an overlapped step's record (before a checkpoint, the summary, or shutdown)."""
+        recording, self._recording = self._recording, None
+        if recording is not None:
+            await recording
+
+    def _note_startup(self, metrics: dict[str, float], step: int, t0: float, wait_s: float, train_s: float) -> None:
         """summary.json's ``startup``, past the actors: the first step's parts (launch to its
         batch, its train call, launch to its end), and the compiled trainer's warm-up (its
         seconds in-process and in the background child, the step that first ran compiled)."""
-        if self.step == 1:
+        if step == 1:
             self.startup.update({"first_batch_s": t0 + wait_s - self._born, "first_train_s": train_s,
                                  "first_step_s": time.monotonic() - self._born})
             if "engine/graph_capture_s" in metrics:  # the engines' CUDA graph captures (and compiles within)
@@ -189,7 +243,7 @@ class Driver:
                 self.startup[key] = metrics[f"perf/{key}"]
         # the engines' switch to compiled step functions (miles.engines.warmup), once it shows
         if "engine/compile_switch_s" in metrics and "engine_compiled_from_step" not in self.startup:
-            self.startup.update({"engine_compiled_from_step": float(self.step),
+            self.startup.update({"engine_compiled_from_step": float(step),
                                  **{f"engine_{k.removeprefix('engine/')}": metrics[k] for k in ENGINE_SWITCH_KEYS}})
 
     async def _admit(self) -> None:
@@ -374,9 +428,8 @@ class Driver:
         task.cancel()
         return None
 
-    async def _rollout_and_buffer_stats(self) -> dict[str, float]:
-        stats, delivery = await asyncio.gather(self.actors.buffer.stats.remote(),
-                                               self.actors.broadcaster.stats.remote())
+    async def _rollout_and_buffer_stats(self, buffer_stats: Any) -> dict[str, float]:
+        stats, delivery = await asyncio.gather(buffer_stats, self.actors.broadcaster.stats.remote())
         stats.update(delivery)  # weights/...: delivery times, resyncs, update size
         totals: dict[str, float] = {}
         for ws in self.worker_stats.values():
@@ -470,6 +523,8 @@ class Driver:
 
     async def _shutdown(self, status: str) -> dict[str, Any]:
         a = self.actors
+        with contextlib.suppress(Exception):  # a run that failed elsewhere: its last record, if it can
+            await self._drain_record()
         if status == "completed" and self.eval_tasks:
             # The evaluation due at the last step is part of the run's result: let it finish.
             await asyncio.wait(self.eval_tasks, timeout=600)

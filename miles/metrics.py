@@ -52,8 +52,10 @@ class MetricsRecorder:
         # Only the newest row is kept in memory: a long run's history lives in the file.
         self.last: dict[str, Any] = {}
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
-        now = self._clock()
+    def log(self, step: int, metrics: Mapping[str, Any], at: float | None = None) -> dict[str, Any]:
+        """Append a row; its clocks read ``at`` (a time of this recorder's clock, when the row
+        describes a moment before it is written) or now."""
+        now = self._clock() if at is None else at
         if self._train_start is None:
             self._train_start = now
         row = {"step": step, "wall_time": round(now - self._start, 4),

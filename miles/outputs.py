@@ -71,8 +71,8 @@ class RunOutputs:
         if self.debug_dir is not None:
             (self.debug_dir / f"step_{step:06d}.msgpack").write_bytes(_batch_encoder.encode([list(g) for g in groups]))
 
-    def log_step(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
-        row = self.metrics.log(step, metrics)
+    def log_step(self, step: int, metrics: Mapping[str, Any], at: float | None = None) -> dict[str, Any]:
+        row = self.metrics.log(step, metrics, at)
         if self._bar is not None:
             self._bar.update(1)
             post = {k.split("/")[-1]: round(v, 3) for k, v in row.items()
