@@ -305,8 +305,9 @@ class EmbeddedTrainer(RLStep):
 
     @property
     def runs_gradless_rows(self) -> bool:  # type: ignore[override]
-        """Eager layers only: a compiled layer would compile its no-grad form mid-run."""
-        return not self.compiled and self._background is None
+        """Eager layers on one rank only: a compiled layer would compile its no-grad form
+        mid-run, and FSDP ranks must run the same backward passes (their collectives)."""
+        return not self.compiled and self._background is None and not self.sharded
 
     def _forward_backward(self, batch: TokenBatch, rows: list[int], loss: MicroLoss, limits: TrainerConfig) -> None:
         entropy_mode = self._entropy_mode()
