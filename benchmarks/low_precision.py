@@ -215,7 +215,7 @@ INT4_CANDIDATES = {
         *(_gv(BN, U, w, programs=p, **_NEW) for BN, U, w, p in (
             (16, 8, 4, 1056), (16, 8, 4, 2112), (16, 8, 4, 528), (16, 8, 4, 4224), (16, 4, 4, 2112),
             (16, 4, 4, 4224), (8, 8, 4, 2112), (32, 4, 4, 2112), (16, 8, 8, 2112), (32, 8, 8, 2112),
-            (16, 16, 4, 2112), (8, 16, 2, 2112), (16, 4, 2, 2112))),
+            (16, 16, 4, 2112), (8, 16, 2, 2112), (16, 4, 2, 2112), (32, 4, 4, 4224), (8, 8, 4, 4224))),
         _gv(8, 8, 4, programs=2112, INPLACE=True, RED=True),
         _dt(64, 1, 4, PF=True, **_B2), _dt(64, 2, 4, **_B2), _dt(128, 1, 4, PF=True, **_B2),
         _dt(128, 1, 8, PF=True, **_B2), _dt(64, 1, 4, PF=True, SWAP=True, **_B2), _dt(32, 1, 2, PF=True, **_B2),
@@ -226,7 +226,8 @@ INT4_CANDIDATES = {
          _dt(256, 1, 8, PF=True, **_B2), _dt(32, 1, 2, PF=True, **_B2), _dt(64, 1, 4, PF=True, NIB16=1, RED=True),
          _dt(64, 2, 4, stages=3, **_B2), _dt(64, 1, 4, PF=True, SWAP=True, **_B2),
          _dt(128, 1, 4, PF=True, SWAP=True, **_B2), _dt(128, 2, 8, SWAP=True, **_B2),
-         _dt(64, 2, 4, stages=3, SWAP=True, **_B2), _dt(64, 2, 4, JOIN=False, **_B2),
+         _dt(64, 2, 4, stages=3, SWAP=True, **_B2), _dt(64, 2, 4, JOIN=False, **_B2), _dt(64, 1, 2, PF=True, **_B2),
+         _dt(32, 1, 4, PF=True, **_B2), _dt(128, 2, 4, **_B2),
          _tiled(64, 264), _tiled(64, 264, stages=4)],
 }
 FP8_CANDIDATES = {  # (path, BM, BN, warps, stages[, split-K]); cublas: the Triton activation kernel + _scaled_mm
