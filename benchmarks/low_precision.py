@@ -206,29 +206,19 @@ def _dt(BN, U, warps, programs=1056, JOIN=True, NIB16=0, stages=2, **flags):  # 
 _NEW = dict(PF=True, INPLACE=True, RED=True)  # gemv: prefetch, nibbles in place, split-K summed in the kernel
 _B2 = dict(NIB16=2, RED=True)  # dott: biased bf16 operands (no subtraction a nibble), split-K summed in the kernel
 # launches tried per batch: the word-wise kernels (lowp_triton.w4a16_gemv: BN, U groups a step, warps, split-K
-# (0: up to `programs` programs), PF, INPLACE, RED; w4a16_dott: the same with JOIN, NIB16, SWAP) around the
-# earlier sweeps' winners (raw sections in benchmarks/log/low_precision.md: gemv with few rows a program and
-# many groups a step; dott joined), which stay in the list as the reference (first of each batch), with the
-# tiled GEMM.
+# (0: up to `programs` programs), PF, INPLACE, RED, XP; w4a16_dott: the same with JOIN, NIB16) and the tiled
+# GEMM. The 2026-12-07 15:49 sweep (benchmarks/log/low_precision.md) tried ~50 launches a shape: prefetch,
+# in-place nibbles, in-kernel split-K sums, biased operands and swapped dot operands each measured within ±5%
+# of the earlier kernels or slower (SWAP, 256-row or 2-warp tiles 1.5-2.5× slower): its winners per shape
+# stay here beside the plane-major activations (XP), which that sweep had not tried.
 INT4_CANDIDATES = {
-    1: [_gv(16, 8, 4), _gv(16, 8, 4, PF=True), _gv(16, 8, 4, INPLACE=True), _gv(16, 8, 4, PF=True, INPLACE=True),
-        *(_gv(BN, U, w, programs=p, **_NEW) for BN, U, w, p in (
-            (16, 8, 4, 1056), (16, 8, 4, 2112), (16, 8, 4, 528), (16, 8, 4, 4224), (16, 4, 4, 2112),
-            (16, 4, 4, 4224), (8, 8, 4, 2112), (32, 4, 4, 2112), (16, 8, 8, 2112), (32, 8, 8, 2112),
-            (16, 16, 4, 2112), (8, 16, 2, 2112), (16, 4, 2, 2112), (32, 4, 4, 4224), (8, 8, 4, 4224))),
-        _gv(8, 8, 4, programs=2112, INPLACE=True, RED=True),
-        _dt(64, 1, 4, PF=True, **_B2), _dt(64, 2, 4, **_B2), _dt(128, 1, 4, PF=True, **_B2),
-        _dt(128, 1, 8, PF=True, **_B2), _dt(64, 1, 4, PF=True, SWAP=True, **_B2), _dt(32, 1, 2, PF=True, **_B2),
-        _dt(64, 1, 4, programs=2112, PF=True, **_B2)],
-    16: [_dt(64, 2, 4, NIB16=1), _dt(64, 2, 4, programs=528), _dt(64, 2, 4, NIB16=2), _dt(64, 2, 4, **_B2),
-         _dt(64, 1, 4, PF=True, **_B2), _dt(64, 1, 4, programs=2112, PF=True, **_B2),
-         _dt(64, 1, 4, programs=528, PF=True, **_B2), _dt(128, 1, 4, PF=True, **_B2), _dt(128, 1, 8, PF=True, **_B2),
-         _dt(256, 1, 8, PF=True, **_B2), _dt(32, 1, 2, PF=True, **_B2), _dt(64, 1, 4, PF=True, NIB16=1, RED=True),
-         _dt(64, 2, 4, stages=3, **_B2), _dt(64, 1, 4, PF=True, SWAP=True, **_B2),
-         _dt(128, 1, 4, PF=True, SWAP=True, **_B2), _dt(128, 2, 8, SWAP=True, **_B2),
-         _dt(64, 2, 4, stages=3, SWAP=True, **_B2), _dt(64, 2, 4, JOIN=False, **_B2), _dt(64, 1, 2, PF=True, **_B2),
-         _dt(32, 1, 4, PF=True, **_B2), _dt(128, 2, 4, **_B2),
-         _tiled(64, 264), _tiled(64, 264, stages=4)],
+    1: [_gv(16, 8, 4), _gv(16, 8, 4, programs=528, **_NEW), _gv(16, 4, 2, programs=2112, **_NEW),
+        *(_gv(BN, U, w, programs=p, XP=True, **flags) for BN, U, w, p, flags in (
+            (16, 8, 4, 1056, {}), (16, 4, 2, 2112, {}), (8, 8, 4, 1056, {}), (16, 8, 4, 528, {}), (32, 4, 4, 1056, {}),
+            (16, 16, 4, 1056, {}), (8, 4, 2, 2112, {}), (16, 8, 4, 1056, dict(INPLACE=True)),
+            (16, 8, 4, 2112, dict(RED=True)), (16, 4, 2, 2112, _NEW)))],
+    16: [_dt(64, 2, 4, NIB16=1), _dt(64, 2, 4, programs=528), _dt(64, 1, 4, programs=528, PF=True, **_B2),
+         _tiled(64, 264)],
 }
 FP8_CANDIDATES = {  # (path, BM, BN, warps, stages[, split-K]); cublas: the Triton activation kernel + _scaled_mm
     1: [("cublas",), ("triton", 16, 64, 4, 4), ("triton", 16, 32, 4, 4, 3)],

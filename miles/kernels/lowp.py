@@ -46,7 +46,7 @@ _TILED = dict(path="tiled", BN=64, programs=264, warps=4, stages=3)
 TUNED: dict[tuple[str, int, int, int], dict] = {
     # Qwen3-8B's decode GEMMs (qkv, o, gate/up, down): the fastest checked launch of
     # `low_precision.py --parts tune` (its raw section in benchmarks/log/low_precision.md)
-    ("int4", 24576, 4096, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 1056, "warps": 4, "stages": 2},
+    ("int4", 24576, 4096, 1): {"path": "gemv", "BN": 16, "U": 4, "split": 0, "programs": 2112, "warps": 2, "stages": 2, "PF": True, "INPLACE": True, "RED": True},
     ("fp8", 24576, 4096, 1): {"path": "triton", "BM": 16, "BN": 64, "warps": 4, "stages": 4},
     ("int4", 24576, 4096, 16): {"path": "tiled", "BN": 64, "programs": 264, "warps": 4, "stages": 3},
     ("fp8", 24576, 4096, 16): {"path": "triton", "BM": 16, "BN": 64, "warps": 4, "stages": 4},
@@ -54,19 +54,19 @@ TUNED: dict[tuple[str, int, int, int], dict] = {
     ("fp8", 24576, 4096, 256): {"path": "cublas"},
     ("int4", 4096, 12288, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 2112, "warps": 4, "stages": 2},
     ("fp8", 4096, 12288, 1): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
-    ("int4", 4096, 12288, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 1056, "warps": 4, "stages": 2, "JOIN": True, "NIB16": True},
-    ("fp8", 4096, 12288, 16): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
+    ("int4", 4096, 12288, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 1056, "warps": 4, "stages": 2, "JOIN": True, "NIB16": 1},
+    ("fp8", 4096, 12288, 16): {"path": "cublas"},
     ("fp8", 4096, 12288, 64): {"path": "triton", "BM": 64, "BN": 64, "warps": 4, "stages": 4, "split": 2},
     ("fp8", 4096, 12288, 256): {"path": "cublas"},
-    ("int4", 6144, 4096, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 528, "warps": 4, "stages": 2},
+    ("int4", 6144, 4096, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 528, "warps": 4, "stages": 2, "PF": True, "INPLACE": True, "RED": True},
     ("fp8", 6144, 4096, 1): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
-    ("int4", 6144, 4096, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 528, "warps": 4, "stages": 2, "JOIN": True, "NIB16": False},
+    ("int4", 6144, 4096, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 528, "warps": 4, "stages": 2, "JOIN": True, "NIB16": 0},
     ("fp8", 6144, 4096, 16): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
     ("fp8", 6144, 4096, 64): {"path": "cublas"},
     ("fp8", 6144, 4096, 256): {"path": "cublas"},
-    ("int4", 4096, 4096, 1): {"path": "gemv", "BN": 8, "U": 8, "split": 1, "programs": 1056, "warps": 4, "stages": 2},
+    ("int4", 4096, 4096, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 1056, "warps": 4, "stages": 2},
     ("fp8", 4096, 4096, 1): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
-    ("int4", 4096, 4096, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 528, "warps": 4, "stages": 2, "JOIN": True, "NIB16": False},
+    ("int4", 4096, 4096, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 528, "warps": 4, "stages": 2, "JOIN": True, "NIB16": 0},
     ("fp8", 4096, 4096, 16): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
     ("fp8", 4096, 4096, 64): {"path": "triton", "BM": 64, "BN": 64, "warps": 4, "stages": 4, "split": 2},
     ("fp8", 4096, 4096, 256): {"path": "cublas"},
@@ -299,7 +299,8 @@ def _int4_words(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
     ``dott``), ``INPLACE`` (gemv: nibbles read in place, ``lowp_triton._plane_at``) and, for
     ``dott``, ``JOIN``, ``NIB16`` (0, 1 or 2: ``lowp_triton._half``) and ``SWAP`` (with JOIN:
     the weights the dot's second operand); ``RED``: split-K's partials added by the last program
-    of each tile (``lowp_triton._last_adds``) instead of a second launch, the same bits."""
+    of each tile (``lowp_triton._last_adds``) instead of a second launch, the same bits; ``XP``
+    (gemv): the activations copied plane-major first (one small launch)."""
     import triton
 
     from miles.kernels import lowp_triton as lt
@@ -337,9 +338,13 @@ def _int4_words(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
                             NIB16=int(cfg.get("NIB16", 0)), PF=pf,
                             SWAP=bool(cfg.get("SWAP", False)) and bool(cfg.get("JOIN", False)), **launch)
     else:
-        lt.w4a16_gemv[grid](x, words, scale, out, N, kw_per, x.stride(0), words.stride(0), scale.stride(0),
-                            M * N, N, G=group, BN=BN, U=unroll, PF=pf, INPLACE=bool(cfg.get("INPLACE", False)),
-                            **launch)
+        # XP: x copied plane-major, [M, 8, K/8] (column 8w + i at i·K/8 + w), so a plane's loads are
+        # contiguous instead of 16 bytes apart
+        xp = x.view(M, K // 8, 8).transpose(1, 2).contiguous() if cfg.get("XP") else None
+        sx = (K, 1, K // 8) if xp is not None else (x.stride(0), 8, 1)
+        lt.w4a16_gemv[grid](x if xp is None else xp, words, scale, out, N, kw_per, *sx, words.stride(0),
+                            scale.stride(0), M * N, N, G=group, BN=BN, U=unroll, PF=pf,
+                            INPLACE=bool(cfg.get("INPLACE", False)), **launch)
     if split == 1:
         return out
     if red:

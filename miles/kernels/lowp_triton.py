@@ -164,31 +164,33 @@ if triton is not None:
             return ((p & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8421376.0
 
     @triton.jit
-    def _gemv_words(p, xrow, INPLACE: tl.constexpr):
+    def _gemv_words(p, xrow, sxp, INPLACE: tl.constexpr):
         """``Σ_i (q_i − 8)·x[8·w + i]`` per word of ``p`` [BN, U, W] in float32 (``xrow``: the
-        activations at the columns 8·w, [U, W])."""
+        activations at the columns 8·w, [U, W]; column 8·w + i at ``xrow + i·sxp``)."""
         if INPLACE:  # planes 0-3 of the word and of its upper half, each field left in place
             hi = p >> 16
             part = _plane_at(p, 0) * tl.load(xrow).to(tl.float32)[None, :, :]
-            part += _plane_at(hi, 0) * tl.load(xrow + 4).to(tl.float32)[None, :, :]
+            part += _plane_at(hi, 0) * tl.load(xrow + 4 * sxp).to(tl.float32)[None, :, :]
             for i in tl.static_range(1, 4):
                 f = 1.0 / (1 << (4 * i))
-                part += _plane_at(p, i) * (tl.load(xrow + i).to(tl.float32) * f)[None, :, :]
-                part += _plane_at(hi, i) * (tl.load(xrow + 4 + i).to(tl.float32) * f)[None, :, :]
+                part += _plane_at(p, i) * (tl.load(xrow + i * sxp).to(tl.float32) * f)[None, :, :]
+                part += _plane_at(hi, i) * (tl.load(xrow + (4 + i) * sxp).to(tl.float32) * f)[None, :, :]
         else:
             part = _plane(p, 0) * tl.load(xrow).to(tl.float32)[None, :, :]
             for i in tl.static_range(1, 8):
-                part += _plane(p, i) * tl.load(xrow + i).to(tl.float32)[None, :, :]
+                part += _plane(p, i) * tl.load(xrow + i * sxp).to(tl.float32)[None, :, :]
         return part
 
     @triton.jit
-    def w4a16_gemv(x_ptr, w_ptr, s_ptr, y_ptr, N, kw_per, sxm, swn, ssn, sys_, sym,
+    def w4a16_gemv(x_ptr, w_ptr, s_ptr, y_ptr, N, kw_per, sxm, sxw, sxp, swn, ssn, sys_, sym,
                    G: tl.constexpr, BN: tl.constexpr, U: tl.constexpr, PF: tl.constexpr = False,
                    INPLACE: tl.constexpr = False, out_ptr=None, cnt_ptr=None, RED: tl.constexpr = False):
         """Rows [pid_n·BN, +BN) of batch row pid_m over the words [pid_k·kw_per, +kw_per) of K
         (``w_ptr``: the packed weight as int32 words, ``swn`` in words). The activations are
         eight strided loads a word (cached); one 16-byte load a word expanded along a fourth
-        axis measured twice as slow. ``PF``: the next step's words and scales are loaded before
+        axis measured twice as slow. The column 8·w + i of x is at ``w·sxw + i·sxp``: (8, 1) for
+        x itself, (1, K/8) for its plane-major copy (``lowp._int4_words``'s ``XP``), where each
+        plane's loads are contiguous. ``PF``: the next step's words and scales are loaded before
         this step's arithmetic (registers double-buffered by hand: the compiler pipelines only
         loads that feed a ``tl.dot``), so a program keeps a load in flight while it computes.
         ``INPLACE``: each nibble taken where it lies in the word (``_plane_at``), one shift a
@@ -216,7 +218,7 @@ if triton is not None:
             else:
                 p = tl.load(w_row + (kw0 + ku)[None, :, :], mask=n_ok[:, None, None], other=0)
                 s = tl.load(s_row + (kw0 // W + ru)[None, :], mask=n_ok[:, None], other=0.0)
-            part = _gemv_words(p, x_ptr + pid_m * sxm + (kw0 + ku) * 8, INPLACE)
+            part = _gemv_words(p, x_ptr + pid_m * sxm + (kw0 + ku) * sxw, sxp, INPLACE)
             acc += part * s[:, :, None]
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
         tl.store(y_ptr + pid_k * sys_ + pid_m * sym + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)

@@ -63,6 +63,7 @@ def test_w4a16_decode_kernel_matches_the_dequantized_product(M: int, cfg: dict) 
                                  dict(path="dott", BN=32, U=1, split=2, JOIN=True),
                                  dict(path="dott", BN=16, U=4, split=0, programs=8, JOIN=True, NIB16=True),
                                  dict(path="gemv", BN=16, U=1, split=2, PF=True, INPLACE=True),
+                                 dict(path="gemv", BN=16, U=2, split=2, XP=True),
                                  dict(path="dott", BN=16, U=2, split=1, JOIN=True, NIB16=2),
                                  dict(path="dott", BN=32, U=1, split=2, JOIN=False, NIB16=2, PF=True),
                                  dict(path="dott", BN=16, U=1, split=2, JOIN=True, NIB16=2, PF=True, SWAP=True)])
