@@ -46,13 +46,13 @@ _TILED = dict(path="tiled", BN=64, programs=264, warps=4, stages=3)
 TUNED: dict[tuple[str, int, int, int], dict] = {
     # Qwen3-8B's decode GEMMs (qkv, o, gate/up, down): the fastest checked launch of
     # `low_precision.py --parts tune` (its raw section in benchmarks/log/low_precision.md)
-    ("int4", 24576, 4096, 1): {"path": "gemv", "BN": 16, "U": 4, "split": 0, "programs": 2112, "warps": 2, "stages": 2, "PF": True, "INPLACE": True, "RED": True},
+    ("int4", 24576, 4096, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 1056, "warps": 4, "stages": 2},
     ("fp8", 24576, 4096, 1): {"path": "triton", "BM": 16, "BN": 64, "warps": 4, "stages": 4},
     ("int4", 24576, 4096, 16): {"path": "tiled", "BN": 64, "programs": 264, "warps": 4, "stages": 3},
     ("fp8", 24576, 4096, 16): {"path": "triton", "BM": 16, "BN": 64, "warps": 4, "stages": 4},
     ("fp8", 24576, 4096, 64): {"path": "triton", "BM": 64, "BN": 64, "warps": 4, "stages": 4},
     ("fp8", 24576, 4096, 256): {"path": "cublas"},
-    ("int4", 4096, 12288, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 2112, "warps": 4, "stages": 2},
+    ("int4", 4096, 12288, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 1056, "warps": 4, "stages": 2},
     ("fp8", 4096, 12288, 1): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
     ("int4", 4096, 12288, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 1056, "warps": 4, "stages": 2, "JOIN": True, "NIB16": 1},
     ("fp8", 4096, 12288, 16): {"path": "cublas"},
