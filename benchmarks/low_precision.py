@@ -190,50 +190,43 @@ def _cpu_lin(x: torch.Tensor, stored: tuple, spec: QuantSpec) -> torch.Tensor:
     return F.linear(xin, dequantize_weight(stored[0], stored[1], spec, x.dtype))
 
 
-def _d(DOT, BN, UNROLL, split, warps, ACC2D=False, stages=3):  # noqa: ANN001, ANN202, N803
-    return dict(DOT=DOT, BN=BN, UNROLL=UNROLL, split=split, warps=warps, stages=stages, MAGIC=True, ACC2D=ACC2D)
-
-
 def _tiled(BN, programs, warps=4, stages=3):  # noqa: ANN001, ANN202, N803
     return dict(path="tiled", BN=BN, programs=programs, warps=warps, stages=stages)
 
 
-def _gv(BN, U, warps, programs=1056, split=0):  # noqa: ANN001, ANN202, N803
-    return dict(path="gemv", BN=BN, U=U, split=split, programs=programs, warps=warps, stages=2)
+def _gv(BN, U, warps, programs=1056, split=0, **flags):  # noqa: ANN001, ANN003, ANN202, N803
+    return dict(path="gemv", BN=BN, U=U, split=split, programs=programs, warps=warps, stages=2, **flags)
 
 
-def _dt(BN, U, warps, programs=1056, JOIN=True, NIB16=False, stages=2):  # noqa: ANN001, ANN202, N803
+def _dt(BN, U, warps, programs=1056, JOIN=True, NIB16=0, stages=2, **flags):  # noqa: ANN001, ANN003, ANN202, N803
     return dict(path="dott", BN=BN, BM=16, U=U, split=0, programs=programs, warps=warps, stages=stages, JOIN=JOIN,
-                NIB16=NIB16)
+                NIB16=NIB16, **flags)
 
 
+_NEW = dict(PF=True, INPLACE=True, RED=True)  # gemv: prefetch, nibbles in place, split-K summed in the kernel
+_B2 = dict(NIB16=2, RED=True)  # dott: biased bf16 operands (no subtraction a nibble), split-K summed in the kernel
 # launches tried per batch: the word-wise kernels (lowp_triton.w4a16_gemv: BN, U groups a step, warps, split-K
-# (0: up to `programs` programs); w4a16_dott: the same with JOIN, NIB16) around the first sweep's winners (its raw
-# section in benchmarks/log/low_precision.md: gemv without XV, few rows a program and many groups a step; dott
-# joined), with the earlier kernels' best launches for reference (byte-wise decode kernel: DOT, BN, UNROLL, split,
-# warps, ACC2D, stages; tiled GEMM: BN, programs, warps, stages). Software pipelining (stages) changed nothing.
+# (0: up to `programs` programs), PF, INPLACE, RED, XP; w4a16_dott: the same with JOIN, NIB16) and the tiled
+# GEMM. The 2026-12-07 15:49 sweep (benchmarks/log/low_precision.md) tried ~50 launches a shape: prefetch,
+# in-place nibbles, in-kernel split-K sums, biased operands and swapped dot operands each measured within ±5%
+# of the earlier kernels or slower (SWAP, 256-row or 2-warp tiles 1.5-2.5× slower): its winners per shape
+# stay here beside the plane-major activations (XP), which that sweep had not tried.
 INT4_CANDIDATES = {
-    1: [*(_gv(BN, U, w, programs=p) for BN, U, w, p in (
-            (16, 8, 4, 1056), (8, 4, 4, 1056), (8, 8, 4, 1056), (8, 16, 4, 1056), (16, 16, 4, 1056), (4, 8, 2, 1056),
-            (4, 16, 4, 1056), (8, 8, 2, 1056), (8, 4, 2, 1056), (16, 8, 8, 1056), (16, 8, 4, 2112), (8, 8, 4, 2112),
-            (16, 8, 4, 528))),
-        *(_gv(BN, U, w, split=1) for BN, U, w in (  # no split-K: no float32 partials, no second launch
-            (4, 8, 2), (4, 16, 4), (8, 8, 4), (8, 16, 4), (8, 4, 4), (4, 4, 2), (8, 8, 2), (16, 8, 4), (4, 16, 2))),
-        _d(True, 64, 2, 8, 4, stages=2), _tiled(64, 264)],
-    16: [_dt(64, 2, 4), _dt(32, 2, 4), _dt(32, 4, 4), _dt(32, 2, 2), _dt(16, 4, 2), _dt(16, 4, 1), _dt(64, 4, 4),
-         _dt(64, 2, 4, programs=528), _dt(64, 2, 4, programs=2112), _dt(32, 4, 4, programs=2112), _dt(128, 2, 4),
-         _dt(32, 8, 4), _dt(64, 2, 8), _dt(64, 2, 4, NIB16=True), _dt(64, 2, 4, JOIN=False),
-         _tiled(64, 264), _tiled(32, 1056), _tiled(32, 264)],
+    1: [_gv(16, 8, 4), _gv(16, 8, 4, programs=528, **_NEW), _gv(16, 4, 2, programs=2112, **_NEW),
+        *(_gv(BN, U, w, programs=p, XP=True, **flags) for BN, U, w, p, flags in (
+            (16, 8, 4, 1056, {}), (16, 4, 2, 2112, {}), (8, 8, 4, 1056, {}), (16, 8, 4, 528, {}), (32, 4, 4, 1056, {}),
+            (16, 16, 4, 1056, {}), (8, 4, 2, 2112, {}), (16, 8, 4, 1056, dict(INPLACE=True)),
+            (16, 8, 4, 2112, dict(RED=True)), (16, 4, 2, 2112, _NEW), (16, 8, 4, 1056, dict(PF=True)),
+            (8, 8, 2, 2112, {}), (32, 8, 4, 1056, {})))],
+    16: [_dt(64, 2, 4, NIB16=1), _dt(64, 2, 4, programs=528), _dt(64, 1, 4, programs=528, PF=True, **_B2),
+         _tiled(64, 264)],
 }
 FP8_CANDIDATES = {  # (path, BM, BN, warps, stages[, split-K]); cublas: the Triton activation kernel + _scaled_mm
-    1: [("cublas",), ("triton", 16, 64, 4, 4), ("triton", 16, 32, 4, 4), ("triton", 16, 64, 4, 4, 2),
-        ("triton", 16, 32, 4, 4, 3)],
-    16: [("cublas",), ("triton", 16, 64, 4, 4), ("triton", 16, 32, 4, 4), ("triton", 16, 64, 4, 4, 2),
-         ("triton", 16, 32, 4, 4, 3)],
-    64: [("cublas",), ("triton", 64, 128, 4, 3), ("triton", 64, 64, 4, 4), ("triton", 64, 128, 4, 3, 2),
-         ("triton", 64, 64, 4, 4, 2)],
-    256: [("cublas",), ("triton", 128, 128, 8, 3, 2), ("triton", 64, 128, 4, 3, 2)],  # the Triton GEMM lost every
-    # other 256-row launch of the first sweep (larger tiles, fused, split-K up to 3) to cuBLAS by 1.3-8×
+    1: [("cublas",), ("triton", 16, 64, 4, 4), ("triton", 16, 32, 4, 4, 3)],
+    16: [("cublas",), ("triton", 16, 64, 4, 4), ("triton", 16, 32, 4, 4, 3)],
+    64: [("cublas",), ("triton", 64, 64, 4, 4), ("triton", 64, 64, 4, 4, 2)],
+    256: [("cublas",)],  # the Triton GEMM lost every 256-row launch of the earlier sweeps (tiles up to 128 × 256,
+    # fused, split-K 1-3) to cuBLAS by 1.3-8×
 }
 
 
@@ -279,6 +272,15 @@ def part_tune(s: dict, batches: list[int], out: dict, iters: int) -> list[str]:
                 t_q = _time(lambda: [lowp._fp8_quant_triton(x, B - B % -lowp.ROWS, outer=True) for _ in range(32)],
                             iters) / 32
                 rows.append(f"| {N}x{K} | {B} | fp8 | activation quantizer alone | {t_q * 1e6:.1f} | | |")
+                if B >= 64:  # and cuBLAS's block-wise GEMM alone, on activations quantized beforehand
+                    if not lowp._FORM:
+                        lowp._FORM.append(lowp._probe(x.device, DTYPE))
+                    if lowp._FORM[0] is not None:
+                        mm, rows_q = lowp._mm_forms()[lowp._FORM[0]], B - B % -lowp.ROWS
+                        aq, as_ = lowp._fp8_quant_triton(x, rows_q, outer="a_outer" in lowp._FORM[0])
+                        t_mm = _time(lambda: [mm(aq, as_, c[0], c[1], DTYPE) for c in c8], iters) / len(c8)
+                        rows.append(f"| {N}x{K} | {B} | fp8 | {lowp._FORM[0]} alone | {t_mm * 1e6:.1f} | "
+                                    f"{t_bf / t_mm:.2f} | |")
             for cand in FP8_CANDIDATES.get(B, FP8_CANDIDATES[256]):
                 cfg = dict(path="cublas") if cand[0] == "cublas" else dict(
                     path=cand[0], BM=cand[1], BN=cand[2], warps=cand[3], stages=cand[4],

@@ -52,21 +52,21 @@ TUNED: dict[tuple[str, int, int, int], dict] = {
     ("fp8", 24576, 4096, 16): {"path": "triton", "BM": 16, "BN": 64, "warps": 4, "stages": 4},
     ("fp8", 24576, 4096, 64): {"path": "triton", "BM": 64, "BN": 64, "warps": 4, "stages": 4},
     ("fp8", 24576, 4096, 256): {"path": "cublas"},
-    ("int4", 4096, 12288, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 2112, "warps": 4, "stages": 2},
+    ("int4", 4096, 12288, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 1056, "warps": 4, "stages": 2},
     ("fp8", 4096, 12288, 1): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
-    ("int4", 4096, 12288, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 1056, "warps": 4, "stages": 2, "JOIN": True, "NIB16": True},
-    ("fp8", 4096, 12288, 16): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
+    ("int4", 4096, 12288, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 1056, "warps": 4, "stages": 2, "JOIN": True, "NIB16": 1},
+    ("fp8", 4096, 12288, 16): {"path": "cublas"},
     ("fp8", 4096, 12288, 64): {"path": "triton", "BM": 64, "BN": 64, "warps": 4, "stages": 4, "split": 2},
     ("fp8", 4096, 12288, 256): {"path": "cublas"},
-    ("int4", 6144, 4096, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 528, "warps": 4, "stages": 2},
+    ("int4", 6144, 4096, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 528, "warps": 4, "stages": 2, "PF": True, "INPLACE": True, "RED": True},
     ("fp8", 6144, 4096, 1): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
-    ("int4", 6144, 4096, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 528, "warps": 4, "stages": 2, "JOIN": True, "NIB16": False},
+    ("int4", 6144, 4096, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 528, "warps": 4, "stages": 2, "JOIN": True, "NIB16": 0},
     ("fp8", 6144, 4096, 16): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
     ("fp8", 6144, 4096, 64): {"path": "cublas"},
     ("fp8", 6144, 4096, 256): {"path": "cublas"},
-    ("int4", 4096, 4096, 1): {"path": "gemv", "BN": 8, "U": 8, "split": 1, "programs": 1056, "warps": 4, "stages": 2},
+    ("int4", 4096, 4096, 1): {"path": "gemv", "BN": 16, "U": 8, "split": 0, "programs": 1056, "warps": 4, "stages": 2},
     ("fp8", 4096, 4096, 1): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
-    ("int4", 4096, 4096, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 528, "warps": 4, "stages": 2, "JOIN": True, "NIB16": False},
+    ("int4", 4096, 4096, 16): {"path": "dott", "BN": 64, "BM": 16, "U": 2, "split": 0, "programs": 528, "warps": 4, "stages": 2, "JOIN": True, "NIB16": 0},
     ("fp8", 4096, 4096, 16): {"path": "triton", "BM": 16, "BN": 32, "warps": 4, "stages": 4, "split": 3},
     ("fp8", 4096, 4096, 64): {"path": "triton", "BM": 64, "BN": 64, "warps": 4, "stages": 4, "split": 2},
     ("fp8", 4096, 4096, 256): {"path": "cublas"},
@@ -294,7 +294,13 @@ def _int4_small(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
 def _int4_words(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict) -> Tensor:
     """The word-wise W4A16 kernels (``lowp_triton.w4a16_gemv`` / ``w4a16_dott``): ``cfg`` gives
     the path, ``BN`` rows a program, ``U`` groups a loop step, and ``split`` K slices (0: as
-    many as bring the programs up to ``programs``), ``warps`` and ``stages``."""
+    many as bring the programs up to ``programs``), ``warps`` and ``stages``; optionally ``PF``
+    (the next step's words loaded by hand before this step's arithmetic; one group a step in
+    ``dott``), ``INPLACE`` (gemv: nibbles read in place, ``lowp_triton._plane_at``) and, for
+    ``dott``, ``JOIN``, ``NIB16`` (0, 1 or 2: ``lowp_triton._half``) and ``SWAP`` (with JOIN:
+    the weights the dot's second operand); ``RED``: split-K's partials added by the last program
+    of each tile (``lowp_triton._last_adds``) instead of a second launch, the same bits; ``XP``
+    (gemv): the activations copied plane-major first (one small launch)."""
     import triton
 
     from miles.kernels import lowp_triton as lt
@@ -307,7 +313,8 @@ def _int4_words(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
     dot = cfg["path"] == "dott" and x.dtype in (torch.bfloat16, torch.float16)  # no tf32 dot
     BN, BM = cfg["BN"], (cfg.get("BM", 16) if dot else 1)
     groups = K // group
-    unroll = cfg["U"]
+    pf = bool(cfg.get("PF", False))
+    unroll = 1 if pf and dot else cfg["U"]  # the tensor-core kernel prefetches one group a step
     while groups % unroll:
         unroll //= 2
     tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
@@ -319,19 +326,46 @@ def _int4_words(x: Tensor, packed: Tensor, scale: Tensor, group: int, cfg: dict)
                       dtype=torch.float32 if split > 1 else x.dtype)
     kw_per = K // 8 // split
     launch = dict(num_warps=cfg["warps"], num_stages=cfg.get("stages", 2))
+    red = split > 1 and bool(cfg.get("RED", False)) and grid[0] * grid[2] <= _COUNTS and (
+        x.device in _COUNTERS or not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype) if red else None
+    if red:
+        launch.update(out_ptr=y, cnt_ptr=_counters(x.device), RED=True)
     if dot:
         lt.w4a16_dott[grid](x, words, scale, out, M, N, kw_per, x.stride(0), words.stride(0), scale.stride(0),
                             M * N, N, G=group, BN=BN, BM=BM, U=unroll,
                             KIND=1 if x.dtype == torch.bfloat16 else 2, JOIN=cfg.get("JOIN", False),
-                            NIB16=cfg.get("NIB16", False), **launch)
+                            NIB16=int(cfg.get("NIB16", 0)), PF=pf,
+                            SWAP=bool(cfg.get("SWAP", False)) and bool(cfg.get("JOIN", False)), **launch)
     else:
-        lt.w4a16_gemv[grid](x, words, scale, out, N, kw_per, x.stride(0), words.stride(0), scale.stride(0),
-                            M * N, N, G=group, BN=BN, U=unroll, **launch)
+        # XP: x copied plane-major, [M, 8, K/8] (column 8w + i at i·K/8 + w), so a plane's loads are
+        # contiguous instead of 16 bytes apart
+        xp = x.view(M, K // 8, 8).transpose(1, 2).contiguous() if cfg.get("XP") else None
+        sx = (K, 1, K // 8) if xp is not None else (x.stride(0), 8, 1)
+        lt.w4a16_gemv[grid](x if xp is None else xp, words, scale, out, N, kw_per, *sx, words.stride(0),
+                            scale.stride(0), M * N, N, G=group, BN=BN, U=unroll, PF=pf,
+                            INPLACE=bool(cfg.get("INPLACE", False)), **launch)
     if split == 1:
         return out
+    if red:
+        return y
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     lt.sum_splits[(triton.cdiv(M * N, 1024),)](out, y, M * N, SPLIT=split, BLOCK=1024)
     return y
+
+
+_COUNTS = 1 << 16  # tiles a split-K launch may reduce in place (``RED``): one int32 counter each
+_COUNTERS: dict[torch.device, Tensor] = {}
+
+
+def _counters(device: torch.device) -> Tensor:
+    """The per-tile counters of the in-kernel split-K sum (``lowp_triton._last_adds``): zero
+    between launches (the last program of each tile puts its counter back), so one buffer per
+    device serves every launch on a stream. Made on the first call outside a graph capture (a
+    capture's own zeros would be written only when the graph replays)."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(_COUNTS, device=device, dtype=torch.int32)
+    return _COUNTERS[device]
 
 
 def fp8_config(M: int, N: int, K: int) -> dict:

@@ -61,7 +61,12 @@ def test_w4a16_decode_kernel_matches_the_dequantized_product(M: int, cfg: dict) 
                                  dict(path="gemv", BN=32, U=4, split=0, programs=8),
                                  dict(path="dott", BN=16, U=2, split=1, JOIN=False, NIB16=True),
                                  dict(path="dott", BN=32, U=1, split=2, JOIN=True),
-                                 dict(path="dott", BN=16, U=4, split=0, programs=8, JOIN=True, NIB16=True)])
+                                 dict(path="dott", BN=16, U=4, split=0, programs=8, JOIN=True, NIB16=True),
+                                 dict(path="gemv", BN=16, U=1, split=2, PF=True, INPLACE=True),
+                                 dict(path="gemv", BN=16, U=2, split=2, XP=True),
+                                 dict(path="dott", BN=16, U=2, split=1, JOIN=True, NIB16=2),
+                                 dict(path="dott", BN=32, U=1, split=2, JOIN=False, NIB16=2, PF=True),
+                                 dict(path="dott", BN=16, U=1, split=2, JOIN=True, NIB16=2, PF=True, SWAP=True)])
 def test_word_wise_w4a16_kernels_match_the_dequantized_product(M: int, cfg: dict) -> None:
     """The int32-word kernels: N not a multiple of the tile, two K slices or one, group 128."""
     g = torch.Generator().manual_seed(M)
@@ -77,6 +82,24 @@ def test_word_wise_w4a16_kernels_match_the_dequantized_product(M: int, cfg: dict
     assert got.shape == (M, N) and got.dtype == dtype
     assert _rel(got, ref) < (1e-5 if dtype == torch.float32 else 4e-3)
     assert torch.equal(got, lowp._int4_words(x, packed, scale, group, dict(cfg, warps=4, stages=2)))
+
+
+@needs_triton
+@pytest.mark.parametrize("cfg", [dict(path="gemv", BN=16, U=1, split=4, PF=True, INPLACE=True),
+                                 dict(path="dott", BN=16, U=1, split=2, JOIN=True, NIB16=2, PF=True, SWAP=True),
+                                 dict(path="dott", BN=16, U=2, split=2, JOIN=True, NIB16=1)])
+def test_split_k_summed_in_the_kernel_is_the_second_launchs_sum_bit_for_bit(cfg: dict) -> None:
+    """``RED``: the last program of each tile adds the K slices' partials in slice order, as
+    ``sum_splits`` does (the same bits, call after call), and leaves the tile counters at zero."""
+    g = torch.Generator().manual_seed(5)
+    N, K, group = 40, 512, 128
+    packed, scale = _int4(N, K, group, g)
+    dtype = (torch.bfloat16 if DEVICE == "cuda" else torch.float16) if cfg["path"] == "dott" else torch.float32
+    x = torch.randn(3, K, generator=g).to(DEVICE, dtype)
+    two = lowp._int4_words(x, packed, scale, group, dict(cfg, warps=4))
+    for _ in range(2):
+        assert torch.equal(lowp._int4_words(x, packed, scale, group, dict(cfg, warps=4, RED=True)), two)
+    assert int(lowp._counters(x.device).abs().sum()) == 0
 
 
 @needs_triton
