@@ -160,12 +160,15 @@ class Driver:
         trained = metrics.get("train/version")  # RLStep reports it; another backend is asked
         self.trained_version = int(trained) if trained is not None else await a.trainer.get_version.remote()
         await a.buffer.set_version.remote(self.trained_version)
-        publish = a.trainer.publish.remote(a.broadcaster)
-        # Submitted before the next step's get_batch: the buffer answers in submission order,
-        # so the record reads the buffer as this step left it.
+        # Answered before the next train call is sent: an actor's async calls need not start in
+        # submission order, and a train call that took the weights lock first would move the
+        # weights this publish is to send.
+        new_version = await a.trainer.publish.remote(a.broadcaster)
+        # Asked before the next step's get_batch: the buffer answers in submission order, so the
+        # record reads the buffer as this step left it.
         buffer_stats = a.buffer.stats.remote()
         self.step += 1
-        record = self._record(self.step, version, groups, metrics, publish, buffer_stats,
+        record = self._record(self.step, version, groups, metrics, new_version, buffer_stats,
                               t0, wait_s, train_s, self._recording)
         if self._overlaps(self.step):
             self._recording = asyncio.ensure_future(record)
@@ -174,14 +177,12 @@ class Driver:
             await record
 
     def _overlaps(self, step: int) -> bool:
-        """Whether this step's record (the publish's answer, the stats, the log line) runs
-        beside the next step's train call. Async runs only: there the next step does not wait
-        for the workers to hold the new weights, and the trainer takes the next call after the
-        publish (one caller's calls to an actor start in submission order; both hold the
-        trainer's weights lock). The trainer would otherwise idle through these round trips,
-        on a small machine a tenth of the step. Inline: sync runs (the next batch needs the
-        weights applied), colocated offloading, the first step (start-up figures), and a step
-        with a checkpoint or an evaluation due (both need the step's version in place)."""
+        """Whether this step's record (the stats, the log line) runs beside the next step's
+        train call. Async runs only: there the next step does not wait for the workers to hold
+        the new weights. The trainer would otherwise idle through these round trips. Inline:
+        sync runs (the next batch needs the weights applied), colocated offloading, the first
+        step (start-up figures), and a step with a checkpoint or an evaluation due (both need
+        the step's version in place)."""
         cfg = self.cfg
         due = lambda every: bool(every) and step % every == 0  # noqa: E731
         return (cfg.scheduler.mode != "sync" and not cfg.engine.offload_rollout and step > 1
@@ -189,14 +190,13 @@ class Driver:
                 and not (self.eval_data is not None and due(cfg.run.eval_interval)))
 
     async def _record(self, step: int, version: int, groups: list[list[Any]], metrics: dict[str, Any],
-                      publish: Any, buffer_stats: Any, t0: float, wait_s: float, train_s: float,
+                      new_version: int, buffer_stats: Any, t0: float, wait_s: float, train_s: float,
                       previous: asyncio.Future[None] | None) -> None:
-        """The rest of a step after its train call: the publish's answer (and in sync runs the
-        workers' acknowledgement), the version for admission, the step's metrics row, and an
-        evaluation or checkpoint when due. Rows are logged in step order."""
+        """The rest of a step after its train call and publish: in sync runs the workers'
+        acknowledgement, the version for admission, the step's metrics row, and an evaluation
+        or checkpoint when due. Rows are logged in step order."""
         cfg, a = self.cfg, self.actors
         end = time.monotonic()  # overlapped: the next step starts now
-        new_version = await publish
         if cfg.scheduler.mode == "sync":
             await a.broadcaster.wait_applied.remote(new_version)
         self.scheduler.on_version(new_version)
