@@ -89,7 +89,7 @@ class Driver:
         self.draft_run: Any = None
         self.step = 0
         self.trained_version = 0  # the trainer's version after the last train call (ahead of the
-        # scheduler's until that step's publish answers)
+        # scheduler's until that step's record runs)
         self._recording: asyncio.Future[None] | None = None  # an overlapped step's record
         self.saved_step = -1  # the step of the last checkpoint this run wrote
         self.admit_s = 0.0
@@ -164,12 +164,12 @@ class Driver:
         # submission order, and a train call that took the weights lock first would move the
         # weights this publish is to send.
         new_version = await a.trainer.publish.remote(a.broadcaster)
-        # Asked before the next step's get_batch: the buffer answers in submission order, so the
-        # record reads the buffer as this step left it.
+        # Sent before the next step's get_batch, so that the record reads the buffer as this
+        # step left it (the metrics row only: nothing is decided from it).
         buffer_stats = a.buffer.stats.remote()
         self.step += 1
         record = self._record(self.step, version, groups, metrics, new_version, buffer_stats,
-                              t0, wait_s, train_s, self._recording)
+                              t0, wait_s, train_s, time.monotonic(), self._recording)
         if self._overlaps(self.step):
             self._recording = asyncio.ensure_future(record)
         else:
@@ -191,12 +191,12 @@ class Driver:
 
     async def _record(self, step: int, version: int, groups: list[list[Any]], metrics: dict[str, Any],
                       new_version: int, buffer_stats: Any, t0: float, wait_s: float, train_s: float,
-                      previous: asyncio.Future[None] | None) -> None:
+                      end: float, previous: asyncio.Future[None] | None) -> None:
         """The rest of a step after its train call and publish: in sync runs the workers'
         acknowledgement, the version for admission, the step's metrics row, and an evaluation
-        or checkpoint when due. Rows are logged in step order."""
+        or checkpoint when due. Rows are logged in step order. ``end``: when the step's publish
+        answered (an overlapped step's end: the next step starts then)."""
         cfg, a = self.cfg, self.actors
-        end = time.monotonic()  # overlapped: the next step starts now
         if cfg.scheduler.mode == "sync":
             await a.broadcaster.wait_applied.remote(new_version)
         self.scheduler.on_version(new_version)

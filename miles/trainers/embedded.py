@@ -305,9 +305,10 @@ class EmbeddedTrainer(RLStep):
 
     @property
     def runs_gradless_rows(self) -> bool:  # type: ignore[override]
-        """Eager layers on one rank only: a compiled layer would compile its no-grad form
-        mid-run, and FSDP ranks must run the same backward passes (their collectives)."""
-        return not self.compiled and self._background is None and not self.sharded
+        """Eager dense layers on one rank only: a compiled layer would compile its no-grad
+        form mid-run, FSDP ranks must run the same backward passes (their collectives), and an
+        expert that only such rows reach would get a zero gradient where it now gets none."""
+        return not self.compiled and self._background is None and not self.sharded and not self.is_moe
 
     def _forward_backward(self, batch: TokenBatch, rows: list[int], loss: MicroLoss, limits: TrainerConfig) -> None:
         entropy_mode = self._entropy_mode()

@@ -253,11 +253,9 @@ class RLStep:
         """The rows whose gradient is exactly 0: every advantage 0 (a GRPO group whose samples
         all got one reward: in RLVR with a pass/fail reward, the groups all right or all wrong,
         often half the batch) in a loss with no term besides the policy gradient's, which is
-        the advantage times a finite factor (no entropy bonus, no KL loss). Dense models only:
-        an expert that only such rows reach would get a zero gradient where it now gets none.
-        Empty where the backend runs every row the same way."""
-        if (not self.runs_gradless_rows or self.algo.entropy_coef > 0 or self.algo.kl_coef > 0
-                or getattr(self, "is_moe", False)):
+        the advantage times a finite factor (no entropy bonus, no KL loss). Empty where the
+        backend runs every row the same way."""
+        if not self.runs_gradless_rows or self.algo.entropy_coef > 0 or self.algo.kl_coef > 0:
             return frozenset()
         return frozenset((advantages == 0).all(dim=1).nonzero().flatten().tolist())
 
