@@ -91,6 +91,7 @@ class Driver:
         self.trained_version = 0  # the trainer's version after the last train call (ahead of the
         # scheduler's until that step's record runs)
         self._recording: asyncio.Future[None] | None = None  # an overlapped step's record
+        self.publish_sent: int | None = None  # the version the last publish sent from a step carries
         self.saved_step = -1  # the step of the last checkpoint this run wrote
         self.admit_s = 0.0
         self.trainer_rss_mb = 0.0
@@ -153,22 +154,23 @@ class Driver:
         if a.draft_trainer is not None:  # fresh trajectories for the draft; fire and forget
             a.draft_trainer.add_batch.remote(batch_ref)
         t1 = time.monotonic()
-        metrics = await a.trainer.train.remote(batch_ref)
+        # ``after``: the trainer moves no weight before the last publish has read them (an
+        # actor's async calls need not start in submission order).
+        metrics = await a.trainer.train.remote(batch_ref, self.publish_sent)
         train_s = time.monotonic() - t1
-        # The buffer learns the new version before any worker can hold its weights: a put
-        # with tokens of a version the buffer does not know yet is refused as invalid.
         trained = metrics.get("train/version")  # RLStep reports it; another backend is asked
         self.trained_version = int(trained) if trained is not None else await a.trainer.get_version.remote()
-        await a.buffer.set_version.remote(self.trained_version)
-        # Answered before the next train call is sent: an actor's async calls need not start in
-        # submission order, and a train call that took the weights lock first would move the
-        # weights this publish is to send.
-        new_version = await a.trainer.publish.remote(a.broadcaster)
+        # The buffer learns the new version before any worker can hold its weights (a put with
+        # tokens of a version the buffer does not know yet is refused as invalid): the publish
+        # reads the weights at once and waits for this before it hands them on.
+        known = a.buffer.set_version.remote(self.trained_version)
+        publish = a.trainer.publish.remote(a.broadcaster, [known])
+        self.publish_sent = self.trained_version
         # Sent before the next step's get_batch, so that the record reads the buffer as this
         # step left it (the metrics row only: nothing is decided from it).
         buffer_stats = a.buffer.stats.remote()
         self.step += 1
-        record = self._record(self.step, version, groups, metrics, new_version, buffer_stats,
+        record = self._record(self.step, version, groups, metrics, publish, buffer_stats,
                               t0, wait_s, train_s, time.monotonic(), self._recording)
         if self._overlaps(self.step):
             self._recording = asyncio.ensure_future(record)
@@ -190,13 +192,14 @@ class Driver:
                 and not (self.eval_data is not None and due(cfg.run.eval_interval)))
 
     async def _record(self, step: int, version: int, groups: list[list[Any]], metrics: dict[str, Any],
-                      new_version: int, buffer_stats: Any, t0: float, wait_s: float, train_s: float,
+                      publish: Any, buffer_stats: Any, t0: float, wait_s: float, train_s: float,
                       end: float, previous: asyncio.Future[None] | None) -> None:
-        """The rest of a step after its train call and publish: in sync runs the workers'
-        acknowledgement, the version for admission, the step's metrics row, and an evaluation
-        or checkpoint when due. Rows are logged in step order. ``end``: when the step's publish
-        answered (an overlapped step's end: the next step starts then)."""
+        """The rest of a step after its train call: the publish's answer, in sync runs the
+        workers' acknowledgement, the version for admission, the step's metrics row, and an
+        evaluation or checkpoint when due. Rows are logged in step order. ``end``: when the
+        publish was sent (an overlapped step's end: the next step starts then)."""
         cfg, a = self.cfg, self.actors
+        new_version = await publish
         if cfg.scheduler.mode == "sync":
             await a.broadcaster.wait_applied.remote(new_version)
         self.scheduler.on_version(new_version)

@@ -21,6 +21,11 @@ version goes out through the object store instead and the next publish rebuilds 
 ``republish`` (asked by the broadcaster for a worker that needs the newest version in full)
 sends the current version through the object store. Training, publishing and republishing
 hold one lock, so weights are never exported halfway through an optimizer step.
+
+An object-store update is a copy of the weights: such a publish holds the lock only while it
+packs them, and the next step trains while the broadcaster is told. ``train(after=v)`` waits
+for the publish of version v to have read the weights: the driver sends the publish and the
+next train call back to back, and an actor's async calls need not start in submission order.
 """
 
 from __future__ import annotations
@@ -68,7 +73,10 @@ class PolicyTrainer:
                          "tensors_sent": 0}
         self.last_error = ""
         self._broadcaster: Peer | None = None
+        self.read_version = -1  # newest version a publish has read the weights of
         self._lock: asyncio.Lock | None = None
+        self._read: asyncio.Condition | None = None
+        self._delivering: asyncio.Lock | None = None
         self._releases: set[asyncio.Task[None]] = set()
         self._compute = ComputeThread("miles-trainer")  # model work on one thread (miles.utils.compute)
 
@@ -84,8 +92,33 @@ class PolicyTrainer:
             self._lock = asyncio.Lock()
         return self._lock
 
-    async def train(self, groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
+    def _read_condition(self) -> asyncio.Condition:
+        if self._read is None:
+            self._read = asyncio.Condition()
+        return self._read
+
+    def _delivery_lock(self) -> asyncio.Lock:
+        """Held from an update's copy to the broadcaster's answer: updates reach it in version order."""
+        if self._delivering is None:
+            self._delivering = asyncio.Lock()
+        return self._delivering
+
+    async def _mark_read(self, version: int) -> None:
+        cond = self._read_condition()
+        async with cond:
+            self.read_version = max(self.read_version, version)
+            cond.notify_all()
+
+    async def train(self, groups: Sequence[Sequence[Trajectory]], after: int | None = None) -> dict[str, float]:
+        """One optimizer step on ``groups``. ``after``: a version whose publish must read the
+        weights before this step moves them (the one the driver asked to publish last)."""
         start = time.monotonic()
+        if after is not None:
+            if after > self.backend.version:
+                raise ValueError(f"after={after}: the trainer is at version {self.backend.version}")
+            cond = self._read_condition()
+            async with cond:
+                await cond.wait_for(lambda: self.read_version >= after or self.backend.version > after)
         if self.deterministic:
             # Groups arrive in completion order, which depends on timing; a fixed order
             # makes the gradient's summation order, hence the weights, reproducible.
@@ -97,30 +130,71 @@ class PolicyTrainer:
         metrics["perf/train_step_s"] = time.monotonic() - start
         return metrics
 
-    async def publish(self, broadcaster: Any) -> int:
-        """Send the current weights to the broadcaster's workers; returns the version."""
+    async def publish(self, broadcaster: Any, ready: Sequence[Any] = ()) -> int:
+        """Send the current weights to the broadcaster's workers; returns the version.
+        ``ready``: awaitables (Ray references) to wait for before any worker may receive the
+        weights, such as the buffer learning the version; passed in a list so that the call
+        starts, and reads the weights, without waiting for them."""
         peer = self._broadcaster = Peer(broadcaster)
+        if self.sender.kind == "object_store" and self.tracker is None:
+            return await self._publish_copy(peer, ready)
         async with self._weights_lock():
             start = time.monotonic()
             version = self.backend.version
-            plan: UpdatePlan = await peer.call("plan_update", version)
-            sender = self.sender if plan.members else self.fallback  # nobody to address (yet, or on this node)
             try:
-                await self._send(peer, sender, version, plan)
-            except Exception as exc:
-                if sender.kind == "object_store":
-                    raise
-                self.counters["fallbacks"] += 1
-                self.last_error = f"{type(exc).__name__}: {exc}"[:500]
-                log.warning("weight transport %s failed for version %d (%s); sending it through the "
-                            "object store", sender.kind, version, self.last_error)
-                sender.close()
-                await peer.call("group_failed")
-                await self._send(peer, self.fallback, version, plan, replace=True)
-            self.published_version = version
-            self.counters["publishes"] += 1
+                await self._publish_locked(peer, version, ready)
+            finally:
+                await self._mark_read(version)
             self.last_publish_s = time.monotonic() - start
         return version
+
+    async def _publish_copy(self, peer: Peer, ready: Sequence[Any]) -> int:
+        """A full object-store update: every member gets the same copy, so the broadcaster's
+        plan changes nothing and is not asked; the lock covers the copy only."""
+        deliveries = self._delivery_lock()
+        async with self._weights_lock():
+            start = time.monotonic()
+            version = self.backend.version
+            try:
+                plans, _ = await self._compute.run(self._export, True)
+                update: WeightUpdate = await self._compute.run(self.sender.prepare, version, plans, full=True)
+            finally:
+                await self._mark_read(version)
+            await deliveries.acquire()
+        try:
+            await asyncio.gather(*ready)
+            await peer.call("publish", version, update, False)
+        finally:
+            deliveries.release()
+        self.published_version = max(self.published_version, version)
+        if update.replayable:
+            self.replayable_version = max(self.replayable_version, version)
+        self.counters["publishes"] += 1
+        self.counters["bytes_sent"] += update.nbytes
+        self.counters["tensors_sent"] += update.num_tensors
+        self.last_publish_s = time.monotonic() - start
+        return version
+
+    async def _publish_locked(self, peer: Peer, version: int, ready: Sequence[Any]) -> None:
+        """A publish through a transport that reads the weights while it sends them (NCCL,
+        CUDA IPC) or that sends what changed since the last one: all under the lock."""
+        await asyncio.gather(*ready)
+        plan: UpdatePlan = await peer.call("plan_update", version)
+        sender = self.sender if plan.members else self.fallback  # nobody to address (yet, or on this node)
+        try:
+            await self._send(peer, sender, version, plan)
+        except Exception as exc:
+            if sender.kind == "object_store":
+                raise
+            self.counters["fallbacks"] += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning("weight transport %s failed for version %d (%s); sending it through the "
+                        "object store", sender.kind, version, self.last_error)
+            sender.close()
+            await peer.call("group_failed")
+            await self._send(peer, self.fallback, version, plan, replace=True)
+        self.published_version = version
+        self.counters["publishes"] += 1
 
     async def republish(self, version: int) -> bool:
         """Publish ``version`` again, in full, through the object store (for workers that

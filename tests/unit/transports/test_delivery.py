@@ -255,3 +255,40 @@ def test_train_steps_and_weight_export_run_on_the_trainers_one_compute_thread() 
 
     assert asyncio.run(go()) == 1
     assert [kind for kind, _ in threads] == ["train", "export"] * 3
+
+
+def test_a_train_call_sent_after_a_publish_waits_for_its_copy_even_when_it_starts_first() -> None:
+    """The driver sends publish(v) and the next train(after=v) back to back and does not wait
+    for the broadcaster; the train call may start first and must not move the weights before
+    the publish has copied them, and the publish hands the copy on only once ``ready`` is."""
+
+    class Stepping(Backend):
+        def train_step(self, groups: Any) -> dict[str, float]:
+            self.step()
+            return {"train/version": float(self.version)}
+
+    async def go() -> None:
+        backend = Stepping()
+        trainer = PolicyTrainer(backend, bucket_bytes=1 << 14)
+        bc = WeightBroadcaster()
+        bc.attach_source(trainer)
+        worker = _worker("w0")
+        bc.register("w0", worker)
+        await trainer.train([])  # version 1
+        want = {k: v.clone() for k, v in backend.model.state_dict().items()}
+        known = asyncio.get_running_loop().create_future()  # the buffer's set_version, not answered yet
+        train = asyncio.create_task(trainer.train([], after=1))  # starts before the publish
+        await asyncio.sleep(0.01)
+        assert backend.version == 1 and not train.done()  # waiting for the publish's copy
+        publish = asyncio.create_task(trainer.publish(bc, [known]))
+        await train  # trained on once the copy was made, while the publish waits for `known`
+        assert backend.version == 2 and not publish.done() and bc.latest_version < 1
+        known.set_result(None)
+        assert await publish == 1
+        assert await bc.wait_applied(1, timeout=30)
+        got = worker.engine.model.state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)  # version 1's weights, not version 2's
+        with pytest.raises(ValueError, match="after=5"):
+            await trainer.train([], after=5)
+
+    asyncio.run(go())
