@@ -377,8 +377,9 @@ def build_policy_trainer(cfg: MilesConfig) -> Any:
     if cap is not None:  # the engine's memory plan left room for micro-batches of this size
         log.info("colocated trainer: micro-batches of at most %d tokens (--max-tokens-per-micro-batch sets it)", cap)
         trainer_cfg = msgspec.structs.replace(trainer_cfg, max_tokens_per_micro_batch=cap)
-    if cfg.run.true_on_policy:  # eager layers: the engine's rounding of each op (models.invariant)
-        trainer_cfg = msgspec.structs.replace(trainer_cfg, compile=False)
+    if cfg.run.true_on_policy:  # eager layers: the engine's rounding of each op (models.invariant);
+        # every row forward, so the reported rollout/trainer log-prob difference covers them all
+        trainer_cfg = msgspec.structs.replace(trainer_cfg, compile=False, zero_advantage_rows="forward")
     # A LoRA trainer keeps its frozen base in the compute dtype: loaded so, it never holds a float32 copy.
     from miles.trainers.embedded import _dtype
 

@@ -314,9 +314,10 @@ class EmbeddedTrainer(RLStep):
         entropy_mode = self._entropy_mode()
         live = [r for r in rows if r not in loss.gradless]
         idle = [r for r in rows if r in loss.gradless]
+        forward_only = [] if loss.skip_gradless else idle
         if self._pool is not None:
             limits = finer_limits(limits, sum(batch.seq_lens[r] for r in live or idle), self._pool.threads)
-        plan = [(mb_rows, grad) for part, grad in ((live, True), (idle, False)) for mb_rows in batch.plan(part, limits)
+        plan = [(mb_rows, grad) for part, grad in ((live, True), (forward_only, False)) for mb_rows in batch.plan(part, limits)
                 if any(batch.loss_tokens[r] for r in mb_rows)]
         if self._pool is not None and len(plan) > 1:
             self._parallel_forward_backward(batch, plan, loss, entropy_mode)

@@ -70,8 +70,10 @@ class MicroLoss:
         self.advantages, self.logp_prox, self.logp_ref, self.den = advantages, logp_prox, logp_ref, den
         self.reference, self.trained_version = reference, trained_version
         # Rows whose gradient is exactly 0 (``RLStep._gradless_rows``): a backend that can runs
-        # their forward without autograd, for their metrics and finiteness, and no backward.
+        # their forward without autograd, for their metrics and finiteness, and no backward;
+        # with ``skip_gradless`` it runs no forward for them at all.
         self.gradless: frozenset[int] = frozenset()
+        self.skip_gradless = False
         self.reset()
 
     def reset(self) -> None:
@@ -199,6 +201,7 @@ class RLStep:
             loss = MicroLoss(self, advantages, logp_prox, logp_ref, batch.denominators(rows), reference,
                              trained_version)
             loss.gradless = gradless
+            loss.skip_gradless = self._skips_gradless(rows, gradless)
             if self._update(batch, rows, loss, acc):
                 tokens += loss.tokens
             else:
@@ -258,6 +261,15 @@ class RLStep:
         if not self.runs_gradless_rows or self.algo.entropy_coef > 0 or self.algo.kl_coef > 0:
             return frozenset()
         return frozenset((advantages == 0).all(dim=1).nonzero().flatten().tolist())
+
+    def _skips_gradless(self, rows: list[int], gradless: frozenset[int]) -> bool:
+        """Whether a mini-batch's gradless rows get no forward at all: their loss, gradient and
+        share of the denominators (counted from the masks beforehand) are what a forward would
+        give, so only their per-token diagnostics go. Not with ``--zero-advantage-rows
+        forward``, not under a strict on-policy check (it reads every row's log-prob), and not
+        when no row of the mini-batch trains (its metrics then come from those rows)."""
+        return (self.config.zero_advantage_rows == "skip" and self.config.true_on_policy_check != "strict"
+                and bool(gradless) and any(r not in gradless for r in rows))
 
     def _update(self, batch: TokenBatch, rows: list[int], loss: MicroLoss, acc: MetricAccumulator) -> bool:
         """One optimizer step over the mini-batch ``rows``. Returns False if it was skipped as

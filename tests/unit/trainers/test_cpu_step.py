@@ -5,8 +5,9 @@
   with a prompt that several rows share packed once, both to float32 round-off.
 - Micro-batches run side by side (``parallel.MicroBatchPool``) train the serial loop's
   weights and report its metrics, bit for bit.
-- Rows whose advantages are all 0 run forward only (``RLStep._gradless_rows``): the weights
-  and metrics of running them with autograd, to float32 round-off.
+- Rows whose advantages are all 0 (``RLStep._gradless_rows``) get no forward by default and
+  run forward only with ``zero_advantage_rows="forward"``: the weights of running them with
+  autograd, to float32 round-off, and with "forward" its metrics too.
 """
 
 from __future__ import annotations
@@ -153,14 +154,16 @@ def test_a_cpu_trainer_shares_prompts_and_plans_a_prompt_s_rows_together() -> No
         assert packed == 3 * len(mb) + 3 * len(set(classes))  # its responses, each prompt once
 
 
-def _train_uniform(monkeypatch: pytest.MonkeyPatch, helpers: int, gradless: bool) -> tuple[EmbeddedTrainer, list[dict]]:
+def _train_uniform(monkeypatch: pytest.MonkeyPatch, helpers: int, gradless: bool,
+                   rows: str = "forward") -> tuple[EmbeddedTrainer, list[dict]]:
     """Steps with some groups of one reward (advantage 0), then a step where every group has
     one: its gradient is all zeros, and AdamW still steps (moments, weight decay)."""
     monkeypatch.setattr(embedded, "cpu_helpers", lambda device: helpers)
     monkeypatch.setattr(EmbeddedTrainer, "runs_gradless_rows", property(lambda self: gradless))
-    config = TrainerConfig(lr=1e-2, seed=0, weight_decay=0.1, max_tokens_per_micro_batch=12)
+    config = TrainerConfig(lr=1e-2, seed=0, weight_decay=0.1, max_tokens_per_micro_batch=12,
+                           zero_advantage_rows=rows)
     trainer = EmbeddedTrainer(make_model(), config=config, algo=AlgorithmConfig(use_tis=True))
-    metrics = []
+    metrics, seen = [], []
     for s in range(4):
         groups = random_groups(num_groups=4, size=4, seed=s)
         for gi, g in enumerate(groups):
@@ -170,14 +173,21 @@ def _train_uniform(monkeypatch: pytest.MonkeyPatch, helpers: int, gradless: bool
                     t.reward = float(gi % 3 == 0)  # one reward for the whole group
         set_behaviour(trainer, groups, shift=0.05)
         metrics.append(trainer.train_step(groups))
+        seen.append(groups)
+    trainer.groups_seen = seen  # type: ignore[attr-defined]
     return trainer, metrics
 
 
+@pytest.mark.parametrize("rows", ["forward", "skip"])
 @pytest.mark.parametrize("helpers", [0, 2])
 def test_rows_of_zero_advantage_run_forward_only_and_train_the_same(monkeypatch: pytest.MonkeyPatch,
-                                                                     helpers: int) -> None:
+                                                                     helpers: int, rows: str) -> None:
     full, m_full = _train_uniform(monkeypatch, helpers, gradless=False)
-    fast, m_fast = _train_uniform(monkeypatch, helpers, gradless=True)
+    forwards = []
+    original = EmbeddedTrainer._forward
+    monkeypatch.setattr(EmbeddedTrainer, "_forward",
+                        lambda self, model, mb, mode: forwards.append(mb.size) or original(self, model, mb, mode))
+    fast, m_fast = _train_uniform(monkeypatch, helpers, gradless=True, rows=rows)
     assert [m["train/gradless_token_frac"] for m in m_full] == [0.0] * 4
     fracs = [m["train/gradless_token_frac"] for m in m_fast]
     assert all(0.0 < f < 1.0 for f in fracs[:3]) and fracs[3] == 1.0
@@ -185,11 +195,20 @@ def test_rows_of_zero_advantage_run_forward_only_and_train_the_same(monkeypatch:
         # AdamW's normalised steps (lr 1e-2) carry the gradients' round-off at elements whose
         # gradient is near 0; a row's lost gradient or a skipped step would move them by ~lr
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    # every row forward in "forward"; in "skip" the live rows only, but all of them in the last
+    # step, where none trains (its metrics come from them)
+    forwarded = sum(forwards) - 16 * 4  # less set_behaviour's pass over every row per step
+    uniform = [sum(4 for g in groups if len({t.reward for t in g}) == 1) for groups in fast.groups_seen]
+    assert forwarded == (64 if rows == "forward" else 16 + sum(16 - u for u in uniform[:3])), (forwards, uniform)
+    assert 0 < uniform[0] < 16 and uniform[3] == 16
     for a, b in zip(m_full, m_fast):
+        assert set(a) == set(b)  # the same keys every step
         for key in a:
             if key.startswith("train/") and key not in ("train/step_time_s", "train/tokens_per_s",
                                                         "train/gradless_token_frac"):
-                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+                if rows == "forward" or key in ("train/loss", "train/pg_loss", "train/grad_norm") \
+                        or b["train/gradless_token_frac"] in (0.0, 1.0):
+                    assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
 def test_rows_of_zero_advantage_keep_their_gradient_under_an_entropy_bonus(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -199,3 +218,19 @@ def test_rows_of_zero_advantage_keep_their_gradient_under_an_entropy_bonus(monke
     assert trainer._gradless_rows(torch.zeros(4, 3)) == frozenset()
     trainer.algo = AlgorithmConfig()
     assert trainer._gradless_rows(torch.tensor([[0.0, 0.0], [0.0, 0.5], [0.0, 0.0]])) == frozenset({0, 2})
+
+
+def test_zero_advantage_rows_keep_their_forward_where_a_check_or_the_metrics_need_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import msgspec
+
+    monkeypatch.setattr(embedded, "cpu_helpers", lambda device: 0)
+    trainer = EmbeddedTrainer(make_model(), config=TrainerConfig(lr=1e-2, zero_advantage_rows="skip"),
+                              algo=AlgorithmConfig())
+    gradless = frozenset({0, 1})
+    assert trainer._skips_gradless([0, 1, 2], gradless)
+    assert not trainer._skips_gradless([0, 1], gradless)  # no row trains: the step's metrics come from these
+    assert not trainer._skips_gradless([2, 3], frozenset())
+    trainer.config = msgspec.structs.replace(trainer.config, true_on_policy_check="strict")
+    assert not trainer._skips_gradless([0, 1, 2], gradless)  # the check reads every row's log-prob
+    assert TrainerConfig().zero_advantage_rows == "forward"
