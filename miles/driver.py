@@ -9,7 +9,8 @@ Four things run at once, all meeting in the replay buffer:
 3. the train loop below: take a batch as soon as one satisfies the bound, train, publish
    version v+1 through the broadcaster, log, evaluate, checkpoint;
 4. ``watch``: pings every actor; a dead rollout worker's leased work goes back to the queue
-   (exactly once) and a fresh worker replaces it; a dead trainer stops the run.
+   (exactly once) and a fresh worker replaces it (``miles.supervisor``); a dead trainer stops
+   the run.
 
 With ``--enable-draft-training`` a DraftTrainer runs beside them (its own ``run`` loop): the
 train loop hands it each trained batch without waiting, and it publishes draft versions
@@ -41,23 +42,14 @@ from miles.config import MilesConfig
 from miles.data import PromptDataset
 from miles.outputs import RunOutputs, batch_metrics, load_debug_batches
 from miles.scheduler import Scheduler
+from miles.supervisor import WorkerSupervisor
 from miles.utils.proc import process_start_monotonic, rss_mb
 
 
-# A replacement rollout worker's construction (engine build, checkpoint load, a gloo or NCCL
-# group rebuild) may take minutes on a loaded node: it has this long to answer its first
-# ping, where a running worker has only the health-ping timeout.
-STARTUP_DEADLINE_S = 600.0
 # An engine's switch to its compiled step functions (miles.engines.warmup): the switch's pause,
 # the eager serving before it, the compile child's wall time, the policy version it switched at.
 ENGINE_SWITCH_KEYS = ("engine/compile_switch_s", "engine/eager_serve_s", "engine/compile_child_s",
                       "engine/compiled_from_version")
-
-
-def backoff_s(attempts: int) -> float:
-    """Seconds before the ``attempts``-th replacement of one worker: doubling, capped, so a
-    worker that keeps dying does not spin the cluster."""
-    return min(30.0, 0.5 * 2 ** max(0, attempts - 1))
 
 
 class RunFailed(RuntimeError):
@@ -79,12 +71,7 @@ class Driver:
         self.ckpt = CheckpointManager(cfg.run.save, keep=cfg.run.keep_checkpoints) if cfg.run.save else None
         self.stop = asyncio.Event()
         self.failure: str | None = None
-        self.worker_runs: dict[str, Any] = {}
-        self.worker_stats: dict[str, dict[str, float]] = {}
-        self.restarts: dict[str, int] = {}  # crashes of each worker name (the failure limit)
-        self.slow_starts: dict[str, int] = {}  # replacements that missed their start-up deadline
-        self.starting: dict[str, Any] = {}  # replacements built but not yet answering a ping
-        self.respawns: set[asyncio.Task[None]] = set()
+        self.workers = WorkerSupervisor(cfg, self.actors, self.stop, self._fail, self._checkpoint_note)
         self.eval_tasks: list[asyncio.Task[None]] = []
         self.draft_run: Any = None
         self.step = 0
@@ -267,26 +254,12 @@ class Driver:
                     await buffer.add_prompts.remote(prompts)
 
     async def _watch(self) -> None:
-        """Notice dead actors within ``--health-check-interval-s`` and recover."""
+        """Notice dead actors within ``--health-check-interval-s`` and recover (the rollout
+        workers: ``miles.supervisor``); a trainer that stops answering ends the run."""
         timeout = max(5.0, 5 * self.cfg.run.health_check_interval_s)
         while not self.stop.is_set():
             await asyncio.sleep(self.cfg.run.health_check_interval_s)
-            for worker_id, handle in list(self.actors.workers.items()):
-                run_ref = self.worker_runs.get(worker_id)
-                if run_ref is None:  # replaced while this loop awaited
-                    continue
-                done, _ = ray.wait([run_ref], timeout=0)
-                try:
-                    if done:
-                        await run_ref  # run() only returns on stop; finishing early is a death
-                        raise RuntimeError("run() returned")
-                    self.worker_stats[worker_id] = await asyncio.wait_for(handle.ping.remote(), timeout)
-                except Exception as exc:
-                    await self._replace_worker(worker_id, exc)
-                    continue
-                if self.worker_stats[worker_id].get("engine/oom_fatal"):  # a restart would run out again
-                    self._fail(f"rollout worker {worker_id}: {await handle.engine_failure.remote()}"
-                               f"{self._checkpoint_note()}")
+            await self.workers.check(timeout)
             await self.actors.buffer.expire_leases.remote()  # hung workers' work goes back
             await self._check_failures()
             try:
@@ -311,79 +284,6 @@ class Driver:
                        f"{reason}); check --custom-rm-path, the generate function or the environment"
                        f"{self._checkpoint_note()}")
 
-    async def _replace_worker(self, worker_id: str, cause: BaseException, *, slow: bool = False) -> None:
-        """Return the worker's leases to the queue (exactly once) and start a replacement after
-        a backoff. A replacement that misses its start-up deadline is a slow start, not a crash:
-        it is retried without counting against ``--max-worker-restarts`` (which counts crashes),
-        up to as many slow starts again."""
-        a, cfg = self.actors, self.cfg
-        name = worker_id.rsplit("-", 1)[0]
-        counts = self.slow_starts if slow else self.restarts
-        counts[name] = counts.get(name, 0) + 1
-        handle = a.workers.pop(worker_id, None) or self.starting.pop(worker_id, None)
-        if handle is not None:
-            ray_actors.kill(handle)
-        a.worker_nodes.pop(worker_id, None)
-        self.worker_runs.pop(worker_id, None)
-        self.worker_stats.pop(worker_id, None)
-        await a.broadcaster.unregister.remote(worker_id)
-        if a.draft_broadcaster is not None:
-            await a.draft_broadcaster.unregister.remote(worker_id)
-        returned = await a.buffer.release_worker.remote(worker_id)
-        what = f"did not start within {STARTUP_DEADLINE_S:.0f} s" if slow else f"died ({type(cause).__name__})"
-        print(f"[miles] rollout worker {worker_id} {what}; {returned} leased trajectories returned to the queue",
-              flush=True)
-        if counts[name] > cfg.run.max_worker_restarts:
-            self._fail(f"rollout worker {name} {'missed its start-up deadline' if slow else 'died'} "
-                       f"{counts[name]} times: {cause}")
-            return
-        attempts = self.restarts.get(name, 0) + self.slow_starts.get(name, 0)
-        task = asyncio.create_task(self._respawn(name, backoff_s(attempts)))
-        self.respawns.add(task)
-        task.add_done_callback(self.respawns.discard)
-
-    async def _respawn(self, name: str, delay: float) -> None:
-        """Start a replacement for ``name`` after ``delay`` and wait for its first answer under
-        the start-up deadline (building an engine and loading a checkpoint on a loaded node
-        takes far longer than a health ping may); only then does it join the run."""
-        await asyncio.sleep(delay)
-        if self.stop.is_set():
-            return
-        try:
-            worker_id, handle = ray_actors.start_worker(self.cfg, self.actors, name, join=False)
-        except ray_actors.NoNodeLeft as exc:  # its node is gone and no rollout node has room
-            if not self.actors.workers and not self.starting:
-                self._fail(f"rollout worker {name} cannot be replaced: {exc}")
-            else:
-                print(f"[miles] rollout worker {name} is not replaced ({exc}); the run goes on with "
-                      f"{len(self.actors.workers)} worker(s)", flush=True)
-            return
-        self.starting[worker_id] = handle
-        try:
-            await asyncio.wait_for(handle.ping.remote(), STARTUP_DEADLINE_S)
-        except asyncio.TimeoutError as exc:
-            if not self.stop.is_set():
-                await self._replace_worker(worker_id, exc, slow=True)
-            return
-        except Exception as exc:  # its constructor raised, or the process died: a crash
-            if not self.stop.is_set():
-                await self._replace_worker(worker_id, exc)
-            return
-        self.starting.pop(worker_id, None)
-        if self.stop.is_set():
-            ray_actors.kill(handle)
-            return
-        self.actors.workers[worker_id] = handle
-        await self._start_worker(worker_id, handle)
-
-    async def _start_worker(self, worker_id: str, handle: Any) -> None:
-        node = self.actors.worker_nodes.get(worker_id, "")  # the transport follows per pair (by node)
-        latest = await self.actors.broadcaster.register.remote(worker_id, handle, node)
-        if self.actors.draft_broadcaster is not None:
-            await self.actors.draft_broadcaster.register.remote(worker_id, handle)
-        # Registration starts the resync of the newest weights; the worker waits for them.
-        self.worker_runs[worker_id] = handle.run.remote(max(latest, 0))
-
     async def _start(self) -> None:
         a = self.actors
         if self.cfg.run.load:
@@ -398,7 +298,7 @@ class Driver:
                 await a.draft_trainer.publish.remote()
             self.draft_run = a.draft_trainer.run.remote()
         for worker_id, handle in list(a.workers.items()):
-            await self._start_worker(worker_id, handle)
+            await self.workers.start(worker_id, handle)
         # Construction errors (a bad checkpoint, an engine flag) are not crashes to restart
         # from: surface them once, clearly.
         pongs: dict[str, dict[str, float]] = {}
@@ -435,7 +335,7 @@ class Driver:
         stats, delivery = await asyncio.gather(buffer_stats, self.actors.broadcaster.stats.remote())
         stats.update(delivery)  # weights/...: delivery times, resyncs, update size
         totals: dict[str, float] = {}
-        for ws in self.worker_stats.values():
+        for ws in self.workers.stats.values():
             for key in ("rollout/tokens", "rollout/busy_s", "rollout/partial", "rollout/drain_s", "rollout/swap_s",
                         "rollout/stage_s", "engine/graph_captures", "engine/graph_capture_s", "engine/idle_s",
                         "engine/busy_s", "engine/prefill_s", "engine/decode_steps", "engine/decode_rows",
@@ -450,27 +350,27 @@ class Driver:
             for key in ("engine/swap_pause_s_max", "rollout/loop_lag_max_s"):
                 if key in ws:
                     totals[key] = max(totals.get(key, 0.0), ws[key])
-        up = max((ws.get("rollout/uptime_s", 0.0) for ws in self.worker_stats.values()), default=0.0)
+        up = max((ws.get("rollout/uptime_s", 0.0) for ws in self.workers.stats.values()), default=0.0)
         if up:
             totals["rollout/tokens_per_s"] = totals.get("rollout/tokens", 0.0) / up
         for key in ENGINE_SWITCH_KEYS:  # the slowest engine's switch to compiled step functions
-            vals = [ws[key] for ws in self.worker_stats.values() if key in ws]
-            if vals and len(vals) == len(self.worker_stats):  # every engine has switched
+            vals = [ws[key] for ws in self.workers.stats.values() if key in ws]
+            if vals and len(vals) == len(self.workers.stats):  # every engine has switched
                 totals[key] = max(vals)
         for key in ("engine/fused_draw_classes", "engine/cpu_decode_kernel", "engine/lora_shared_base",
                     "engine/compiled"):
-            vals = [ws[key] for ws in self.worker_stats.values() if key in ws]
+            vals = [ws[key] for ws in self.workers.stats.values() if key in ws]
             if vals:  # the worker that runs least of its step fused (seeded draws; the CPU kernel; one base copy; compiled steps)
                 totals[key] = min(vals)
-        limits = [ws["engine/batch_limit"] for ws in self.worker_stats.values() if "engine/batch_limit" in ws]
+        limits = [ws["engine/batch_limit"] for ws in self.workers.stats.values() if "engine/batch_limit" in ws]
         if limits:  # the smallest admission cap an engine's OOMs left it with
             totals["engine/batch_limit"] = min(limits)
         stats.update(totals)
         stats.update(self.scheduler.stats())
-        mean_keys = {k for ws in self.worker_stats.values() for k in ws
+        mean_keys = {k for ws in self.workers.stats.values() for k in ws
                      if k.startswith("spec/") or k == "engine/kv_read_useful_frac"}
         for key in mean_keys:  # speculative decoding, KV read efficiency: the workers' mean
-            vals = [ws[key] for ws in self.worker_stats.values() if key in ws]
+            vals = [ws[key] for ws in self.workers.stats.values() if key in ws]
             stats[key] = sum(vals) / len(vals)
         if self.actors.draft_trainer is not None:
             try:
@@ -478,7 +378,7 @@ class Driver:
             except Exception as exc:  # the draft is an optimisation: note it, keep training
                 stats["draft/alive"] = 0.0
                 print(f"[miles] DraftTrainer not answering ({type(exc).__name__})", flush=True)
-        stats["mem/worker_rss_mb"] = max((ws.get("mem/worker_rss_mb", 0.0) for ws in self.worker_stats.values()), default=0.0)
+        stats["mem/worker_rss_mb"] = max((ws.get("mem/worker_rss_mb", 0.0) for ws in self.workers.stats.values()), default=0.0)
         if not self.trainer_weights:
             # a step before the health loop's first trainer ping (a short run on a fast machine):
             # ask now, so every step's record has the counters; a trainer that does not answer
@@ -532,14 +432,12 @@ class Driver:
             # The evaluation due at the last step is part of the run's result: let it finish.
             await asyncio.wait(self.eval_tasks, timeout=600)
         self.stop.set()
-        for task in [*self.eval_tasks, *self.respawns]:
+        for task in self.eval_tasks:
             task.cancel()
-        for handle in self.starting.values():
-            ray_actors.kill(handle)
+        self.workers.cancel_pending()
         if status == "completed" and self.cfg.run.save_hf:
             await a.trainer.export_hf.remote(self.cfg.run.save_hf, self.cfg.rollout.hf_checkpoint)
-        stopped = await asyncio.gather(*(w.stop.remote() for w in a.workers.values()), return_exceptions=True)
-        await asyncio.gather(*self.worker_runs.values(), return_exceptions=True)
+        stopped = await self.workers.wind_down()
         if a.draft_trainer is not None:
             await asyncio.gather(a.draft_trainer.stop.remote(), return_exceptions=True)
             if self.draft_run is not None:
@@ -555,8 +453,8 @@ class Driver:
             "ledger": msgspec.to_builtins(ledger),
             "ledger_ok": _ledger_ok(ledger),
             "data": self.dataset.stats(),
-            "worker_restarts": self.restarts,
-            "worker_slow_starts": self.slow_starts,
+            "worker_restarts": self.workers.restarts,
+            "worker_slow_starts": self.workers.slow_starts,
             "workers": [s for s in stopped if isinstance(s, dict)],
             "checkpoint": self.ckpt.latest() if self.ckpt else None,
             "startup": self.startup,

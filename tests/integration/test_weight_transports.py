@@ -122,7 +122,7 @@ def test_gloo_group_is_rebuilt_after_a_worker_dies(ray_cluster, tiny_ckpt, task,
 
         async def after_the_replacement_joined() -> None:  # the replacement joins asynchronously
             while not driver.stop.is_set() and not any(
-                    w != victim_id and w.startswith(name + "-") for w in driver.worker_runs):
+                    w != victim_id and w.startswith(name + "-") for w in driver.workers.runs):
                 await asyncio.sleep(0.05)
             await train_step()
 

@@ -1,7 +1,7 @@
 """The worker-replacement policy: backoff between attempts doubles and is capped, and the
 start-up deadline is far longer than the default health-ping timeout."""
 
-from miles.driver import STARTUP_DEADLINE_S, backoff_s
+from miles.supervisor import STARTUP_DEADLINE_S, backoff_s
 
 
 def test_backoff_doubles_and_is_capped() -> None:
