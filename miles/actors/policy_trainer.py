@@ -166,12 +166,9 @@ class PolicyTrainer:
             await peer.call("publish", version, update, False)
         finally:
             deliveries.release()
-        self.published_version = max(self.published_version, version)
-        if update.replayable:
-            self.replayable_version = max(self.replayable_version, version)
+        self._note_sent(version, [update])
+        self.published_version = version  # deliveries go in version order (the delivery lock)
         self.counters["publishes"] += 1
-        self.counters["bytes_sent"] += update.nbytes
-        self.counters["tensors_sent"] += update.num_tensors
         self.last_publish_s = time.monotonic() - start
         return version
 
@@ -238,7 +235,12 @@ class PolicyTrainer:
             sent.append(update)
         if tracker is not None:
             tracker.commit(version, prints)
-        if update.replayable:
+        self._note_sent(version, sent)
+
+    def _note_sent(self, version: int, sent: Sequence[WeightUpdate]) -> None:
+        """The counters, and the version a late worker can be replayed, once the updates of
+        ``version`` reached the broadcaster (the last one decides what is replayable)."""
+        if sent[-1].replayable:
             self.replayable_version = version
         self.counters["bytes_sent"] += sum(u.nbytes for u in sent)
         self.counters["tensors_sent"] += sum(u.num_tensors for u in sent)
