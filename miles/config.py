@@ -157,7 +157,7 @@ DEV_FIELDS = frozenset({
     "rollout_stop_token_ids", "max_inflight_per_worker", "max_inflight", "capacity", "lease_timeout_s",
     # engine: kernel and admission switches
     "max_prefill_tokens", "admit_min", "admit_max_wait_steps", "kv_block", "decode_split",
-    "capture_graphs_at_start", "cpu_decode_kernel", "fused_sampling", "decode_fuse_rope",
+    "capture_graphs_when_idle", "cpu_decode_kernel", "fused_sampling", "decode_fuse_rope",
     "decode_residual_gemm", "decode_fused_mlp", "decode_attention_chunk",
     "inject_oom_steps",
     # trainer and algorithm constants

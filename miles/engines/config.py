@@ -67,9 +67,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # CUDA graphs for dense decode steps and short prefills (ignored on the CPU and for MoE
     # models; prefills stay eager in deterministic mode).
     cuda_graphs: bool = True
-    # Capture every batch bucket's decode graph when the engine starts (one per bucket with
-    # the triton attention), as SGLang does, instead of the first time a bucket is met.
-    capture_graphs_at_start: bool = True
+    # Capture the decode graph of every batch bucket not met yet while the engine is idle (one
+    # per bucket with the triton attention, one bucket between two checks for work), so a
+    # batch whose size wanders rarely stops for a capture; SGLang captures them all before
+    # serving, which held the first request for seconds. Off: only when a bucket is first met.
+    capture_graphs_when_idle: bool = True
     # torch.compile the layers' step functions (fuses RMSNorm/RoPE/SiLU/residual kernels).
     # None = auto: on for CUDA, off on the CPU (where it needs a C++ compiler and ~10 s).
     compile: bool | None = None

@@ -496,8 +496,6 @@ class EmbeddedEngine:
                 start = time.perf_counter()
                 self.runner.warm_compiled()
                 self.stats_.warm_s = time.perf_counter() - start
-            if self.runner.graphs is not None and self.config.capture_graphs_at_start:
-                self.runner.graphs.capture_all()
             st = self.stats_
             if st.thread_start is None:
                 st.thread_start = time.perf_counter()
@@ -505,6 +503,8 @@ class EmbeddedEngine:
             while True:
                 if self._compile is not None:
                     self._maybe_switch(committed)
+                if self._capture_while_idle():
+                    continue
                 with self._cv:
                     if not self._has_work():
                         st.idle_since = time.perf_counter()
@@ -538,6 +538,20 @@ class EmbeddedEngine:
                 except Exception as exc:  # keep serving: fail what was in the step
                     log.exception("engine step failed")
                     self.stepper.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+
+    def _capture_while_idle(self) -> bool:
+        """Capture one missing decode graph if nothing is waiting (``capture_graphs_when_idle``):
+        the graphs come between requests, one bucket at a time, so a request that arrives
+        meanwhile waits for one capture at most, and the first one does not wait for all of them
+        (the time to the first trained step). Never while paused for a weight update or with
+        the engine's memory released. Returns whether one was captured."""
+        graphs = self.runner.graphs
+        if graphs is None or not self.config.capture_graphs_when_idle or self.offloader.released:
+            return False
+        with self._cv:
+            if self._has_work() or self._paused:
+                return False
+        return graphs.capture_next()
 
     def _switch_waits(self) -> bool:
         """An idle engine (no row in it, its memory held) whose compile child is done: the

@@ -13,8 +13,8 @@ it reads each row's KV only up to its own position, so no context bucket or spli
 
 CUDA graphs (dense models on CUDA only): the decode forward for a batch padded up to a
 bucket size ``nb`` and a context bucket ``L`` is captured once into a shared memory pool
-(lazily, or for every batch bucket at engine start with the length-aware kernel, whose
-context is always the whole cache: ``EngineConfig.capture_graphs_at_start``), reading
+(when first met, and with the length-aware kernel, whose context is always the whole cache,
+every batch bucket's while the engine is idle: ``EngineConfig.capture_graphs_when_idle``), reading
 tokens/positions from static buffers and writing logits and hidden states into static
 outputs. Padding rows use free slots (``n..nb-1``) at position 0, so they never
 touch a running request's cache. Weight updates copy into the parameters in place, so
@@ -453,33 +453,35 @@ class DecodeGraphs(GraphCache):
         logits = self.logits[:n]
         return StepOut(logits if native_logits else logits.float(), self.hidden[:n], None)
 
-    def capture_all(self) -> int:
-        """Capture every batch bucket's graph now (engine start), when one context serves
-        every step (the length-aware kernel): a run whose batch size wanders would otherwise
-        stop for a capture each time it first meets a bucket, a few percent of a short async
-        run. Smallest bucket first, so a later failure leaves the small ones usable; returns
-        how many were captured (0 where graphs are off, failed, or keyed by context too)."""
+    def missing(self) -> list[int]:
+        """The batch buckets whose decode graph is not captured yet, smallest first; none
+        where graphs are off or failed, or keyed by context too (only the length-aware kernel
+        serves every step with one context, so only its buckets are known in advance)."""
         if self.failed or not self.runner.length_aware or self.runner.config.deterministic:
-            return 0
+            return []
         L = self.runner.cache.length
-        # The captures run the step for token 0 at position 0 of every slot: that position's
-        # K/V is put back afterwards, so running requests (a re-capture in mid-run) keep theirs.
-        self.tokens.zero_()
-        self.positions.zero_()
+        return [nb for nb in self.buckets if (nb, L) not in self.graphs]
+
+    def capture_next(self) -> bool:
+        """Capture the smallest missing bucket's graph (``EngineConfig.capture_graphs_when_idle``:
+        the engine calls this while it has nothing to step, so a batch whose size wanders
+        rarely stops for a capture, and the first request never waits for all of them).
+        Returns whether one was captured."""
+        missing = self.missing()
+        if not missing:
+            return False
+        nb, L = missing[0], self.runner.cache.length
+        # The capture runs the step for token 0 at position 0 of slots 0..nb-1: that position's
+        # K/V is put back afterwards, so parked requests (partial rollouts) keep theirs.
+        self.tokens[:nb].zero_()
+        self.positions[:nb].zero_()
         cache = self.runner.cache
-        saved = cache.k[:, :, :, 0].clone(), cache.v[:, :, :, 0].clone()
-        done = 0
+        saved = cache.k[:, :nb, :, 0].clone(), cache.v[:, :nb, :, 0].clone()
         try:
-            for nb in self.buckets:
-                if (nb, L) in self.graphs:
-                    continue
-                if self.graph((nb, L), lambda: self._step(nb, L)) is None:
-                    return done
-                done += 1
+            return self.graph((nb, L), lambda: self._step(nb, L)) is not None
         finally:
-            cache.k[:, :, :, 0].copy_(saved[0])
-            cache.v[:, :, :, 0].copy_(saved[1])
-        return done
+            cache.k[:, :nb, :, 0].copy_(saved[0])
+            cache.v[:, :nb, :, 0].copy_(saved[1])
 
 
 class PrefillGraphs(GraphCache):

@@ -15,7 +15,7 @@ head), and runs the same warm-up, filling torch's on-disk caches (inductor's FX 
 AOTAutograd's, Triton's) without sharing the engine's GIL or memory. Once the child is done,
 the stepping thread switches between two steps: it puts the compiled functions in place,
 warms them up (dynamo traces each shape class again; its graphs come from the caches), and
-drops and re-captures the CUDA graphs. It switches where that costs least: when no request is
+drops the CUDA graphs (captured again as the engine meets each bucket or idles). It switches where that costs least: when no request is
 running (a sync run's train step, a pause), else at a weight commit, else after
 ``SWITCH_AFTER_STEPS`` steps. A warm-up that fails at the switch leaves the eager functions in
 place (with a log line); a child that fails leaves the switch to compile from scratch
@@ -89,8 +89,9 @@ class CompileSwitch:
         return self.steps_waited >= SWITCH_AFTER_STEPS
 
     def switch(self) -> bool:
-        """Compiled step functions in place of the eager ones, warmed up, and CUDA graphs
-        re-captured over them; the eager ones stay where the warm-up fails. Returns whether
+        """Compiled step functions in place of the eager ones, warmed up, and the CUDA graphs
+        captured over the eager ones dropped (captured again when a bucket is met, or while
+        the engine is idle); the eager ones stay where the warm-up fails. Returns whether
         the engine now runs compiled. Call between steps, with the step in flight drained."""
         from miles.models.fused import FastPath, compile_fast_path
 
@@ -109,17 +110,13 @@ class CompileSwitch:
         else:
             compile_counter_uniform(runner.device)
         warm_s = time.perf_counter() - start
-        captured = 0
-        if compiled and (runner.graphs is not None or runner.prefill_graphs is not None):
-            engine.offloader.drop_graphs()  # captured over the eager functions
-            if runner.graphs is not None and engine.config.capture_graphs_at_start:
-                captured = runner.graphs.capture_all()
+        if compiled:  # captured over the eager functions: again when met, or while idle
+            engine.offloader.drop_graphs()
         seconds = time.perf_counter() - start
         self.stats = {
             "engine/compiled": float(compiled),
-            "engine/compile_switch_s": seconds,  # the stepping thread's pause: warm-up and re-capture
+            "engine/compile_switch_s": seconds,  # the stepping thread's pause
             "engine/compile_switch_warm_s": warm_s,
-            "engine/compile_switch_graphs": float(captured),
             "engine/compile_child_s": self.child.seconds,  # the child's wall time, launch to exit
             "engine/compile_child_ok": float(ok_child),
             "engine/eager_serve_s": start - self.started,  # engine built to the switch
@@ -127,9 +124,9 @@ class CompileSwitch:
             "engine/compiled_after_decode_steps": float(engine.stats_.counters["decode_steps"]),
         }
         log.warning("engine switched to %s step functions after %.1f s eager (child %.1f s, %s): "
-                    "%.1f s warm-up, %d graphs re-captured, %.1f s in all",
+                    "%.1f s warm-up, %.1f s in all",
                     "compiled" if compiled else "eager", start - self.started, self.child.seconds,
-                    "ok" if ok_child else "failed", warm_s, captured, seconds)
+                    "ok" if ok_child else "failed", warm_s, seconds)
         return compiled
 
     def stop(self) -> None:

@@ -142,39 +142,61 @@ def test_bf16_engine_runs_and_tracks_full_forward(kv: str, tol: float) -> None:
         assert (lp - torch.tensor(out.logprobs)).abs().mean() < tol
 
 
-@pytest.mark.parametrize("at_start", [True, False])
-def test_decode_graphs_are_captured_at_start_for_every_batch_bucket(at_start: bool) -> None:
-    """With the length-aware kernel the engine captures one decode graph per batch bucket
-    when it starts, so batches of changing size never stop for a capture; with the option
-    off, graphs come lazily, only for the buckets met."""
+@pytest.mark.parametrize("when_idle", [True, False])
+def test_decode_graphs_are_captured_while_idle_for_every_batch_bucket(when_idle: bool) -> None:
+    """With the length-aware kernel the idle engine captures one decode graph per batch bucket,
+    one between two checks for work, so a request never waits for all of them and batches of
+    changing size no longer stop for a capture once it has idled; with the option off, graphs
+    come only for the buckets met."""
+    import time
+
     from miles.engines.runner import GRAPH_CAPTURES
 
     ref = _model()
-    engine = _engine(copy.deepcopy(ref), decode_attention="triton", capture_graphs_at_start=at_start)
+    engine = _engine(copy.deepcopy(ref), decode_attention="triton", capture_graphs_when_idle=when_idle)
     graphs = engine.runner.graphs
     ps = _prompts(3)
     sp = SamplingParams(max_new_tokens=20, seed=3, ignore_eos=True)
 
     async def go():
         first = await engine.generate(GenerateRequest(rid="a", input_ids=ps[0], sampling=sp))
+        deadline = time.monotonic() + 120
+        while when_idle and graphs.missing():
+            assert time.monotonic() < deadline, "the idle engine did not capture every bucket"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # an engine with the option off would capture nothing meanwhile
         captured = GRAPH_CAPTURES["count"]
         rest = await asyncio.gather(*(engine.generate(GenerateRequest(rid=str(i), input_ids=p, sampling=sp))
                                       for i, p in enumerate(ps)))
         await engine.close()
         return first, captured, rest
 
-    before = GRAPH_CAPTURES["count"]
     first, captured, rest = asyncio.run(go())
     assert not graphs.failed
     L = engine.runner.cache.length
-    if at_start:
+    if when_idle:
         assert set(graphs.graphs) == {(nb, L) for nb in graphs.buckets}  # 1, 2, 4, 8
         assert GRAPH_CAPTURES["count"] == captured  # batches of 3 and 1 captured nothing new
     else:
         assert (1, L) in graphs.graphs and len(graphs.graphs) < len(graphs.buckets)
-    assert captured - before == (len(graphs.buckets) if at_start else 1)
     for p, out in zip([ps[0], *ps], [first, *rest]):
         assert (_logprobs(ref, p, out) - torch.tensor(out.logprobs)).abs().max() < 1e-4
+
+
+def test_capture_next_leaves_a_parked_rows_kv_as_it_was() -> None:
+    """``DecodeGraphs.capture_next`` runs each bucket's step at position 0 of its slots: a
+    request parked there (a partial rollout between weight updates) gets its K/V back."""
+    engine = _engine(_model(), decode_attention="triton", capture_graphs_when_idle=False)
+    runner, graphs = engine.runner, engine.runner.graphs
+    with torch.no_grad():
+        runner.prefill_eager([0, 1], _prompts(2, seed=4), logits=True)
+        k, v = runner.cache.k.clone(), runner.cache.v.clone()
+        count = 0
+        while graphs.capture_next():
+            count += 1
+    assert count == len(graphs.buckets) and not graphs.missing()
+    assert torch.equal(runner.cache.k, k) and torch.equal(runner.cache.v, v)
+    asyncio.run(engine.close())
 
 
 def test_prefill_graphs_match_eager_and_pad_into_the_scratch_slot() -> None:
@@ -238,7 +260,7 @@ def test_background_compile_serves_eagerly_then_switches() -> None:
     first, second, eager, stats = asyncio.run(go())
     assert eager["engine/compiled"] == 0.0 and eager["engine/graph_captures"] > 0
     assert stats["engine/compiled"] == 1.0 and stats["engine/compile_child_ok"] == 1.0, child.log_path
-    assert stats["engine/compile_switch_graphs"] > 0 and not engine.runner.graphs.failed
+    assert stats["engine/graph_captures"] > eager["engine/graph_captures"] and not engine.runner.graphs.failed
     for p, a, b in zip(ps, first, second):
         for out in (a, b):
             assert (_logprobs(ref, p, out) - torch.tensor(out.logprobs)).abs().max() < 1e-4

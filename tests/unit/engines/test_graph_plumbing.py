@@ -67,6 +67,49 @@ def _check_graph_path(overlap: bool, **config) -> None:
         assert torch.allclose(hidden, full.hidden[0, :-1], atol=1e-4)
 
 
+def test_the_idle_engine_captures_every_missing_bucket_then_serves_from_them() -> None:
+    """``capture_graphs_when_idle`` (a length-aware engine, whose one context serves every
+    step): the stepping thread, with nothing to step, captures the batch buckets not met yet
+    one at a time; a batch that comes after finds its graph there and decodes as a full
+    forward does. Off, only the buckets met are captured."""
+    import time
+
+    ref = make_model(seed=8)
+    ps = prompts(3, seed=9)
+    sp = SamplingParams(max_new_tokens=6, seed=1, ignore_eos=True)
+    for when_idle in (True, False):
+        engine = make_engine(copy.deepcopy(ref), max_batch_size=6, kv_block=32, cpu_decode_kernel=False,
+                             decode_split=False, capture_graphs_when_idle=when_idle)
+        graphs = _fake_graphs(engine)
+        engine.runner.length_aware = True  # as the triton attention is: one context, the whole cache
+        L = engine.runner.cache.length
+        assert graphs.missing() == [1, 2, 4, 6]
+
+        async def go():
+            first = await engine.generate(GenerateRequest(rid="a", input_ids=ps[0], sampling=sp))
+            deadline = time.monotonic() + 30
+            while when_idle and graphs.missing():
+                assert time.monotonic() < deadline, "the idle engine left buckets uncaptured"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            met = set(graphs.graphs)
+            rest = await asyncio.gather(*(engine.generate(GenerateRequest(rid=str(i), input_ids=p, sampling=sp))
+                                          for i, p in enumerate(ps)))
+            await engine.close()
+            return first, met, rest
+
+        first, met, rest = run(go)
+        if when_idle:
+            assert met == {(nb, L) for nb in (1, 2, 4, 6)} and set(graphs.graphs) == met
+        else:
+            assert met == {(1, L)}  # the first request's bucket only
+        for p, out in zip([ps[0], *ps], [first, *rest]):
+            with torch.no_grad():
+                full = ref(torch.tensor([p + out.output_ids]))
+            lp = token_logprobs(full.logits[0, len(p) - 1 : -1], torch.tensor(out.output_ids))
+            assert (lp - torch.tensor(out.logprobs)).abs().max() < 1e-5
+
+
 def test_a_failed_capture_switches_graphs_off(monkeypatch) -> None:
     """Graphs are an optimisation: a capture that raises turns them off (run returns None,
     the caller decodes eagerly) instead of failing the step."""
