@@ -62,6 +62,7 @@ from miles.engines.sampling import compile_counter_uniform, fused_draw_classes
 from miles.engines.spec.config import MAX_STEPS, SpeculativeConfig
 from miles.engines.stepper import EngineStats, Stepper
 from miles.engines.warmup import POLL_S, CompileSwitch
+
 from miles.engines.weights import WeightError, WeightStager
 from miles.models import quant
 from miles.models.quant_io import WireDecoder
@@ -73,6 +74,7 @@ from miles.protocols import NamedTensors
 from miles.types import GenerateOutput, GenerateRequest
 
 log = logging.getLogger(__name__)
+IDLE_CAPTURE_S = 0.25  # nothing to step for this long, and a missing decode graph is captured (``_capture_due``)
 
 
 class EmbeddedEngine:
@@ -160,6 +162,7 @@ class EmbeddedEngine:
         self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._pause_requested = self._paused = self._closed = False
         self._thread: threading.Thread | None = None
+        self._last_work = 0.0  # when the stepping thread last stepped or took a control (``_capture_due``)
         self.compile_stats: dict[str, float] = {}  # the switch's figures (``warmup``), once it happened
         self._compile = CompileSwitch(self) if background else None  # its child starts now
         lap("rest")
@@ -500,6 +503,7 @@ class EmbeddedEngine:
             if st.thread_start is None:
                 st.thread_start = time.perf_counter()
             committed = False
+            self._last_work = time.perf_counter()
             while True:
                 if self._compile is not None:
                     self._maybe_switch(committed)
@@ -508,16 +512,17 @@ class EmbeddedEngine:
                 with self._cv:
                     if not self._has_work():
                         st.idle_since = time.perf_counter()
-                        while not self._has_work() and not self._switch_waits():
-                            self._cv.wait(POLL_S if self._compile is not None else None)
+                        while not self._has_work() and not self._switch_waits() and not self._capture_due():
+                            self._cv.wait(self._idle_wait())
                         st.idle_s += time.perf_counter() - st.idle_since
                         st.idle_since = None
-                        if not self._has_work():  # woken to switch to the compiled step functions
+                        if not self._has_work():  # woken to switch to the compiled step functions, or to capture
                             continue
                     if self._closed and not self._waiting and not self.stepper.running:
                         self.stepper.drain()
                         return
                 committed = self._control()
+                self._last_work = time.perf_counter()
                 if self._paused:
                     continue
                 new: list[Request] = []
@@ -538,20 +543,40 @@ class EmbeddedEngine:
                 except Exception as exc:  # keep serving: fail what was in the step
                     log.exception("engine step failed")
                     self.stepper.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                self._last_work = time.perf_counter()
+
+    def _capture_pending(self) -> bool:
+        """Decode graphs are missing and may be captured while idle (``capture_graphs_when_idle``):
+        never while paused for a weight update or with the engine's memory released."""
+        graphs = self.runner.graphs
+        return (graphs is not None and self.config.capture_graphs_when_idle and not self.offloader.released
+                and not self._paused and bool(graphs.missing()))
+
+    def _capture_due(self) -> bool:
+        """A missing graph is to be captured now: nothing has been to step for
+        ``IDLE_CAPTURE_S``. The requests of one batch arrive milliseconds apart (a worker's
+        leases) and must not wait for captures in between; a sync run's train step leaves
+        the engine idle for seconds."""
+        return (not self._has_work() and time.perf_counter() - self._last_work >= IDLE_CAPTURE_S
+                and self._capture_pending())
+
+    def _idle_wait(self) -> float | None:
+        """How long the idle stepping thread sleeps before it looks again (None: until
+        notified): the compile child's poll, the time left to a due capture."""
+        waits = [POLL_S] if self._compile is not None else []
+        if self._capture_pending():
+            waits.append(max(0.0, self._last_work + IDLE_CAPTURE_S - time.perf_counter()) + 1e-3)
+        return min(waits, default=None)
 
     def _capture_while_idle(self) -> bool:
-        """Capture one missing decode graph if nothing is waiting (``capture_graphs_when_idle``):
-        the graphs come between requests, one bucket at a time, so a request that arrives
-        meanwhile waits for one capture at most, and the first one does not wait for all of them
-        (the time to the first trained step). Never while paused for a weight update or with
-        the engine's memory released. Returns whether one was captured."""
-        graphs = self.runner.graphs
-        if graphs is None or not self.config.capture_graphs_when_idle or self.offloader.released:
-            return False
+        """Capture one missing decode graph when one is due (``_capture_due``): the graphs come
+        between requests, one bucket at a time, so a request that arrives meanwhile waits for
+        one capture at most, and the first batch does not wait for all of them (the time to
+        the first trained step). Returns whether one was captured."""
         with self._cv:
-            if self._has_work() or self._paused:
+            if not self._capture_due():
                 return False
-        return graphs.capture_next()
+        return self.runner.graphs.capture_next()
 
     def _switch_waits(self) -> bool:
         """An idle engine (no row in it, its memory held) whose compile child is done: the

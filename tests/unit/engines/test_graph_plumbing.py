@@ -110,6 +110,33 @@ def test_the_idle_engine_captures_every_missing_bucket_then_serves_from_them() -
             assert (lp - torch.tensor(out.logprobs)).abs().max() < 1e-5
 
 
+def test_a_capture_waits_until_the_engine_has_idled_a_while() -> None:
+    """A missing graph is due only after ``IDLE_CAPTURE_S`` with nothing to step (the requests
+    of one batch arrive milliseconds apart and must not wait for captures between them), and
+    never while paused, with the memory released, or with the option off."""
+    import time
+
+    from miles.engines.embedded import IDLE_CAPTURE_S
+
+    engine = make_engine(make_model(seed=8), max_batch_size=6, cpu_decode_kernel=False)
+    graphs = _fake_graphs(engine)
+    engine.runner.length_aware = True
+    engine._last_work = time.perf_counter()
+    assert engine._capture_pending() and not engine._capture_due()
+    assert 0 < engine._idle_wait() <= IDLE_CAPTURE_S + 1e-3  # the idle thread wakes when it is due
+    engine._last_work -= IDLE_CAPTURE_S
+    assert engine._capture_due()
+    engine._paused = True
+    assert not engine._capture_due() and engine._idle_wait() is None
+    engine._paused = False
+    engine.config.capture_graphs_when_idle = False
+    assert not engine._capture_due()
+    engine.config.capture_graphs_when_idle = True
+    while graphs.missing():
+        assert graphs.capture_next()
+    assert not engine._capture_due() and engine._idle_wait() is None  # nothing left: sleep until notified
+
+
 def test_a_failed_capture_switches_graphs_off(monkeypatch) -> None:
     """Graphs are an optimisation: a capture that raises turns them off (run returns None,
     the caller decodes eagerly) instead of failing the step."""
