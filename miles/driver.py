@@ -95,7 +95,10 @@ class Driver:
         status = "completed"
         try:
             await self._start()
-            background = [asyncio.create_task(self._admit()), asyncio.create_task(self._watch())]
+            background = [asyncio.create_task(self._admit(), name="admission"),
+                          asyncio.create_task(self._watch(), name="health check")]
+            for task in background:
+                task.add_done_callback(self._background_done)
             while self.step < self.cfg.run.num_rollout and not self.stop.is_set():
                 try:
                     await self._train_step()
@@ -419,6 +422,13 @@ class Driver:
     def _interrupt(self) -> None:
         print("\n[miles] interrupted: parking in-flight work and shutting down", flush=True)
         self.stop.set()
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        """A loop beside the steps (admission, health checks) that ends with an error ends the
+        run with it: the steps would otherwise wait for data that never comes."""
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        self._fail(f"the driver's {task.get_name()} loop failed: {type(exc).__name__}: {exc}{self._checkpoint_note()}")
 
     def _fail(self, message: str) -> None:
         self.failure = message
