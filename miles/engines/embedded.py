@@ -62,7 +62,6 @@ from miles.engines.sampling import compile_counter_uniform, fused_draw_classes
 from miles.engines.spec.config import MAX_STEPS, SpeculativeConfig
 from miles.engines.stepper import EngineStats, Stepper
 from miles.engines.warmup import POLL_S, CompileSwitch
-
 from miles.engines.weights import WeightError, WeightStager
 from miles.models import quant
 from miles.models.quant_io import WireDecoder
