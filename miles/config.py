@@ -162,8 +162,8 @@ DEV_FIELDS = frozenset({
     "inject_oom_steps",
     # trainer and algorithm constants
     "min_lr", "lr_decay_steps", "adam_beta1", "adam_beta2", "adam_eps", "skip_nonfinite_steps",
-    "max_consecutive_nonfinite", "zero_advantage_rows", "compile_warmup", "gamma", "lam", "reward_kl_coef", "dual_clip_c", "tis_veto",
-    "loss_agg_max_tokens",
+    "max_consecutive_nonfinite", "zero_advantage_rows", "compile_warmup", "gamma", "lam", "reward_kl_coef",
+    "dual_clip_c", "tis_veto", "loss_agg_max_tokens",
     # Megatron-core internals
     "expert_tensor_parallel_size", "local_core_attention", "make_vocab_size_divisible_by",
     "recompute_method", "recompute_num_layers", "moe_token_dispatcher_type", "moe_router_dtype",

@@ -544,27 +544,28 @@ class EmbeddedEngine:
                     self.stepper.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 self._last_work = time.perf_counter()
 
-    def _capture_pending(self) -> bool:
-        """Decode graphs are missing and may be captured while idle (``capture_graphs_when_idle``):
-        never while paused for a weight update or with the engine's memory released."""
+    def _capture_in(self) -> float | None:
+        """Seconds until a missing decode graph is due (0 or less: now), counted from the last
+        work; None where none may be captured while idle (``capture_graphs_when_idle`` off, none
+        missing, paused for a weight update, or the engine's memory released). The requests of
+        one batch arrive milliseconds apart (a worker's leases) and must not wait for captures
+        in between; a sync run's train step leaves the engine idle for seconds."""
         graphs = self.runner.graphs
-        return (graphs is not None and self.config.capture_graphs_when_idle and not self.offloader.released
-                and not self._paused and bool(graphs.missing()))
+        if (graphs is None or not self.config.capture_graphs_when_idle or self.offloader.released
+                or self._paused or not graphs.missing()):
+            return None
+        return self._last_work + IDLE_CAPTURE_S - time.perf_counter()
 
     def _capture_due(self) -> bool:
-        """A missing graph is to be captured now: nothing has been to step for
-        ``IDLE_CAPTURE_S``. The requests of one batch arrive milliseconds apart (a worker's
-        leases) and must not wait for captures in between; a sync run's train step leaves
-        the engine idle for seconds."""
-        return (not self._has_work() and time.perf_counter() - self._last_work >= IDLE_CAPTURE_S
-                and self._capture_pending())
+        """Nothing to step, and a missing graph is due (``_capture_in``)."""
+        return not self._has_work() and (left := self._capture_in()) is not None and left <= 0
 
     def _idle_wait(self) -> float | None:
         """How long the idle stepping thread sleeps before it looks again (None: until
         notified): the compile child's poll, the time left to a due capture."""
         waits = [POLL_S] if self._compile is not None else []
-        if self._capture_pending():
-            waits.append(max(0.0, self._last_work + IDLE_CAPTURE_S - time.perf_counter()) + 1e-3)
+        if (left := self._capture_in()) is not None:
+            waits.append(max(0.0, left) + 1e-3)
         return min(waits, default=None)
 
     def _capture_while_idle(self) -> bool:

@@ -87,7 +87,7 @@ def test_the_idle_engine_captures_every_missing_bucket_then_serves_from_them() -
 
         async def go():
             first = await engine.generate(GenerateRequest(rid="a", input_ids=ps[0], sampling=sp))
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 120  # a liveness bound only, far above what the captures take
             while when_idle and graphs.missing():
                 assert time.monotonic() < deadline, "the idle engine left buckets uncaptured"
                 await asyncio.sleep(0.01)
@@ -110,28 +110,31 @@ def test_the_idle_engine_captures_every_missing_bucket_then_serves_from_them() -
             assert (lp - torch.tensor(out.logprobs)).abs().max() < 1e-5
 
 
-def test_a_capture_waits_until_the_engine_has_idled_a_while() -> None:
+def test_a_capture_waits_until_the_engine_has_idled_a_while(monkeypatch) -> None:
     """A missing graph is due only after ``IDLE_CAPTURE_S`` with nothing to step (the requests
     of one batch arrive milliseconds apart and must not wait for captures between them), and
-    never while paused, with the memory released, or with the option off."""
+    never while paused, with the memory released, or with the option off. The idle time is
+    set far from the bound either way, so no clock reading decides the test."""
     import time
 
-    from miles.engines.embedded import IDLE_CAPTURE_S
+    import miles.engines.embedded as embedded
 
+    monkeypatch.setattr(embedded, "IDLE_CAPTURE_S", 3600.0)
     engine = make_engine(make_model(seed=8), max_batch_size=6, cpu_decode_kernel=False)
     graphs = _fake_graphs(engine)
     engine.runner.length_aware = True
-    engine._last_work = time.perf_counter()
-    assert engine._capture_pending() and not engine._capture_due()
-    assert 0 < engine._idle_wait() <= IDLE_CAPTURE_S + 1e-3  # the idle thread wakes when it is due
-    engine._last_work -= IDLE_CAPTURE_S
+    engine._last_work = time.perf_counter()  # just worked
+    assert graphs.missing() and not engine._capture_due()
+    assert 0 < engine._idle_wait() <= 3600.0 + 1e-3  # the idle thread wakes when it is due
+    engine._last_work -= 2 * 3600.0  # idle for longer than the bound
+    assert engine._capture_due() and engine._idle_wait() == 1e-3
+    for attr, owner in (("_paused", engine), ("released", engine.offloader),
+                        ("capture_graphs_when_idle", engine.config)):
+        blocked = attr != "capture_graphs_when_idle"
+        setattr(owner, attr, blocked)
+        assert not engine._capture_due() and engine._idle_wait() is None, attr
+        setattr(owner, attr, not blocked)
     assert engine._capture_due()
-    engine._paused = True
-    assert not engine._capture_due() and engine._idle_wait() is None
-    engine._paused = False
-    engine.config.capture_graphs_when_idle = False
-    assert not engine._capture_due()
-    engine.config.capture_graphs_when_idle = True
     while graphs.missing():
         assert graphs.capture_next()
     assert not engine._capture_due() and engine._idle_wait() is None  # nothing left: sleep until notified
