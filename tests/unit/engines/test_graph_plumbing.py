@@ -117,9 +117,9 @@ def test_a_capture_waits_until_the_engine_has_idled_a_while(monkeypatch) -> None
     set far from the bound either way, so no clock reading decides the test."""
     import time
 
-    import miles.engines.embedded as embedded
+    import miles.engines.stepping as stepping
 
-    monkeypatch.setattr(embedded, "IDLE_CAPTURE_S", 3600.0)
+    monkeypatch.setattr(stepping, "IDLE_CAPTURE_S", 3600.0)
     engine = make_engine(make_model(seed=8), max_batch_size=6, cpu_decode_kernel=False)
     graphs = _fake_graphs(engine)
     engine.runner.length_aware = True
