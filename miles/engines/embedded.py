@@ -61,7 +61,7 @@ from miles.engines.runner import GRAPH_CAPTURES, ModelRunner
 from miles.engines.sampling import compile_counter_uniform, fused_draw_classes
 from miles.engines.spec.config import MAX_STEPS, SpeculativeConfig
 from miles.engines.stepper import EngineStats, Stepper
-from miles.engines.stepping import IDLE_CAPTURE_S, SteppingLoop, step_mode
+from miles.engines.stepping import SteppingLoop, step_mode
 from miles.engines.warmup import CompileSwitch
 from miles.engines.weights import WeightStager
 from miles.models import quant
@@ -74,8 +74,7 @@ from miles.protocols import NamedTensors
 from miles.types import GenerateOutput, GenerateRequest
 
 log = logging.getLogger(__name__)
-# IDLE_CAPTURE_S and step_mode live in ``stepping`` (patch the constant there); importable from here too
-__all__ = ["EmbeddedEngine", "IDLE_CAPTURE_S", "step_mode"]
+__all__ = ["EmbeddedEngine", "step_mode"]  # step_mode lives in ``stepping``; warmup imports it from here
 
 
 class EmbeddedEngine(SteppingLoop):
