@@ -3,7 +3,8 @@
 - ``step``: ``RLStep``, the train step both trainers share (reference log-probs, advantages,
   proximal recompute, mini-batches, loss, metrics), with hooks for a backend's forward /
   backward and optimizer step. Rows whose advantages are all 0 (a GRPO group of one reward)
-  carry no gradient: the eager embedded trainer runs them forward only, for their metrics.
+  carry no gradient: the eager embedded trainer gives them no forward (``zero_advantage_rows``;
+  "forward" runs them without autograd, for their metrics).
 - ``embedded``: ``EmbeddedTrainer`` — pure PyTorch on CPU or GPU (FSDP2 across GPUs).
 - ``config``: ``TrainerConfig`` (optimizer, LR schedule, batching, precision flags).
 - ``batching``: trajectories → padded token tensors; micro-batch planning.

@@ -85,7 +85,7 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     # train/rollout_logprob_abs_diff_max is reported every step; "strict" stops the run when
     # it is non-zero (the engine's log-prob is not bitwise the trainer's)
     true_on_policy_check: Literal["report", "strict"] = "report"  # strict: stop the run if a rollout log-prob differs from the trainer's
-    zero_advantage_rows: Literal["forward", "skip"] = "forward"  # rows whose gradient is exactly 0 (every advantage 0, no entropy bonus or KL loss; eager single-rank trainer): forward runs them without autograd, so per-token diagnostics (ratios, clip fraction, mismatch KL, entropy) cover every row; skip gives them no forward (the same update; diagnostics then cover the rows that train)
+    zero_advantage_rows: Literal["forward", "skip"] = "skip"  # rows whose gradient is exactly 0 (every advantage 0, no entropy bonus or KL loss; eager single-rank trainer): skip gives them no forward (the same update for less compute; per-token diagnostics cover the rows that train); forward runs them without autograd, so the diagnostics (ratios, clip fraction, mismatch KL, entropy) cover every row
 
     # --- MoE / rewards -------------------------------------------------------------------
     use_rollout_routing_replay: bool = False  # MoE: the trainer routes each token to the experts the engine chose (R3)

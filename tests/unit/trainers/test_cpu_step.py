@@ -233,4 +233,4 @@ def test_zero_advantage_rows_keep_their_forward_where_a_check_or_the_metrics_nee
     assert not trainer._skips_gradless([2, 3], frozenset())
     trainer.config = msgspec.structs.replace(trainer.config, true_on_policy_check="strict")
     assert not trainer._skips_gradless([0, 1, 2], gradless)  # the check reads every row's log-prob
-    assert TrainerConfig().zero_advantage_rows == "forward"
+    assert TrainerConfig().zero_advantage_rows == "skip"
