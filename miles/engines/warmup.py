@@ -17,9 +17,9 @@ the stepping thread switches between two steps: it puts the compiled functions i
 warms them up (dynamo traces each shape class again; its graphs come from the caches), and
 drops the CUDA graphs (captured again as the engine meets each bucket or idles). It switches
 where that costs least: when no request is running (a sync run's train step, a pause), else
-at a weight commit, else after ``SWITCH_AFTER_STEPS`` steps. A warm-up that fails at the switch leaves the eager functions in
-place (with a log line); a child that fails leaves the switch to compile from scratch
-in-process, as ``compile_warmup="inline"`` does at start.
+at a weight commit, else after ``SWITCH_AFTER_STEPS`` steps. A warm-up that fails at the
+switch leaves the eager functions in place (with a log line); a child that fails leaves the
+switch to compile from scratch in-process, as ``compile_warmup="inline"`` does at start.
 """
 
 from __future__ import annotations
