@@ -52,6 +52,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 COUNTDOWN = ROOT / "examples" / "countdown"
 sys.path[:0] = [str(ROOT), str(COUNTDOWN)]
+from benchmarks.hostload import HostLoad  # noqa: E402
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
@@ -226,9 +227,14 @@ def _run(cmd: list[str], run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
     t0 = time.monotonic()
+    load = HostLoad()
     with open(run_dir / "log.txt", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=os.environ.copy())
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=os.environ.copy())
+        load.start(proc.pid)
+        proc.wait()
+        load.stop()
     (run_dir / "process_s.txt").write_text(f"{time.monotonic() - t0:.2f}\n")
+    (run_dir / "host.json").write_text(json.dumps(load.result()))
     if proc.returncode:
         tail = (run_dir / "log.txt").read_text()[-3000:]
         raise SystemExit(f"{cmd[:4]}... failed ({proc.returncode}); {run_dir}/log.txt ends:\n{tail}")
@@ -369,6 +375,7 @@ def summarize(args: argparse.Namespace, inputs: dict[str, Path], runs: list[tupl
             "time_to_threshold_s": time_to(curve, threshold), "final_reward": rewards[max(rewards)],
             "curve": curve, "startup": c.get("startup", {}), "step_parts": c.get("step_parts", {}),
             "process_s": float((run_dir / "process_s.txt").read_text()),
+            "host": json.loads((run_dir / "host.json").read_text()) if (run_dir / "host.json").is_file() else {},
         })
     per_config: dict[str, dict[str, Any]] = {}
     for config in CONFIGS:
@@ -396,13 +403,16 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], per: dict[st
     lines = [f"fixed eval: {args.eval_prompts} held-out prompts × {args.eval_samples} samples, T=1, "
              f"{args.max_new_tokens} new tokens; SFT start {base:.4f}; threshold {thr:.4f}", "",
              "| run | seed | steps | train s | start-up s | step s (median) | completions/s | gen tok/s | "
-             "s to threshold | final reward | save s excluded |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "s to threshold | final reward | save s excluded | other load (cores) | steal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         tt = f"{r['time_to_threshold_s']:.1f}" if r["time_to_threshold_s"] is not None else "not reached"
+        host = r.get("host", {})
+        other = f"{host['other_cores']:.2f}" if host.get("other_cores") is not None else "n/a"
+        steal = f"{100 * host['steal_frac']:.1f}%" if host.get("steal_frac") is not None else "n/a"
         lines.append(f"| {names[r['config']]} | {r['seed']} | {r['steps']} | {r['train_s']:.1f} | {r['startup_s']:.1f} | "
                      f"{r['step_s_median']:.3f} | {r['completions_per_s']:.1f} | {r['tokens_per_s']:.0f} | {tt} | "
-                     f"{r['final_reward']:.4f} | {r['excluded_save_s']:.2f} |")
+                     f"{r['final_reward']:.4f} | {r['excluded_save_s']:.2f} | {other} | {steal} |")
     lines += ["", "| config | completions/s | gen tok/s | s to threshold | final reward | seeds |", "|---|---|---|---|---|---|"]
     for config, p in per.items():
         tt = f"{p['time_to_threshold_s']:.1f}" if p["time_to_threshold_s"] is not None else "not reached (all seeds)"
@@ -421,6 +431,7 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], per: dict[st
     if paired:  # the spread the ratio of medians hides
         lines.append(f"- time to threshold, miles sync / miles async, per seed: {', '.join(f'{x:.2f}×' for x in paired)} "
                      f"(median {statistics.median(paired):.2f}×)")
+    lines += later_thresholds(results, base, args.threshold_gain)
     lines.append("")
     for r in results:
         lines.append(f"- {names[r['config']]} seed {r['seed']}: process {r['process_s']:.1f} s = start-up "
@@ -430,6 +441,23 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], per: dict[st
         if r["step_parts"]:
             lines.append("  - a step (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["step_parts"].items()))
     return "\n".join(lines)
+
+
+def later_thresholds(results: list[dict[str, Any]], base: float, gain: float) -> list[str]:
+    """The sync / async time ratio at higher rewards too (start + 2, 3 × the gain): a threshold
+    crossed before the first checkpoint weighs async's pipeline fill (η batches generated
+    ahead while the first ones train) against a handful of steps; later ones show the
+    sustained rate."""
+    curves = {(r["config"], r["seed"]): r["curve"] for r in results}
+    seeds = sorted({s for c, s in curves if c == "async" and ("sync", s) in curves})
+    out = []
+    for k in (2, 3):
+        t = {(c, s): time_to(curves[c, s], base + k * gain) for c in ("sync", "async") for s in seeds}
+        paired = [t["sync", s] / t["async", s] for s in seeds if t["sync", s] and t["async", s]]
+        if paired:
+            out.append(f"- time to start + {k * gain:.2f}, miles sync / miles async, per seed: "
+                       f"{', '.join(f'{x:.2f}×' for x in paired)} (median {statistics.median(paired):.2f}×)")
+    return out
 
 
 def plot(results: list[dict[str, Any]], per: dict[str, dict[str, Any]], path: Path, names: dict[str, str]) -> None:

@@ -1,0 +1,106 @@
+"""How much of the host's CPU a benchmark run had: its own process tree against everything else.
+
+A run that uses every core (miles async on 2 cores) slows down by whatever else the host
+runs, while one that leaves cores idle (miles sync, waiting on its engine) absorbs it; a
+ratio between two such runs means little unless both had the host to themselves.
+``HostLoad`` samples ``/proc`` while a child runs: the host's busy and stolen CPU time
+(``/proc/stat``) and the CPU time of the child's process tree (every descendant, Ray's
+workers included, each at the most it was seen to have). What the host was busy with beyond
+the tree is the other load, in cores. Linux only; elsewhere the figures are None.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+PROC = Path("/proc")
+
+
+def _host_ticks() -> tuple[int, int]:
+    """(busy, stolen) ticks of all CPUs since boot: user, nice, system, irq, softirq; steal."""
+    fields = [int(x) for x in (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return user + nice + system + irq + softirq, steal
+
+
+def _processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, user + system ticks) for every process readable now."""
+    out = {}
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            rest = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone, or not ours to read
+        out[int(entry.name)] = (int(rest[1]), int(rest[11]) + int(rest[12]))
+    return out
+
+
+class HostLoad:
+    """Samples every ``every_s`` from ``start(pid)`` to ``stop()``; ``result()`` is a dict."""
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        self.every_s = every_s
+        self._seen: dict[int, int] = {}  # pid of the tree -> its largest tick count seen
+        self._before: dict[int, int] = {}  # ticks the tree's processes had at start
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start: tuple[float, int, int] | None = None
+        self._end: tuple[float, int, int] | None = None
+
+    @staticmethod
+    def available() -> bool:
+        return (PROC / "stat").is_file()
+
+    def _sample(self, root: int) -> None:
+        procs = _processes()
+        children: dict[int, list[int]] = {}
+        for pid, (parent, _) in procs.items():
+            children.setdefault(parent, []).append(pid)
+        todo = [root]
+        while todo:
+            pid = todo.pop()
+            if pid in procs:
+                self._seen[pid] = max(self._seen.get(pid, 0), procs[pid][1])
+                self._before.setdefault(pid, procs[pid][1] if self._start is None else 0)
+            todo += children.get(pid, [])
+
+    def start(self, pid: int) -> None:
+        if not self.available():
+            return
+        self._sample(pid)
+        self._start = (time.monotonic(), *_host_ticks())
+
+        def loop() -> None:
+            while not self._stop.wait(self.every_s):
+                self._sample(pid)
+
+        self._thread = threading.Thread(target=loop, name="hostload", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._end = (time.monotonic(), *_host_ticks())
+
+    def result(self) -> dict[str, Any]:
+        """``ours_cpu_s``: CPU seconds of the tree; ``other_cores``: the host's busy time beyond
+        it, per second of the run (a process that ended between two samples loses its last
+        ``every_s`` to this figure); ``steal_frac``: stolen share of the host's CPU time."""
+        if self._start is None or self._end is None:
+            return {"wall_s": None, "ours_cpu_s": None, "other_cores": None, "steal_frac": None}
+        wall = self._end[0] - self._start[0]
+        busy = (self._end[1] - self._start[1]) / TICK
+        steal = (self._end[2] - self._start[2]) / TICK
+        ours = sum(t - self._before.get(pid, 0) for pid, t in self._seen.items()) / TICK
+        cpus = os.cpu_count() or 1
+        return {"wall_s": wall, "ours_cpu_s": ours, "other_cores": max(0.0, busy - ours) / max(wall, 1e-9),
+                "steal_frac": steal / max(wall * cpus, 1e-9)}
