@@ -61,6 +61,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from benchmarks.async_vs_sync_report import NO_KEEP, eta_name, report, write  # noqa: E402
+from benchmarks.hostload import GpuUtilization  # noqa: E402
 
 CONFIGS = [
     ("sync", dict(mode="sync")),
@@ -151,49 +152,6 @@ def make_gpu_inputs(root: Path, max_len: int, tiny: bool = False) -> dict[str, s
                 fh.write(json.dumps({"input": f"prompt {i}:", "label": "", "metadata": {"length": length}}) + "\n")
         os.replace(tmp, data)
     return {"ckpt": str(ckpt), "data": str(data)}
-
-
-class GpuUtilization:
-    """Each GPU's utilization (``nvidia-smi``, every 250 ms) while a run is between the end of
-    its first step and the end of its last: the samples taken while ``metrics.jsonl`` holds 1
-    to ``steps - 1`` lines, the span the throughput is measured over."""
-
-    def __init__(self, metrics: Path, steps: int) -> None:
-        import threading
-
-        self.metrics, self.steps = metrics, steps
-        self.samples: dict[int, list[float]] = {}
-        self.proc = subprocess.Popen(
-            ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits", "-lms", "250"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _rows(self) -> int:
-        try:
-            with open(self.metrics) as fh:
-                return sum(1 for _ in fh)
-        except FileNotFoundError:
-            return 0
-
-    def _read(self) -> None:
-        # nvidia-smi numbers GPUs physically; a lane sees its own as 0, 1 (CUDA_VISIBLE_DEVICES)
-        visible = [int(x) for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip().isdigit()]
-        for line in self.proc.stdout:
-            index, _, util = line.partition(",")
-            if not (index.strip().isdigit() and util.strip().isdigit() and 1 <= self._rows() < self.steps):
-                continue
-            gpu = int(index)
-            if visible:
-                if gpu not in visible:
-                    continue
-                gpu = visible.index(gpu)
-            self.samples.setdefault(gpu, []).append(float(util))
-
-    def stop(self) -> dict[int, float]:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-        return {i: statistics.fmean(v) for i, v in sorted(self.samples.items()) if v}
 
 
 # ---- CPU workload: the countdown example ------------------------------------------------------

@@ -1,4 +1,4 @@
-"""How much of the host's CPU a benchmark run had: its own process tree against everything else.
+"""What the machine did while a benchmark ran: the host's CPU beyond the run, the GPUs' utilization.
 
 A run that uses every core (miles async on 2 cores) slows down by whatever else the host
 runs, while one that leaves cores idle (miles sync, waiting on its engine) absorbs it; a
@@ -7,11 +7,14 @@ ratio between two such runs means little unless both had the host to themselves.
 (``/proc/stat``) and the CPU time of the child's process tree (every descendant, Ray's
 workers included, each at the most it was seen to have). What the host was busy with beyond
 the tree is the other load, in cores. Linux only; elsewhere the figures are None.
+``GpuUtilization`` reads ``nvidia-smi`` over the span a run's throughput is measured on.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -104,3 +107,44 @@ class HostLoad:
         cpus = os.cpu_count() or 1
         return {"wall_s": wall, "ours_cpu_s": ours, "other_cores": max(0.0, busy - ours) / max(wall, 1e-9),
                 "steal_frac": steal / max(wall * cpus, 1e-9)}
+
+
+class GpuUtilization:
+    """Each GPU's utilization (``nvidia-smi``, every 250 ms) while a run is between the end of
+    its first step and the end of its last: the samples taken while ``metrics.jsonl`` holds 1
+    to ``steps - 1`` lines, the span the throughput is measured over."""
+
+    def __init__(self, metrics: Path, steps: int) -> None:
+        self.metrics, self.steps = metrics, steps
+        self.samples: dict[int, list[float]] = {}
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits", "-lms", "250"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _rows(self) -> int:
+        try:
+            with open(self.metrics) as fh:
+                return sum(1 for _ in fh)
+        except FileNotFoundError:
+            return 0
+
+    def _read(self) -> None:
+        # nvidia-smi numbers GPUs physically; a lane sees its own as 0, 1 (CUDA_VISIBLE_DEVICES)
+        visible = [int(x) for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip().isdigit()]
+        for line in self.proc.stdout:
+            index, _, util = line.partition(",")
+            if not (index.strip().isdigit() and util.strip().isdigit() and 1 <= self._rows() < self.steps):
+                continue
+            gpu = int(index)
+            if visible:
+                if gpu not in visible:
+                    continue
+                gpu = visible.index(gpu)
+            self.samples.setdefault(gpu, []).append(float(util))
+
+    def stop(self) -> dict[int, float]:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        return {i: statistics.fmean(v) for i, v in sorted(self.samples.items()) if v}
