@@ -47,61 +47,10 @@ answers that carry no change, the wait of a waiting lease (it costs the buffer n
 it waits: its registration and every lease it makes are timed). Calls a step count round
 trips: a waiting lease is one call however often it is woken.
 
-**The closed-form model of mean staleness** (Applied Compute, "Predicting and Controlling
-Staleness in Fully Asynchronous RL Training", finds mean staleness set by utilization, batch
-size, queue capacity, rollout concurrency and the tail of the length distribution; the terms
-below are our own derivation from Little's law, for this runtime's admission rule and
-in-flight updates).
-
-A token's staleness is the number of version bumps between its generation and the take of
-its batch, so summing over tokens, ``Σ staleness = Σ over bumps of M(bump)``, where ``M`` is
-the number of tokens generated but not yet taken at that bump; with ``K = B·n·E[L]`` loss
-tokens a batch, mean staleness ``S = E[M at a bump] / K`` (exact in steady state).
-
-*Rollout-bound* (``P_roll = B·n·E[L]·d(c)/(W·c) + stall > P_train = T + publish``; the
-budget leaves queued prompts, so every slot is busy; queued prompts hold no tokens, so the
-queue adds no staleness): ``M`` is the tokens of (i) in-flight sequences — ``W·c`` slots,
-each holding the age of a length-biased sample, ``E[L²]/(2E[L])``; (ii) finished samples
-waiting for their group's last member — by Little's law, group rate × ``Σ_i L_i·(C − e_i)``
-with member ``i`` started ``i·Δ`` after the first (``Δ = P/(B·n)``, the time between two
-freed slots), ending at ``e_i = iΔ + L_i·τ`` (``τ = P·W·c/(B·n·E[L])``, a token's wall time),
-``C = max e_i``; (iii) groups that became ready while the trainer trained and published,
-``B·(T + publish)/(P − stall)``. Terms (i) and (ii) are ``A``, the tokens not yet in a
-complete group, averaged over decode time; (iii) is what the decode adds between a take
-and its bump, so ``M`` at a bump is ``A`` just after the take plus (iii). That ``A`` is not its
-time average: a rollout-bound trainer waits, and takes the moment the B-th ready group
-completes. ``A`` grows at the decode rate ``r`` between group completions
-and falls, at each completion, by that group's tokens ``G = Σ_{i≤n} L_i``, so every take
-samples ``A`` just after one of its falls. In steady state ``A²`` has no mean drift: it grows at
-``2A·r`` and jumps by ``(A − G)² − A²`` at completions, which come at rate ``r/E[G]``; so
-``E_time[A] = E_c[A⁺·G]/E[G] + E[G²]/(2E[G])``, ``A⁺`` the value just after a completion
-(the rate-conservation law). The completing group's size is not what sets the rest of ``A``,
-so ``E_c[A⁺] = E_time[A] − E[G²]/(2E[G])``, with ``E[G²] = n·Var L + n²E[L]²``: per ``K``,
-``(1 + Var L/(n·E[L]²))/(2B)``. So, with ``W·c = B·n``::
-
-    S_roll = E[L²]/(2E[L]²) + τ·E[Σ_i L_i (C − e_i)]/(P·n·E[L]) + (T + publish)/(P − stall)
-             − (1 + Var L/(n·E[L]²))/(2B)
-
-The last term is a finite-batch term: it falls as 1/B, and B grows with the workers (0.31 at
-one worker with this setup's lengths, 0.031 at ten, under 0.004 from a hundred on), so the
-many-worker limit (``S_inf`` in the model's output) is the first three terms. It ignores
-groups that complete at the same instant (the take follows the last of them, a little lower
-in ``A``) and takes that wait for the publish because ``B`` groups were ready before it.
-``S_roll`` does not depend on η: the bound only clips it. Rows where the mask policy zeroed
-more than 1% of the tokens are marked "bound binds": there the bound, not this model, sets
-the mean.
-
-*Trainer-bound* (``P_train > P_roll``; the budget binds and the trainer takes a batch at
-once after each publish): the B groups admitted at bump ``v`` are taken at version
-``v + η``, so a token of theirs has staleness ``η − k``, ``k`` the weight updates its
-sequence saw before producing it; from the cohort's decode timeline (fluid: the active
-count at depth ``j`` is ``c·P(L > j)``)::
-
-    S_train = η − Σ_j P(L > j)·k(j) / E[L]
-
-It ignores that ready groups are taken in the order they completed: a long group waits
-behind later short ones, its first tokens pass the bound and the mask policy zeroes them,
-so where many tokens are masked the simulated mean falls below ``S_train``.
+**The closed-form model of mean staleness** that every row is checked against (the model
+column: a rollout-bound formula from Little's law, a trainer-bound one from a cohort's decode
+timeline) is derived in ``benchmarks/simulate_model.py``, beside ``SimConfig``;
+``benchmarks/simulate_report.py`` holds ``Result``, the table and the verdicts.
 
 Usage notes: ``--workers``/``--eta`` pick the grid; ``--train-tps`` (the trainer's speed)
 moves the saturation point (``--train-tps 3e5`` saturates it at 1,000 workers). Each run
@@ -118,7 +67,6 @@ import math
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
 from itertools import compress
 from pathlib import Path
 
@@ -126,6 +74,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.simulate_model import SimConfig, model  # noqa: E402
+from benchmarks.simulate_report import Result, append_section, table, verdicts  # noqa: E402
 from miles.buffers import BufferConfig, ReplayBuffer  # noqa: E402
 from miles.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from miles.types import PromptSample, Status  # noqa: E402
@@ -136,59 +86,8 @@ BUFFER_CALL_INTERVAL_S = 0.02  # a worker calls the buffer at most this often
 ADMISSION_COALESCE_S = 0.025  # the driver's admission answers are at least this far apart
 LEASE_WAIT_S = 10.0  # how long a lease that finds nothing waits in the buffer for work
 
-BINDS = 0.01  # a row whose mask policy zeroed more than this share of tokens: the bound sets its staleness
 _FINISH, _CALL, _TRAINED, _PUBLISHED, _APPLIED, _ADMIT, _WAKE, _DEADLINE = range(8)
 PROMPT = [1] * 64
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    workers: int = 1
-    eta: int = 4
-    slots: int = 16  # c: sequences one engine decodes at once
-    n: int = 8  # samples per prompt
-    groups_per_worker: float = 2.0  # B = W · this (default c/n: a batch = the cluster's concurrency)
-    len_unit: int = 256
-    len_buckets: int = 64  # lengths unit..unit·K
-    zipf_a: float = 1.2
-    decode_base_s: float = 0.030  # d0
-    decode_per_seq_s: float = 0.0006  # d1
-    train_base_s: float = 5.0  # t0
-    train_tps: float = 6e5  # trained tokens a second
-    publish_s: float = 2.0
-    stall_s: float = 0.5
-    steps: int = 6  # measured steps (at least; more for small batches, see min_samples)
-    warmup: int = 8
-    min_samples: int = 4_000  # measured trained samples, at least
-    seed: int = 0
-
-    @property
-    def batch(self) -> int:
-        return max(1, round(self.workers * self.groups_per_worker))
-
-    @property
-    def mode(self) -> str:
-        return "sync" if self.eta == 0 else "async"
-
-    @property
-    def warmup_steps(self) -> int:
-        """Warm-up before measuring: a trainer-bound run fills its ready queue up to the
-        budget, η more steps, before it is in steady state."""
-        p_roll, p_train, _ = periods(self)
-        trainer_bound = self.eta > 0 and p_train > p_roll
-        return self.warmup + (self.eta if trainer_bound else 0)
-
-    @property
-    def measured_steps(self) -> int:
-        return max(self.steps, math.ceil(self.min_samples / (self.batch * self.n)))
-
-    def lengths(self) -> tuple[np.ndarray, np.ndarray]:
-        k = np.arange(1, self.len_buckets + 1, dtype=np.float64)
-        p = k ** -self.zipf_a
-        return (k * self.len_unit).astype(np.int64), p / p.sum()
-
-    def decode_s(self, b: float) -> float:
-        return self.decode_base_s + self.decode_per_seq_s * b
 
 
 class _Worker:
@@ -211,45 +110,6 @@ class _Worker:
         self.ask = 0  # how many it asks for
         self.wake: object = None  # its wake callable (the buffer calls it from inside a call)
         self.busy_s = 0.0  # slot-seconds spent decoding
-
-
-@dataclass
-class Result:
-    cfg: SimConfig
-    samples_per_s: float = 0.0
-    tokens_per_s: float = 0.0
-    step_s: float = 0.0
-    trainer_util: float = 0.0
-    worker_util: float = 0.0
-    staleness_mean: float = 0.0
-    staleness_hist: dict[int, int] = field(default_factory=dict)
-    staleness_max: int = 0
-    masked_frac: float = 0.0
-    bound_held: bool = True
-    ledger_ok: bool = False
-    duplicates: int = 0
-    admitted_groups: int = 0
-    trained_groups: int = 0
-    buffer_s: dict[str, float] = field(default_factory=dict)  # wall seconds by call, measured window
-    calls: int = 0  # buffer calls (round trips) in the measured window
-    lapsed_waits: int = 0  # waiting leases that found nothing until their deadline
-    buffer_cpu_s: dict[str, float] = field(default_factory=dict)  # the same, CPU seconds
-    per_traj_us: float = 0.0
-    overhead_frac: float = 0.0  # buffer + scheduler wall seconds / simulated seconds
-    per_traj_cpu_us: float = 0.0
-    overhead_cpu_frac: float = 0.0
-    wall_s: float = 0.0
-    model: dict[str, float] = field(default_factory=dict)
-    little: float = 0.0  # mean staleness from Little's identity: E[untaken tokens at a bump] / K
-
-    def quantile(self, q: float) -> int:
-        total = sum(self.staleness_hist.values())
-        run = 0
-        for k in sorted(self.staleness_hist):
-            run += self.staleness_hist[k]
-            if run >= q * total:
-                return k
-        return 0
 
 
 class Simulation:
@@ -627,156 +487,6 @@ class Simulation:
         return res
 
 
-# ---- the closed-form model ------------------------------------------------------------------
-
-
-def model(cfg: SimConfig) -> dict[str, float]:
-    """Predicted step time, regime and mean staleness (see the module docstring)."""
-    values, pmf = cfg.lengths()
-    L = values.astype(np.float64)
-    mean, m2 = float(pmf @ L), float(pmf @ L ** 2)
-    B, n, c, W = cfg.batch, cfg.n, cfg.slots, cfg.workers
-    K = B * n * mean
-    p_roll, p_train, train_s = periods(cfg)
-    out = {"P_roll": p_roll, "P_train": p_train, "T": train_s}
-    if cfg.eta == 0:
-        out.update(regime=0.0, S=0.0, S_inf=0.0, finite=0.0, P=math.nan)
-        return out
-    if p_roll >= p_train:
-        P = p_roll
-        tau = P * W * c / (B * n * mean)
-        delta = P / (B * n)
-        waiting = _sibling_wait(values, pmf, n, tau, delta)
-        inflight = W * c * m2 / (2 * mean)
-        S_inf = (inflight + B / P * waiting + B * n * mean * p_train / (P - cfg.stall_s)) / K
-        finite = (1 + (m2 - mean**2) / (n * mean**2)) / (2 * B)  # E[G²]/(2E[G]) / K: the take follows a completion
-        out.update(regime=1.0, S=S_inf - finite, S_inf=S_inf, finite=finite, P=P)
-    else:
-        P = p_train
-        S = cfg.eta - _updates_seen(cfg, values, pmf, P)
-        out.update(regime=2.0, S=S, S_inf=S, finite=0.0, P=P)
-    return out
-
-
-def periods(cfg: SimConfig) -> tuple[float, float, float]:
-    """(rollout-bound step time, trainer-bound step time, train seconds a step)."""
-    values, pmf = cfg.lengths()
-    K = cfg.batch * cfg.n * float(pmf @ values)
-    train_s = cfg.train_base_s + K / cfg.train_tps
-    p_roll = K * cfg.decode_s(cfg.slots) / (cfg.workers * cfg.slots) + cfg.stall_s
-    return p_roll, train_s + cfg.publish_s, train_s
-
-
-def _sibling_wait(values: np.ndarray, pmf: np.ndarray, n: int, tau: float, delta: float) -> float:
-    """E[Σ_i L_i·(C − e_i)]: token-seconds a group's finished members wait for its last one,
-    members started ``i·delta`` apart, ending at ``e_i = i·delta + L_i·tau``, ``C = max e_i``."""
-    L = values.astype(np.float64)
-    cdf = np.cumsum(pmf)
-    grid = np.linspace(0.0, (n - 1) * delta + L[-1] * tau, 4097)
-    step = grid[1] - grid[0]
-
-    def F(i: int, x: np.ndarray) -> np.ndarray:  # P(e_i <= x)
-        k = np.searchsorted(L * tau + i * delta, x, side="right")
-        return np.where(k > 0, cdf[np.maximum(k - 1, 0)], 0.0)
-
-    Fs = [F(i, grid) for i in range(n)]
-    total = 0.0
-    for i in range(n):
-        others = np.prod([Fs[j] for j in range(n) if j != i], axis=0)  # P(max of the others <= x)
-        surv = 1.0 - others
-        # E[max(a, Y)] = a + ∫_a^∞ P(Y > y) dy, for each length of member i
-        tail = np.concatenate([np.cumsum(surv[::-1])[::-1] * step, [0.0]])
-        for l_val, p in zip(L, pmf):
-            a = i * delta + l_val * tau
-            idx = min(len(grid), int(math.ceil(a / step)))
-            total += p * l_val * (tail[idx] if idx < len(tail) else 0.0)
-    return total
-
-
-def _updates_seen(cfg: SimConfig, values: np.ndarray, pmf: np.ndarray, P: float) -> float:
-    """Trainer-bound: the token-mean number of weight updates a cohort's sequence saw before
-    producing each token, from the cohort's fluid decode timeline (cohort starts right after
-    a stall; the next updates land ``P`` apart, each after a ``stall`` pause)."""
-    depth = np.arange(int(values[-1]))
-    surv = np.array([pmf[values > j].sum() for j in depth])  # P(L > j)
-    t = np.cumsum(cfg.decode_s(cfg.slots * surv))  # time the cohort reaches depth j+1 (no pauses)
-    k = np.zeros_like(t)
-    pauses = 0.0
-    for m in range(1, 10_000):
-        land = m * P - cfg.stall_s  # when the m-th update's pause begins, cohort time
-        after = t + pauses >= land
-        if not after.any():
-            break
-        k += after
-        pauses += cfg.stall_s
-    return float((surv * k).sum() / (pmf @ values))
-
-
-# ---- report --------------------------------------------------------------------------------
-
-
-def table(results: list[Result]) -> list[str]:
-    lines = ["| W | η | B×n | samples/s | tokens/s | vs W=1 per worker | trainer util | worker util | "
-             "staleness mean (model, err) | p50/p90/max | masked | bound | ledger | "
-             "buffer+sched µs/traj, wall (CPU) | buffer+sched % of step time, wall (CPU) | calls/step | little | sim wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    base = {}
-    for r in results:
-        if r.cfg.workers == 1:
-            base[r.cfg.eta] = r.samples_per_s
-    for r in results:
-        cfg, m = r.cfg, r.model
-        b = base.get(cfg.eta)
-        scale = f"{r.samples_per_s / (b * cfg.workers):.2f}" if b else "-"
-        regime = {0.0: "sync", 1.0: "roll", 2.0: "train"}[m["regime"]]
-        if cfg.eta == 0:
-            stale = f"{r.staleness_mean:.3f} (0, sync)"
-        else:
-            err = (r.staleness_mean - m["S"]) / m["S"] * 100 if m["S"] else math.nan
-            binds = " bound binds" if r.masked_frac > BINDS else ""
-            stale = f"{r.staleness_mean:.3f} ({m['S']:.3f} {regime}, {err:+.1f}%{binds})"
-        lines.append(
-            f"| {cfg.workers} | {cfg.eta} | {cfg.batch}×{cfg.n} | {r.samples_per_s:.2f} | {r.tokens_per_s:,.0f} | "
-            f"{scale} | {r.trainer_util:.0%} | {r.worker_util:.0%} | {stale} | "
-            f"{r.quantile(0.5)}/{r.quantile(0.9)}/{r.staleness_max} | {r.masked_frac:.2%} | "
-            f"{'held' if r.bound_held else 'BROKEN'} | {'exact' if r.ledger_ok and not r.duplicates else 'WRONG'} | "
-            f"{r.per_traj_us:.1f} ({r.per_traj_cpu_us:.1f}) | {r.overhead_frac:.3%} ({r.overhead_cpu_frac:.3%}) | "
-            f"{r.calls / cfg.measured_steps:,.0f} | {r.little:.3f} | {r.wall_s:.1f} |")
-    return lines
-
-
-def verdicts(results: list[Result]) -> list[str]:
-    out = []
-    big = [r for r in results if r.cfg.workers == max(x.cfg.workers for x in results)]
-    if big:
-        worst = max(r.overhead_frac for r in big)
-        worst_cpu = max(r.overhead_cpu_frac for r in big)
-        out.append(f"- buffer + scheduler wall cost at {big[0].cfg.workers} workers: at most {worst:.3%} of the "
-                   f"simulated step time (goal < 1%: {'met' if worst < 0.01 else 'NOT met'}; CPU time "
-                   f"{worst_cpu:.3%}); {max(r.per_traj_us for r in big):.1f} µs wall "
-                   f"({max(r.per_traj_cpu_us for r in big):.1f} µs CPU) a trajectory at most")
-    checked = [r for r in results if r.cfg.eta > 0 and r.masked_frac <= BINDS]
-    if checked:
-        errs = {(r.cfg.workers, r.cfg.eta): abs(r.staleness_mean - r.model["S"]) / r.model["S"] for r in checked}
-        worst = max(errs, key=errs.get)
-        out.append(f"- mean staleness vs the closed-form model, {len(checked)} async rows where the bound does not "
-                   f"bind (≤ {BINDS:.0%} of tokens masked): worst error {errs[worst]:.1%} at W={worst[0]}, "
-                   f"η={worst[1]} (goal ≤ 10%: {'met' if errs[worst] <= 0.10 else 'NOT met'})")
-        inf = {(r.cfg.workers, r.cfg.eta): abs(r.staleness_mean - r.model["S_inf"]) / r.model["S_inf"]
-               for r in checked}
-        worst_inf = max(inf, key=inf.get)
-        out.append(f"  - without the finite-batch term (the many-worker limit): worst {inf[worst_inf]:.1%} at "
-                   f"W={worst_inf[0]}, η={worst_inf[1]}")
-    for eta in sorted({r.cfg.eta for r in results}):
-        rows = sorted((r for r in results if r.cfg.eta == eta), key=lambda r: r.cfg.workers)
-        if len(rows) > 1 and rows[0].cfg.workers == 1:
-            eff = [f"{r.cfg.workers}: {r.samples_per_s / (rows[0].samples_per_s * r.cfg.workers):.2f}" for r in rows]
-            out.append(f"- η={eta}: throughput per worker relative to 1 worker — {', '.join(eff)}")
-    bad = [r for r in results if not (r.ledger_ok and r.bound_held and not r.duplicates)]
-    out.append(f"- ledger exact and bound held in every row: {'yes' if not bad else 'NO: ' + str(len(bad))}")
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 10, 100, 1000])
@@ -814,16 +524,6 @@ def main() -> None:
     print(report)
     if not args.no_record:
         append_section(Path(args.results), "\n" + report)
-
-
-def append_section(path: Path, text: str) -> None:
-    """Append a section to a benchmark log (as ``benchmarks.trainer.append_section``, which
-    imports torch)."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"# {path.stem} — raw sections, newest last\n")
-    with path.open("a", encoding="utf-8") as fh:
-        fh.write(text)
 
 
 if __name__ == "__main__":
