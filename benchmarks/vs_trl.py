@@ -27,9 +27,11 @@ The training clock starts when the first step asks for data: miles' ``train_time
 metrics.jsonl, TRL's from ``on_train_begin``. Start-up (Ray, actor processes, model loads)
 is reported apart. Reported per run: completions/s and generated tokens/s over the training
 clock, seconds to the --threshold reward (linear between the evaluation points), the final
-reward; per config the median over seeds, and the ratios the issue asks for. A
-reward-vs-training-time plot goes to benchmarks/vs_trl.png, the raw section to
-benchmarks/log/vs_trl.md.
+reward, and the host's other load while it ran (benchmarks/hostload.py: async keeps every
+core busy and slows down by whatever else the host runs, sync absorbs it in its idle time,
+so a ratio means little unless both had the host to themselves); per config the median over
+seeds, and the ratios the issue asks for. A reward-vs-training-time plot goes to
+benchmarks/vs_trl.png, the raw section to benchmarks/log/vs_trl.md.
 """
 
 from __future__ import annotations
