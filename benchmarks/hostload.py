@@ -3,11 +3,11 @@
 A run that uses every core (miles async on 2 cores) slows down by whatever else the host
 runs, while one that leaves cores idle (miles sync, waiting on its engine) absorbs it; a
 ratio between two such runs means little unless both had the host to themselves.
-``HostLoad`` samples ``/proc`` while a child runs: the host's busy and stolen CPU time
-(``/proc/stat``) and the CPU time of the child's process tree (every descendant, Ray's
-workers included, each at the most it was seen to have). What the host was busy with beyond
-the tree is the other load, in cores. Linux only; elsewhere the figures are None.
-``GpuUtilization`` reads ``nvidia-smi`` over the span a run's throughput is measured on.
+``HostLoad`` samples, through psutil (as ``benchmarks/chaos.py`` finds Ray's processes), the
+host's busy and stolen CPU time and the CPU time of a child's process tree (every
+descendant, Ray's workers included, each at the most it was seen to have). What the host was
+busy with beyond the tree is the other load, in cores; steal is 0 where the OS has no such
+count. ``GpuUtilization`` reads ``nvidia-smi`` over the span a run's throughput is measured on.
 """
 
 from __future__ import annotations
@@ -20,29 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-PROC = Path("/proc")
 
+def _host_cpu() -> tuple[float, float]:
+    """(busy, stolen) CPU seconds of all CPUs since boot."""
+    import psutil  # at use: async_vs_sync imports this module on machines without psutil
 
-def _host_ticks() -> tuple[int, int]:
-    """(busy, stolen) ticks of all CPUs since boot: user, nice, system, irq, softirq; steal."""
-    fields = [int(x) for x in (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return user + nice + system + irq + softirq, steal
-
-
-def _processes() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, user + system ticks) for every process readable now."""
-    out = {}
-    for entry in PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            rest = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone, or not ours to read
-        out[int(entry.name)] = (int(rest[1]), int(rest[11]) + int(rest[12]))
-    return out
+    t = psutil.cpu_times()
+    busy = t.user + t.system + sum(getattr(t, f, 0.0) for f in ("nice", "irq", "softirq"))
+    return busy, getattr(t, "steal", 0.0)
 
 
 class HostLoad:
@@ -50,39 +35,41 @@ class HostLoad:
 
     def __init__(self, every_s: float = 0.5) -> None:
         self.every_s = every_s
-        self._seen: dict[int, int] = {}  # pid of the tree -> its largest tick count seen
-        self._before: dict[int, int] = {}  # ticks the tree's processes had at start
+        self._seen: dict[int, float] = {}  # pid of the tree -> the most CPU seconds it was seen to have
+        self._before: dict[int, float] = {}  # what the tree had at start
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._start: tuple[float, int, int] | None = None
-        self._end: tuple[float, int, int] | None = None
+        self._start: tuple[float, float, float] | None = None
+        self._end: tuple[float, float, float] | None = None
 
-    @staticmethod
-    def available() -> bool:
-        return (PROC / "stat").is_file()
+    def _sample(self, root: Any) -> None:
+        import psutil
 
-    def _sample(self, root: int) -> None:
-        procs = _processes()
-        children: dict[int, list[int]] = {}
-        for pid, (parent, _) in procs.items():
-            children.setdefault(parent, []).append(pid)
-        todo = [root]
-        while todo:
-            pid = todo.pop()
-            if pid in procs:
-                self._seen[pid] = max(self._seen.get(pid, 0), procs[pid][1])
-                self._before.setdefault(pid, procs[pid][1] if self._start is None else 0)
-            todo += children.get(pid, [])
+        try:
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return  # the root has ended: its tree's counts are those last seen
+        for proc in tree:
+            try:
+                t = proc.cpu_times()
+            except psutil.Error:
+                continue
+            self._seen[proc.pid] = max(self._seen.get(proc.pid, 0.0), t.user + t.system)
 
     def start(self, pid: int) -> None:
-        if not self.available():
-            return
-        self._sample(pid)
-        self._start = (time.monotonic(), *_host_ticks())
+        import psutil
+
+        try:
+            root = psutil.Process(pid)
+        except psutil.Error:
+            return  # ended before it could be watched: result() says None
+        self._sample(root)
+        self._before = dict(self._seen)
+        self._start = (time.monotonic(), *_host_cpu())
 
         def loop() -> None:
             while not self._stop.wait(self.every_s):
-                self._sample(pid)
+                self._sample(root)
 
         self._thread = threading.Thread(target=loop, name="hostload", daemon=True)
         self._thread.start()
@@ -92,7 +79,7 @@ class HostLoad:
             return
         self._stop.set()
         self._thread.join()
-        self._end = (time.monotonic(), *_host_ticks())
+        self._end = (time.monotonic(), *_host_cpu())
 
     def result(self) -> dict[str, Any]:
         """``ours_cpu_s``: CPU seconds of the tree; ``other_cores``: the host's busy time beyond
@@ -101,9 +88,9 @@ class HostLoad:
         if self._start is None or self._end is None:
             return {"wall_s": None, "ours_cpu_s": None, "other_cores": None, "steal_frac": None}
         wall = self._end[0] - self._start[0]
-        busy = (self._end[1] - self._start[1]) / TICK
-        steal = (self._end[2] - self._start[2]) / TICK
-        ours = sum(t - self._before.get(pid, 0) for pid, t in self._seen.items()) / TICK
+        busy = self._end[1] - self._start[1]
+        steal = self._end[2] - self._start[2]
+        ours = sum(cpu - self._before.get(pid, 0.0) for pid, cpu in self._seen.items())
         cpus = os.cpu_count() or 1
         return {"wall_s": wall, "ours_cpu_s": ours, "other_cores": max(0.0, busy - ours) / max(wall, 1e-9),
                 "steal_frac": steal / max(wall * cpus, 1e-9)}
