@@ -427,13 +427,12 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], per: dict[st
               f"- completions/s, miles async / TRL: {ratio(g['async'].get('completions_per_s'), g['trl'].get('completions_per_s'))} (goal ≥ 3×)",
               f"- completions/s, miles sync / TRL: {ratio(g['sync'].get('completions_per_s'), g['trl'].get('completions_per_s'))}",
               f"- final reward, async − sync: {g['async'].get('final_reward', float('nan')) - g['sync'].get('final_reward', float('nan')):+.4f} (goal ≥ 0)"]
-    tts = {(r["config"], r["seed"]): r["time_to_threshold_s"] for r in results}
-    paired = [tts["sync", s] / tts["async", s] for s in sorted({r["seed"] for r in results})
-              if tts.get(("sync", s)) and tts.get(("async", s))]
-    if paired:  # the spread the ratio of medians hides
-        lines.append(f"- time to threshold, miles sync / miles async, per seed: {', '.join(f'{x:.2f}×' for x in paired)} "
-                     f"(median {statistics.median(paired):.2f}×)")
-    lines += later_thresholds(results, base, args.threshold_gain)
+    # per seed: the spread the ratio of medians hides; at higher rewards too (start + 2, 3 × the
+    # gain): a threshold crossed before the first checkpoint weighs async's pipeline fill (η
+    # batches generated ahead while the first ones train) against a handful of steps, later
+    # ones show the sustained rate
+    lines += paired_ratios(results, [("threshold", thr)] + [
+        (f"start + {k * args.threshold_gain:.2f}", base + k * args.threshold_gain) for k in (2, 3)])
     lines.append("")
     for r in results:
         lines.append(f"- {names[r['config']]} seed {r['seed']}: process {r['process_s']:.1f} s = start-up "
@@ -445,19 +444,17 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], per: dict[st
     return "\n".join(lines)
 
 
-def later_thresholds(results: list[dict[str, Any]], base: float, gain: float) -> list[str]:
-    """The sync / async time ratio at higher rewards too (start + 2, 3 × the gain): a threshold
-    crossed before the first checkpoint weighs async's pipeline fill (η batches generated
-    ahead while the first ones train) against a handful of steps; later ones show the
-    sustained rate."""
+def paired_ratios(results: list[dict[str, Any]], thresholds: list[tuple[str, float]]) -> list[str]:
+    """For each (name, reward): the sync / async ratio of the time to that reward, per seed
+    both configs ran, and its median."""
     curves = {(r["config"], r["seed"]): r["curve"] for r in results}
     seeds = sorted({s for c, s in curves if c == "async" and ("sync", s) in curves})
     out = []
-    for k in (2, 3):
-        t = {(c, s): time_to(curves[c, s], base + k * gain) for c in ("sync", "async") for s in seeds}
+    for name, reward in thresholds:
+        t = {(c, s): time_to(curves[c, s], reward) for c in ("sync", "async") for s in seeds}
         paired = [t["sync", s] / t["async", s] for s in seeds if t["sync", s] and t["async", s]]
         if paired:
-            out.append(f"- time to start + {k * gain:.2f}, miles sync / miles async, per seed: "
+            out.append(f"- time to {name}, miles sync / miles async, per seed: "
                        f"{', '.join(f'{x:.2f}×' for x in paired)} (median {statistics.median(paired):.2f}×)")
     return out
 
